@@ -1,0 +1,1 @@
+"""Turning IR objects into files: stage source, handlers, manifests, report."""

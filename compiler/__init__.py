@@ -1,0 +1,1 @@
+"""The compiler: front end (load, trace, annotate, coarsen, profile, split) and the CLI."""

@@ -1,0 +1,168 @@
+"""`cloudless-compile MODEL.py -o BUILD/`: the command-line front door.
+
+Bad input is one line on stderr and exit status 2; a failed --verify exits 1. The build is written
+to a temporary folder beside BUILD and renamed into place, so a failed compile writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from cloudless.compiler.coarsen import DEFAULT_BLOCKS
+from cloudless.compiler.errors import CompileError, display_path
+from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, run_front_end
+from cloudless.compiler.verify import TOLERANCE
+from rich.console import Console
+
+SLOW_STEPS = {
+    "trace": "Tracing",
+    "annotate": "Annotating",
+    "profile": "Profiling blocks",
+    "verify": "Verifying stages",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cloudless-compile",
+        description="Compile a PyTorch training job (a model file) into pipelined serverless functions.",
+    )
+    parser.add_argument("model", type=Path, help="the model file (defines build_model and example_inputs)")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="build folder to write")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="micro-batch size to trace and profile (default: the smallest of TRAINING['micro_batch_sizes'], else 2)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=DEFAULT_BLOCKS,
+        help=f"number of blocks to coarsen the graph into (default {DEFAULT_BLOCKS})",
+    )
+    parser.add_argument(
+        "--leaf-module",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="keep modules of this class name, qualified class or module path as one node (repeatable)",
+    )
+    parser.add_argument(
+        "--tracer",
+        choices=["auto", "fx", "export"],
+        default="auto",
+        help="torch.fx, torch.export, or fx with export as fallback (default)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed profiling runs after one warm-up (default 3)")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"chain the generated stages and compare loss, outputs and gradients with the "
+        f"unsplit model (tolerance {TOLERANCE:g} relative)",
+    )
+    parser.add_argument("--stages", type=int, default=4, help="stages to split into for --verify (default 4)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True, quiet=args.quiet)
+    out = Console(quiet=args.quiet, highlight=False)
+    for name, value in (
+        ("--batch-size", args.batch_size),
+        ("--blocks", args.blocks),
+        ("--stages", args.stages),
+    ):
+        if value is not None and value < 1:
+            console.print(f"cloudless-compile: error: {name} must be at least 1", style="red", markup=False)
+            return 2
+    options = FrontEndOptions(
+        model_path=args.model,
+        batch_size=args.batch_size,
+        num_blocks=args.blocks,
+        leaf_modules=tuple(args.leaf_module),
+        tracer=args.tracer,
+        profile_repeats=max(args.repeats, 0),
+        verify_stages=args.stages if args.verify else 0,
+    )
+
+    @contextmanager
+    def step(name: str) -> Iterator[None]:
+        if name in SLOW_STEPS and not args.quiet:
+            with console.status(f"{SLOW_STEPS[name]} {display_path(args.model)}…"):
+                yield
+        else:
+            yield
+
+    try:
+        result = run_front_end(options, step)
+        write_build(result, args.output)
+    except CompileError as exc:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
+        return exc.exit_code
+    print_summary(out, result, args.output)
+    return 0
+
+
+def write_build(result: FrontEndResult, output: Path) -> None:
+    """Write the build into a temporary sibling folder, then swap it into place."""
+    output = output.resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        (staging / "ir").mkdir()
+        result.graph.save(staging / "ir" / "graph.json")
+        result.chain.save(staging / "ir" / "blocks.json")
+        if output.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
+            os.replace(output, retired / output.name)
+            os.replace(staging, output)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, output)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def print_summary(out: Console, result: FrontEndResult, output: Path) -> None:
+    graph, chain = result.graph, result.chain
+    compute = sum(1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+    out.print(f"{graph.model}: traced with torch.{graph.tracer} at micro-batch {graph.batch_size}")
+    out.print(f"  nodes       {len(graph.nodes)} ({compute} compute)")
+    out.print(f"  blocks      {len(chain.blocks)}")
+    out.print(
+        f"  parameters  {graph.param_count:,} ({graph.param_bytes / 2**20:.1f} MiB)"
+        + (f", {len(chain.shared_params)} shared across blocks" if chain.shared_params else "")
+    )
+    out.print(f"  forward     {graph.flops / 1e9:.3f} GFLOP per micro-batch")
+    if chain.machine:
+        fwd = sum(b.forward_s for b in chain.blocks)
+        bwd = sum(b.backward_s for b in chain.blocks)
+        out.print(
+            f"  measured    forward {fwd * 1e3:.1f} ms, backward {bwd * 1e3:.1f} ms "
+            f"({chain.machine.threads} threads, {chain.machine.reference_gflops:.1f} GFLOP/s reference)"
+        )
+    if result.verify:
+        v = result.verify
+        out.print(
+            f"  verified    {v.stages} stages: largest gradient error {v.gradient_error:.3g} "
+            f"({v.compared_gradients} gradients), loss {v.loss_error:.3g}, outputs {v.output_error:.3g}, "
+            f"buffers {v.buffer_error:.3g} (tolerance {TOLERANCE:g})"
+        )
+    out.print("  time        " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
+    out.print(
+        f"  wrote       {display_path(output / 'ir' / 'graph.json')}, {display_path(output / 'ir' / 'blocks.json')}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Coarsen the op graph into a chain of blocks at cut points of its topological order.
+
+Positions are the compute nodes (call_function, call_method, call_module) in execution order.
+Cutting after position p splits the graph in two; every value defined at or before p and used
+after it crosses the cut (skip connections and model inputs included). Parameters do not cross:
+each stage reads its own copy.
+
+A cut is valid when every crossing value is a single tensor (what storage carries) and none of
+them is mutated in place after the cut. Blocks are balanced by estimated cost (FLOPs plus a
+memory-traffic term, since elementwise ops count 0 FLOPs), and each cut is placed, within a
+window around its balanced position, where the fewest bytes cross.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cloudless.ir import Block, BlockChain, OpGraph, OpNode
+
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+#: FLOPs charged per output byte: elementwise ops are memory-bound, about 10 FLOP-times per byte
+#: on a CPU doing ~50 GFLOP/s matmul with ~5 GB/s of effective memory bandwidth.
+FLOPS_PER_BYTE = 10
+#: How far from its balanced position a cut may move to find fewer crossing bytes (fraction of a block).
+WINDOW = 0.3
+DEFAULT_BLOCKS = 30
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Per position: the values live across the cut after it, and whether that cut is valid."""
+
+    positions: list[OpNode]
+    crossing_bytes: list[int]
+    valid: list[bool]
+    input_bytes: int
+    output_bytes: int
+
+
+def compute_positions(graph: OpGraph) -> list[OpNode]:
+    return [n for n in graph.nodes if n.op in COMPUTE_OPS]
+
+
+def crossing_values(graph: OpGraph, cuts: list[int]) -> list[list[str]]:
+    """For each cut position, the names of the values live across it, in definition order."""
+    positions = compute_positions(graph)
+    define, last_use = _def_use(graph, positions)
+    order = [n.name for n in graph.nodes if n.name in define]
+    return [[v for v in order if define[v] <= cut < last_use[v]] for cut in cuts]
+
+
+def _def_use(graph: OpGraph, positions: list[OpNode]) -> tuple[dict[str, int], dict[str, int]]:
+    index = {n.name: i for i, n in enumerate(positions)}
+    end = len(positions)
+    define: dict[str, int] = {n: -1 for n in graph.inputs}
+    define.update(index)
+    last_use: dict[str, int] = dict.fromkeys(define, -1)
+    for node in graph.nodes:
+        user_position = end if node.op == "output" else index.get(node.name)
+        if user_position is None:
+            continue
+        for source in node.inputs:
+            if source in define:
+                last_use[source] = max(last_use[source], user_position)
+    return define, last_use
+
+
+def liveness(graph: OpGraph) -> Liveness:
+    positions = compute_positions(graph)
+    by_name = {n.name: n for n in graph.nodes}
+    define, last_use = _def_use(graph, positions)
+    n = len(positions)
+    # Difference arrays: value v adds its bytes to cuts define[v] .. last_use[v]-1.
+    delta = [0] * (n + 2)
+    bad = [0] * (n + 2)
+    for name, start in define.items():
+        stop = last_use[name]
+        if stop <= start:
+            continue
+        node = by_name[name]
+        delta[start + 1] += node.output_bytes
+        delta[stop + 1] -= node.output_bytes
+        if node.value != "tensor":
+            bad[start + 1] += 1
+            bad[stop + 1] -= 1
+    # A value mutated at position q must not cross any cut before q.
+    for q, node in enumerate(positions):
+        for mutated in node.mutates:
+            if mutated in define:
+                bad[define[mutated] + 1] += 1
+                bad[q + 1] -= 1
+    crossing, valid = [], []
+    running, invalid = delta[0], bad[0]  # model inputs (defined at -1) start at index 0
+    for p in range(n):
+        running += delta[p + 1]
+        invalid += bad[p + 1]
+        crossing.append(running)
+        valid.append(invalid == 0 and p < n - 1)
+    input_bytes = sum(by_name[v].output_bytes for v in graph.inputs if last_use.get(v, -1) >= 0)
+    output_bytes = sum(by_name[v].output_bytes for v in graph.outputs if v in by_name)
+    return Liveness(positions, crossing, valid, input_bytes, output_bytes)
+
+
+def node_cost(node: OpNode) -> int:
+    return node.flops + FLOPS_PER_BYTE * node.output_bytes
+
+
+def balancing_costs(costs: list[int], num_blocks: int) -> list[int]:
+    """Costs with each node clamped to one block's share, so that a node bigger than a block (an
+    LM head) takes one block and the others spread over the rest instead of vanishing into it."""
+    clamped = [max(c, 1) for c in costs]
+    for _ in range(8):
+        share = sum(clamped) // max(num_blocks, 1)
+        limited = [min(c, max(share, 1)) for c in clamped]
+        if limited == clamped:
+            break
+        clamped = limited
+    return clamped
+
+
+def choose_cuts(live: Liveness, num_blocks: int) -> list[int]:
+    """Cut positions (a block ends at each) for about `num_blocks` balanced, cheap-to-cut blocks."""
+    costs = balancing_costs([node_cost(node) for node in live.positions], num_blocks)
+    cumulative, total = [], 0
+    for c in costs:
+        total += c
+        cumulative.append(total)
+    valid = [p for p, ok in enumerate(live.valid) if ok]
+    cuts: list[int] = []
+    for j in range(1, num_blocks):
+        target = total * j / num_blocks
+        half = WINDOW * total / num_blocks
+        previous = cuts[-1] if cuts else -1
+        later = [p for p in valid if p > previous]
+        if not later:
+            break
+        window = [p for p in later if target - half <= cumulative[p] <= target + half]
+        if window:
+            best = min(window, key=lambda p: (live.crossing_bytes[p], abs(cumulative[p] - target), p))
+        else:
+            best = min(later, key=lambda p: (abs(cumulative[p] - target), p))
+        if cuts and best == cuts[-1]:
+            continue
+        cuts.append(best)
+    return cuts
+
+
+def coarsen(graph: OpGraph, num_blocks: int = DEFAULT_BLOCKS) -> BlockChain:
+    """The block chain (times still zero: profiling fills them in)."""
+    live = liveness(graph)
+    if not live.positions:
+        raise ValueError("the traced graph has no operations")
+    cuts = choose_cuts(live, max(1, num_blocks))
+    bounds = list(zip([-1, *cuts], [*cuts, len(live.positions) - 1], strict=True))
+    by_name = {n.name: n for n in graph.nodes}
+    users_of_param: dict[str, set[int]] = {}
+    blocks: list[Block] = []
+    for index, (before, last) in enumerate(bounds):
+        members = live.positions[before + 1 : last + 1]
+        params: list[str] = []
+        for node in members:
+            # A node's own tensors (call_module) and the parameters it reads through get_attr.
+            readers = [node] + [by_name[i] for i in node.inputs if by_name[i].op == "get_attr"]
+            for reader in readers:
+                for name in reader.params:
+                    if name not in params:
+                        params.append(name)
+        for name in params:
+            users_of_param.setdefault(name, set()).add(index)
+        modules: list[str] = []
+        for node in members:
+            if node.module and node.module not in modules:
+                modules.append(node.module)
+        blocks.append(
+            Block(
+                index=index,
+                first=before + 1,
+                last=last,
+                nodes=[n.name for n in members],
+                modules=modules,
+                flops=sum(n.flops for n in members),
+                param_bytes=sum(graph.parameters[p].bytes for p in params if graph.parameters[p].trainable),
+                buffer_bytes=sum(graph.parameters[p].bytes for p in params if not graph.parameters[p].trainable),
+                saved_bytes=sum(n.saved_bytes for n in members),
+                input_bytes=live.input_bytes if before < 0 else live.crossing_bytes[before],
+                output_bytes=live.output_bytes if last == len(live.positions) - 1 else live.crossing_bytes[last],
+                params=params,
+            )
+        )
+    shared = {name: graph.parameters[name].bytes for name, users in users_of_param.items() if len(users) > 1}
+    return BlockChain(
+        model=graph.model,
+        batch_size=graph.batch_size,
+        blocks=blocks,
+        shared_params=dict(sorted(shared.items())),
+    )
+
+
+def block_cuts(chain: BlockChain, stage_ranges: list[tuple[int, int]]) -> list[int]:
+    """Position cuts for a contiguous assignment of blocks to stages, given as (first, last) blocks."""
+    expected = 0
+    for first, last in stage_ranges:
+        if first != expected or last < first or last >= len(chain.blocks):
+            raise ValueError(f"stage ranges {stage_ranges} are not a contiguous cover of {len(chain.blocks)} blocks")
+        expected = last + 1
+    if expected != len(chain.blocks):
+        raise ValueError(f"stage ranges {stage_ranges} do not cover all {len(chain.blocks)} blocks")
+    return [chain.blocks[last].last for _, last in stage_ranges[:-1]]

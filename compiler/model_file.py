@@ -1,0 +1,170 @@
+"""Load a user's model file by path and check it follows the contract (see README).
+
+Required: build_model() -> nn.Module; example_inputs(batch_size) -> tuple of tensors.
+Optional: example_targets, loss_fn, make_optimizer, load_shard, TRAINING.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from cloudless.compiler.errors import ModelFileError, describe, display_path, frame_location, user_frame
+from torch import nn
+from torch.utils import _pytree as pytree
+
+TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
+    "global_batch_size": int,
+    "micro_batch_sizes": list,
+    "iterations": int,
+    "epochs": int,
+    "learning_rate": (int, float),
+}
+
+
+def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, the contract's default loss."""
+    return nn.functional.cross_entropy(output, target)
+
+
+@dataclass
+class ModelFile:
+    """The functions and settings a model file provides."""
+
+    path: Path
+    build_model: Callable[[], nn.Module]
+    example_inputs: Callable[[int], tuple[Any, ...]]
+    example_targets: Callable[[int], Any] | None = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    load_shard: Callable[[str, str], Any] | None = None
+    training: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def call(self, function_name: str, *args: Any) -> Any:
+        """Call one of the file's functions; an exception becomes one error naming its line."""
+        function = getattr(self, function_name)
+        try:
+            return function(*args)
+        except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+            raise self.error_at(exc, f"{_signature(function_name, args)} raised {describe(exc)}") from exc
+
+    def error_at(self, exc: BaseException, message: str) -> ModelFileError:
+        frame = user_frame(exc, self.path)
+        where = frame_location(frame) if frame else display_path(self.path)
+        return ModelFileError(f"{where}: {message}")
+
+    def instantiate(self, batch_size: int) -> tuple[nn.Module, tuple[Any, ...], Any]:
+        """Build the model and one micro-batch of example inputs and targets, type-checked."""
+        model = self.call("build_model")
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(
+                f"{display_path(self.path)}: build_model() returned {type(model).__name__}; expected a torch.nn.Module"
+            )
+        inputs = self.call("example_inputs", batch_size)
+        if not isinstance(inputs, tuple) or not inputs:
+            raise ModelFileError(
+                f"{display_path(self.path)}: example_inputs({batch_size}) returned "
+                f"{type(inputs).__name__}; expected a non-empty tuple of tensors (wrap one tensor as (x,))"
+            )
+        bad = [type(leaf).__name__ for leaf in pytree.tree_leaves(inputs) if not isinstance(leaf, torch.Tensor)]
+        if bad:
+            raise ModelFileError(
+                f"{display_path(self.path)}: example_inputs({batch_size}) holds {bad[0]}; expected only tensors"
+            )
+        targets = None
+        if self.example_targets is not None:
+            targets = self.call("example_targets", batch_size)
+            if not all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(targets)):
+                raise ModelFileError(
+                    f"{display_path(self.path)}: example_targets({batch_size}) returned "
+                    f"{type(targets).__name__}; expected a tensor"
+                )
+        return model, inputs, targets
+
+
+def _signature(function_name: str, args: tuple[Any, ...]) -> str:
+    shown = ", ".join(repr(a) if isinstance(a, int | str) else "…" for a in args)
+    return f"{function_name}({shown})"
+
+
+def load_model_file(path: Path) -> ModelFile:
+    """Import `path` as a module and collect the contract's functions, with clear errors."""
+    shown = display_path(path)
+    if not path.exists():
+        raise ModelFileError(f"{shown}: no such file; expected a Python model file (see README)")
+    if not path.is_file() or path.suffix != ".py":
+        raise ModelFileError(f"{shown}: not a .py file; expected a Python model file")
+    source = path.read_text()
+    try:
+        compile(source, str(path), "exec")
+    except SyntaxError as exc:
+        raise ModelFileError(f"{shown}:{exc.lineno}: syntax error: {exc.msg}") from exc
+
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        # Like `python model.py`: the model file may import modules that sit beside it.
+        sys.path.insert(0, folder)
+    module_name = f"cloudless_user_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import-time failure becomes one message
+        frame = user_frame(exc, path)
+        where = frame_location(frame) if frame else shown
+        raise ModelFileError(f"{where}: importing the model file failed: {describe(exc)}") from exc
+
+    functions: dict[str, Callable[..., Any]] = {}
+    for name in ("build_model", "example_inputs"):
+        value = getattr(module, name, None)
+        if value is None:
+            raise ModelFileError(
+                f"{shown}: no function {name}(); a model file must define build_model() -> torch.nn.Module "
+                "and example_inputs(batch_size) -> tuple of tensors"
+            )
+        if not callable(value):
+            raise ModelFileError(f"{shown}: {name} is {type(value).__name__}; expected a function")
+        functions[name] = value
+    for name in ("example_targets", "loss_fn", "make_optimizer", "load_shard"):
+        value = getattr(module, name, None)
+        if value is not None and not callable(value):
+            raise ModelFileError(f"{shown}: {name} is {type(value).__name__}; expected a function")
+        if value is not None:
+            functions[name] = value
+
+    training = getattr(module, "TRAINING", {})
+    _check_training(training, shown)
+    return ModelFile(path=path, training=dict(training), **functions)
+
+
+def _check_training(training: Any, shown: str) -> None:
+    if not isinstance(training, dict):
+        raise ModelFileError(f"{shown}: TRAINING is {type(training).__name__}; expected a dict")
+    for key, value in training.items():
+        if key not in TRAINING_KEYS:
+            raise ModelFileError(
+                f"{shown}: TRAINING key {key!r} is unknown; expected one of {', '.join(sorted(TRAINING_KEYS))}"
+            )
+        expected = TRAINING_KEYS[key]
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise ModelFileError(
+                f"{shown}: TRAINING[{key!r}] is {type(value).__name__}; expected {_type_name(expected)}"
+            )
+        if key == "micro_batch_sizes" and not all(isinstance(v, int) and v > 0 for v in value):
+            raise ModelFileError(f"{shown}: TRAINING['micro_batch_sizes'] must be a list of positive ints")
+
+
+def _type_name(expected: type | tuple[type, ...]) -> str:
+    if isinstance(expected, tuple):
+        return " or ".join(t.__name__ for t in expected)
+    return expected.__name__

@@ -1,0 +1,210 @@
+"""The front end's passes, top to bottom: load → trace → annotate → coarsen → profile → split → verify.
+
+Each pass is a function with typed input and output; `run_front_end` chains them, times each, and
+reports progress through a callback so the CLI (or a test) decides how to show it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from cloudless.codegen.stage_source import StageHeader, render_stage_source
+from cloudless.compiler.annotate import annotate, fetch_attr
+from cloudless.compiler.coarsen import DEFAULT_BLOCKS, block_cuts, coarsen
+from cloudless.compiler.model_file import ModelFile, load_model_file
+from cloudless.compiler.profile import loss_function, profile_blocks
+from cloudless.compiler.split import inline_leaf_modules, partition
+from cloudless.compiler.state import preserved_state
+from cloudless.compiler.trace import TracedProgram, trace_model
+from cloudless.compiler.verify import VerifyReport, verify_stages
+from cloudless.ir import BlockChain, OpGraph
+from torch import nn
+from torch.utils import _pytree as pytree
+
+DEFAULT_BATCH_SIZE = 2
+
+
+@dataclass
+class FrontEndOptions:
+    model_path: Path
+    batch_size: int | None = None
+    num_blocks: int = DEFAULT_BLOCKS
+    leaf_modules: Sequence[str] = ()
+    tracer: Literal["auto", "fx", "export"] = "auto"
+    profile_repeats: int = 3
+    verify_stages: int = 0
+
+
+@dataclass
+class StageCode:
+    """A generated stage: its source, its slice of the weights, and what it takes and returns."""
+
+    index: int
+    first_block: int
+    last_block: int
+    source: str
+    state: dict[str, torch.Tensor]
+    inputs: list[str]
+    outputs: list[str]
+
+
+@dataclass
+class FrontEndResult:
+    model_file: ModelFile
+    model: nn.Module
+    program: TracedProgram
+    graph: OpGraph
+    chain: BlockChain
+    stages: list[StageCode] = field(default_factory=list)
+    verify: VerifyReport | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+Progress = Callable[[str], Any]
+
+
+def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = None) -> FrontEndResult:
+    """Run every front-end pass; `step(name)` returns a context manager shown while a pass runs."""
+    timings: dict[str, float] = {}
+    announce = step or (lambda name: _null())
+
+    @contextmanager
+    def timed(name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        with announce(name):
+            yield
+        timings[name] = time.perf_counter() - start
+
+    with timed("load"):
+        model_file = load_model_file(options.model_path)
+        batch_size = options.batch_size or _default_batch_size(model_file)
+        model, example_inputs, targets = model_file.instantiate(batch_size)
+        flat_inputs = pytree.tree_leaves(example_inputs)
+    with preserved_state(model):
+        with timed("trace"):
+            program = trace_model(
+                model,
+                example_inputs,
+                model_path=options.model_path,
+                leaf_modules=options.leaf_modules,
+                tracer=options.tracer,
+            )
+        with timed("annotate"):
+            graph = annotate(program, flat_inputs, model_file.name, batch_size)
+        with timed("coarsen"):
+            chain = coarsen(graph, options.num_blocks)
+        loss_of = loss_function(program.out_spec, _loss_fn(model_file), targets)
+        _check_loss(model_file, program, flat_inputs, loss_of)
+        if options.profile_repeats > 0:
+            with timed("profile"):
+                chain = profile_blocks(program, graph, chain, flat_inputs, loss_of, options.profile_repeats)
+    result = FrontEndResult(model_file, model, program, graph, chain, timings=timings)
+    if options.verify_stages > 0:
+        ranges = balanced_stage_ranges(chain, options.verify_stages)
+        with timed("split"):
+            result.stages = generate_stages(program, graph, chain, ranges)
+        with timed("verify"), preserved_state(model):
+            result.verify = verify_stages(
+                model,
+                example_inputs,
+                targets,
+                _loss_fn(model_file),
+                [(s.source, s.state, s.inputs, s.outputs) for s in result.stages],
+                program.out_spec,
+            )
+    return result
+
+
+def generate_stages(
+    program: TracedProgram, graph: OpGraph, chain: BlockChain, ranges: list[tuple[int, int]]
+) -> list[StageCode]:
+    """Split at the block ranges and generate each stage's torch-only source and weights."""
+    parts = partition(program, graph, block_cuts(chain, ranges))
+    stages = []
+    for part, (first, last) in zip(parts, ranges, strict=True):
+        inlined = inline_leaf_modules(part, graph, program)
+        tensors = {}
+        state = {}
+        for name in _stage_tensor_names(inlined.module):
+            tensor = fetch_attr(inlined.module, name)
+            info = graph.parameters.get(name)
+            trainable = info.trainable if info else isinstance(tensor, nn.Parameter)
+            tensors[name] = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), trainable)
+            state[name] = tensor.detach().clone()
+        header = StageHeader(
+            model=graph.model,
+            index=part.index,
+            count=len(parts),
+            first_block=first,
+            last_block=last,
+            inputs=tuple(part.inputs),
+            outputs=tuple(part.outputs),
+            tensors=tensors,
+        )
+        source = render_stage_source(inlined.module.graph, header)
+        stages.append(StageCode(part.index, first, last, source, state, list(part.inputs), list(part.outputs)))
+    return stages
+
+
+def _stage_tensor_names(module: torch.fx.GraphModule) -> list[str]:
+    names: list[str] = []
+    for node in module.graph.nodes:
+        if node.op == "get_attr" and isinstance(fetch_attr(module, str(node.target)), torch.Tensor):
+            if node.target not in names:
+                names.append(str(node.target))
+    return names
+
+
+def balanced_stage_ranges(chain: BlockChain, stages: int) -> list[tuple[int, int]]:
+    """Contiguous block ranges with about equal measured (else FLOP) cost, for --verify."""
+    count = min(stages, len(chain.blocks))
+    costs = [b.forward_s + b.backward_s or float(b.flops + 1) for b in chain.blocks]
+    total = sum(costs)
+    ranges, first, running = [], 0, 0.0
+    for i, cost in enumerate(costs):
+        running += cost
+        remaining_blocks = len(costs) - i - 1
+        remaining_stages = count - len(ranges) - 1
+        if remaining_stages == 0:
+            break
+        if running >= total * (len(ranges) + 1) / count or remaining_blocks == remaining_stages:
+            ranges.append((first, i))
+            first = i + 1
+    ranges.append((first, len(costs) - 1))
+    return ranges
+
+
+def _default_batch_size(model_file: ModelFile) -> int:
+    sizes = model_file.training.get("micro_batch_sizes") or []
+    return max(min(sizes), 1) if sizes else DEFAULT_BATCH_SIZE
+
+
+def _loss_fn(model_file: ModelFile) -> Callable[[Any, Any], torch.Tensor]:
+    return model_file.loss_fn
+
+
+def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list[Any], loss_of: Any) -> None:
+    """Run the loss once so a broken loss_fn/example_targets fails here, naming its line."""
+    with torch.no_grad():
+        outputs = tuple(program.module(*flat_inputs))
+    try:
+        loss = loss_of(outputs)
+    except Exception as exc:  # noqa: BLE001 - reported with the user's line
+        raise model_file.error_at(exc, f"loss_fn(output, target) raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        from cloudless.compiler.errors import ModelFileError
+
+        raise ModelFileError(
+            f"{model_file.path.name}: loss_fn(output, target) returned {type(loss).__name__}; expected a scalar tensor"
+        )
+
+
+@contextmanager
+def _null() -> Iterator[None]:
+    yield

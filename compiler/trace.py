@@ -1,0 +1,238 @@
+"""Trace a model into a flat fx program: torch.fx first, torch.export (non-strict) where fx fails.
+
+The program's placeholders are the flattened example inputs and its output is a flat tuple; the
+pytree spec to rebuild the model's (possibly structured) output is kept beside it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from cloudless.compiler.errors import (
+    TraceFailure,
+    describe,
+    display_path,
+    frame_location,
+    frame_source,
+    user_frame,
+)
+from torch import fx, nn
+from torch.fx.graph import CodeGen
+from torch.utils import _pytree as pytree
+
+TracerName = Literal["fx", "export"]
+
+
+@dataclass
+class TracedProgram:
+    """A flat fx program equivalent to the model's forward on the example inputs."""
+
+    module: fx.GraphModule
+    out_spec: pytree.TreeSpec
+    tracer: TracerName
+    fx_error: str = ""
+
+    @property
+    def input_names(self) -> list[str]:
+        return [n.name for n in self.module.graph.nodes if n.op == "placeholder"]
+
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.module.graph.nodes) if n.op == "output")
+
+
+class InliningTracer(fx.Tracer):
+    """Traces through every module, torch.nn ones included, so the graph is functional code.
+
+    Modules named as leaves stay single `call_module` nodes; so does a torch.nn module whose
+    forward fx cannot trace (BatchNorm checks `input.dim()`), found by trying and rolling back.
+    """
+
+    def __init__(self, leaf_modules: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.leaf_modules = set(leaf_modules)
+        self._force_leaf = False
+        self._param_cache: dict[str, Any] = {}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self._force_leaf or _is_named_leaf(m, module_qualified_name, self.leaf_modules)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        # Our own cache, so that a rolled-back inline attempt can forget the proxies it made.
+        return super().getattr(attr, attr_val, self._param_cache)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if not type(m).__module__.startswith("torch.nn") or self.is_leaf_module(m, self.path_of_module(m)):
+            return super().call_module(m, forward, args, kwargs)
+        before = list(self.graph.nodes)
+        saved_stack = dict(self.module_stack)
+        saved_cache = dict(self._param_cache)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except (fx.proxy.TraceError, TypeError, RuntimeError, AttributeError):
+            known = set(before)
+            for node in reversed(list(self.graph.nodes)):
+                if node not in known:
+                    self.graph.erase_node(node)
+            self.module_stack.clear()
+            self.module_stack.update(saved_stack)
+            self._param_cache = saved_cache
+            self._force_leaf = True
+            try:
+                return super().call_module(m, forward, args, kwargs)
+            finally:
+                self._force_leaf = False
+
+
+def _is_named_leaf(m: nn.Module, qualified_name: str, names: set[str]) -> bool:
+    cls = type(m)
+    return bool(names & {cls.__name__, f"{cls.__module__}.{cls.__qualname__}", qualified_name})
+
+
+def trace_model(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    model_path: Path,
+    leaf_modules: Sequence[str] = (),
+    tracer: Literal["auto", "fx", "export"] = "auto",
+) -> TracedProgram:
+    """Trace `model` on `example_inputs`; raise TraceFailure naming the user's line if nothing works."""
+    fx_exc: BaseException | None = None
+    if tracer in ("auto", "fx"):
+        try:
+            program = _trace_fx(model, example_inputs, leaf_modules)
+            if tracer == "fx" or _agrees_with_eager(program, model, example_inputs):
+                return program
+            fx_exc = RuntimeError("the fx graph's outputs differ from the model's (Python control flow was baked in)")
+        except Exception as exc:  # noqa: BLE001 - fx failing is expected; export is the fallback
+            fx_exc = exc
+        if tracer == "fx":
+            raise _trace_failure(model_path, fx_exc, None) from fx_exc
+    try:
+        program = _trace_export(model, example_inputs)
+    except Exception as exc:  # noqa: BLE001 - reported with the user's line
+        raise _trace_failure(model_path, fx_exc, exc) from exc
+    program.fx_error = describe(fx_exc) if fx_exc else ""
+    return program
+
+
+def _trace_fx(model: nn.Module, example_inputs: tuple[Any, ...], leaf_modules: Sequence[str]) -> TracedProgram:
+    if not all(isinstance(x, torch.Tensor) for x in example_inputs):
+        raise TypeError("fx tracing here takes tensor inputs only; structured inputs go through torch.export")
+    parameters = list(inspect.signature(model.forward).parameters.values())
+    concrete = {
+        p.name: p.default for p in parameters[len(example_inputs) :] if p.default is not inspect.Parameter.empty
+    }
+    tracer = InliningTracer(leaf_modules)
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    module = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders[len(example_inputs) :]:
+        # Arguments fixed by concrete_args leave placeholders fx never reads; drop them.
+        if not node.users:
+            graph.erase_node(node)
+    return _flatten_output(module, "fx")
+
+
+@contextmanager
+def quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs graphs and warnings when it fails; the user gets our one message instead."""
+    logger = logging.getLogger("torch")
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.CRITICAL)
+    logger.propagate = False
+    try:
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def export_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+    """torch.export.export, non-strict, with its logging silenced."""
+    with quiet_torch_logs():
+        return torch.export.export(module, args, kwargs or {}, strict=False)
+
+
+def _trace_export(model: nn.Module, example_inputs: tuple[Any, ...]) -> TracedProgram:
+    exported = export_module(model, tuple(example_inputs))
+    module = exported.module()
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+    out_spec = graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
+    graph._codegen = CodeGen()
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    flat, _ = pytree.tree_flatten(output.args[0])
+    output.args = (tuple(flat),)
+    module.recompile()
+    return TracedProgram(module=module, out_spec=out_spec, tracer="export")
+
+
+def _flatten_output(module: fx.GraphModule, tracer: TracerName) -> TracedProgram:
+    graph = module.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    flat, spec = pytree.tree_flatten(output.args[0])
+    output.args = (tuple(flat),)
+    module.recompile()
+    return TracedProgram(module=module, out_spec=spec, tracer=tracer)
+
+
+def _agrees_with_eager(program: TracedProgram, model: nn.Module, example_inputs: tuple[Any, ...]) -> bool:
+    """Guard against fx silently baking Python control flow in: compare one forward with eager."""
+    from cloudless.compiler.state import preserved_state
+
+    with torch.no_grad(), preserved_state(model):
+        torch.manual_seed(0)
+        expected = pytree.tree_leaves(model(*example_inputs))
+        torch.manual_seed(0)
+        got = list(program.module(*example_inputs))
+    if len(expected) != len(got):
+        return False
+    for e, g in zip(expected, got, strict=True):
+        if isinstance(e, torch.Tensor) != isinstance(g, torch.Tensor):
+            return False
+        if isinstance(e, torch.Tensor):
+            if e.shape != g.shape or e.dtype != g.dtype:
+                return False
+            if e.is_floating_point() and not torch.allclose(e, g, rtol=1e-4, atol=1e-5, equal_nan=True):
+                return False
+            if not e.is_floating_point() and not torch.equal(e, g):
+                return False
+    return True
+
+
+_FIXES = (
+    "replace the branch on a tensor's value with torch.where(...) or torch.cond(...), "
+    "or name the module that holds it with --leaf-module"
+)
+
+
+def _trace_failure(model_path: Path, fx_exc: BaseException | None, export_exc: BaseException | None) -> TraceFailure:
+    """One message: where the model's code broke tracing, why, and the usual fix."""
+    frame = None
+    for exc in (export_exc, fx_exc):
+        if exc is not None and frame is None:
+            frame = user_frame(exc, model_path)
+    where = frame_location(frame) if frame else display_path(model_path)
+    line = f" at `{frame_source(frame)}`" if frame and frame_source(frame) else ""
+    reasons = []
+    if fx_exc is not None:
+        reasons.append(f"torch.fx: {describe(fx_exc)}")
+    if export_exc is not None:
+        reasons.append(f"torch.export: {_short(describe(export_exc))}")
+    return TraceFailure(f"{where}: cannot trace the model{line} ({'; '.join(reasons)}). Fix: {_FIXES}")
+
+
+def _short(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,134 @@
+"""Check that the generated stages, chained, reproduce the unsplit model.
+
+The stages are built from their generated source and loaded with the model's weights, exactly as a
+function would; the reference is the user's model in eager mode. Both run the same micro-batch
+with the same seed (dropout draws match because the stages run the ops in the traced order).
+Compared: the loss, every output, every parameter's gradient (a tied parameter's gradient is the
+sum over the stages that hold it) and every buffer after the step (BatchNorm statistics).
+
+The error of a tensor is max|stage - reference| / max(max|reference|, 1e-6): relative to the
+tensor's scale, so that tiny gradients are not held to an absolute bar they cannot meet. The
+tolerance, TOLERANCE, allows for float32 summation order; identical kernels give 0.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from cloudless.compiler.chain import run_chain
+from cloudless.compiler.errors import VerificationError
+from torch import nn
+from torch.utils import _pytree as pytree
+
+TOLERANCE = 1e-4
+
+
+@dataclass
+class VerifyReport:
+    loss_error: float = 0.0
+    output_error: float = 0.0
+    gradient_error: float = 0.0
+    buffer_error: float = 0.0
+    worst_gradient: str = ""
+    compared_gradients: int = 0
+    stages: int = 0
+    details: list[str] = field(default_factory=list)
+
+    @property
+    def max_error(self) -> float:
+        return max(self.loss_error, self.output_error, self.gradient_error, self.buffer_error)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    if got.shape != expected.shape:
+        return float("inf")
+    if not expected.is_floating_point():
+        return 0.0 if torch.equal(got, expected) else float("inf")
+    diff = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
+    scale = expected.double().abs().max().item() if expected.numel() else 0.0
+    return diff / max(scale, 1e-6)
+
+
+def load_stage(source: str, state: dict[str, torch.Tensor], name: str) -> nn.Module:
+    """Instantiate a generated stage module from its source and weights."""
+    namespace: dict[str, Any] = {"__name__": name}
+    exec(compile(source, f"<{name}>", "exec"), namespace)
+    stage = namespace["Stage"]()
+    stage.load_state_dict(state, strict=True)
+    return stage
+
+
+def verify_stages(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    targets: Any,
+    loss_fn: Any,
+    stages: list[tuple[str, dict[str, torch.Tensor], list[str], list[str]]],
+    out_spec: pytree.TreeSpec,
+    tolerance: float = TOLERANCE,
+) -> VerifyReport:
+    """`stages`: (source, state dict, input names, output names) per stage, in order."""
+    reference = copy.deepcopy(model)
+    torch.manual_seed(0)
+    expected_out = reference(*example_inputs)
+    expected_loss = loss_fn(expected_out, targets)
+    expected_loss.backward()
+
+    modules = [load_stage(src, state, f"stage{i}") for i, (src, state, _, _) in enumerate(stages)]
+    flat_inputs = pytree.tree_leaves(example_inputs)
+    first_inputs = stages[0][2]
+    torch.manual_seed(0)
+    run = run_chain(
+        modules,
+        [(inputs, outputs) for _, _, inputs, outputs in stages],
+        dict(zip(first_inputs, flat_inputs, strict=True)),
+        lambda flat: loss_fn(pytree.tree_unflatten(list(flat), out_spec), targets),
+    )
+
+    report = VerifyReport(stages=len(stages))
+    report.loss_error = relative_error(run.loss, expected_loss.detach())
+    expected_flat = [t for t in pytree.tree_leaves(expected_out) if isinstance(t, torch.Tensor)]
+    got_flat = [t for t in run.outputs if isinstance(t, torch.Tensor)]
+    if len(expected_flat) != len(got_flat):
+        report.output_error = float("inf")
+        report.details.append(f"{len(got_flat)} outputs, expected {len(expected_flat)}")
+    for got, expected in zip(got_flat, expected_flat, strict=False):
+        report.output_error = max(report.output_error, relative_error(got.detach(), expected.detach()))
+
+    summed: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            if param.grad is not None:
+                summed[name] = summed[name] + param.grad if name in summed else param.grad.clone()
+        for name, buffer in module.named_buffers():
+            buffers[name] = buffer
+    reference_params = dict(reference.named_parameters())
+    for name, param in reference_params.items():
+        expected_grad = param.grad
+        got = summed.get(name)
+        if expected_grad is None and got is None:
+            continue
+        if expected_grad is None or got is None:
+            error = float("inf")
+            report.details.append(f"{name}: gradient {'missing' if got is None else 'unexpected'} in the stages")
+        else:
+            error = relative_error(got, expected_grad)
+        report.compared_gradients += 1
+        if error >= report.gradient_error:
+            report.gradient_error, report.worst_gradient = error, name
+    reference_buffers = dict(reference.named_buffers())
+    for name, buffer in buffers.items():
+        if name in reference_buffers:
+            report.buffer_error = max(report.buffer_error, relative_error(buffer, reference_buffers[name]))
+    if report.max_error > tolerance:
+        raise VerificationError(
+            f"the {len(stages)} stages do not reproduce the model: largest error {report.max_error:.3g} "
+            f"(loss {report.loss_error:.3g}, outputs {report.output_error:.3g}, gradients "
+            f"{report.gradient_error:.3g} at {report.worst_gradient or '-'}, buffers {report.buffer_error:.3g}) "
+            f"exceeds the tolerance {tolerance:g}" + (f"; {'; '.join(report.details[:3])}" if report.details else "")
+        )
+    return report

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up, then run the linter and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,148 @@
+"""Bad model files: one clear line naming the file (and line), exit 2, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+GOOD_TAIL = """
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 4),)
+"""
+
+CASES = {
+    "syntax": ("import torch\ndef build_model(:\n    pass\n", r"model.py:2: syntax error"),
+    "import": (
+        "import torch\nimport not_a_real_module_xyz\n",
+        r"model.py:2: importing the model file failed: ModuleNotFoundError: No module named 'not_a_real_module_xyz'",
+    ),
+    "raises_at_import": (
+        "import torch\nx = 1\nraise ValueError('bad config')\n",
+        r"model.py:3: importing .*ValueError: bad config",
+    ),
+    "no_build_model": ("import torch\n" + GOOD_TAIL, r"model.py: no function build_model\(\)"),
+    "no_example_inputs": (
+        "import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n",
+        r"model.py: no function example_inputs\(\)",
+    ),
+    "not_callable": (
+        "import torch\nbuild_model = 3\n" + GOOD_TAIL,
+        r"model.py: build_model is int; expected a function",
+    ),
+    "wrong_model_type": (
+        "import torch\ndef build_model():\n    return [1, 2]\n" + GOOD_TAIL,
+        r"model.py: build_model\(\) returned list; expected a torch.nn.Module",
+    ),
+    "inputs_not_tuple": (
+        "import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+        "def example_inputs(batch_size):\n    return torch.randn(batch_size, 4)\n",
+        r"model.py: example_inputs\(2\) returned Tensor; expected a non-empty tuple of tensors",
+    ),
+    "inputs_not_tensors": (
+        "import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+        "def example_inputs(batch_size):\n    return ([1, 2],)\n",
+        r"model.py: example_inputs\(2\) holds int; expected only tensors",
+    ),
+    "build_model_raises": (
+        "import torch\ndef build_model():\n    width = 4\n    raise RuntimeError('no weights')\n" + GOOD_TAIL,
+        r"model.py:4: build_model\(\) raised RuntimeError: no weights",
+    ),
+    "bad_training": (
+        "import torch\nTRAINING = {'iterations': 'ten'}\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+        + GOOD_TAIL,
+        r"model.py: TRAINING\['iterations'\] is str; expected int",
+    ),
+    "unknown_training_key": (
+        "import torch\nTRAINING = {'iters': 3}\ndef build_model():\n    return torch.nn.Linear(4, 2)\n" + GOOD_TAIL,
+        r"model.py: TRAINING key 'iters' is unknown",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_model_file_is_one_clear_error(case, model_file, compile_cli, tmp_path: Path) -> None:
+    source, expected = CASES[case]
+    path = model_file(source)
+    out = tmp_path / "build"
+    code, stdout, stderr = compile_cli(str(path), "-o", str(out), "--repeats", "0")
+    assert code == 2
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("cloudless-compile: error: ")
+    import re
+
+    assert re.search(expected, lines[0]), lines[0]
+    assert "Traceback" not in stderr
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model.py"]  # no staging folder left behind
+
+
+def test_missing_file(compile_cli, tmp_path: Path) -> None:
+    code, _, stderr = compile_cli(str(tmp_path / "absent.py"), "-o", str(tmp_path / "b"))
+    assert code == 2
+    assert "absent.py: no such file; expected a Python model file" in stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_failed_compile_keeps_previous_build(model_file, compile_cli, tmp_path: Path) -> None:
+    good = model_file(
+        "import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+        + GOOD_TAIL
+        + "def example_targets(batch_size):\n    return torch.zeros(batch_size, dtype=torch.long)\n",
+        "good.py",
+    )
+    out = tmp_path / "build"
+    assert compile_cli(str(good), "-o", str(out), "--repeats", "0", "-q")[0] == 0
+    before = (out / "ir" / "graph.json").read_bytes()
+    bad = model_file("import torch\nraise SystemError('x')\n", "bad.py")
+    assert compile_cli(str(bad), "-o", str(out), "-q")[0] == 2
+    assert (out / "ir" / "graph.json").read_bytes() == before
+
+
+def test_broken_loss_names_its_line(model_file, compile_cli, tmp_path: Path) -> None:
+    path = model_file(
+        "import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+        + GOOD_TAIL
+        + "def example_targets(batch_size):\n    return torch.zeros(batch_size)\n"
+        + "def loss_fn(output, target):\n    return output['missing']\n"
+    )
+    code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "b"), "--repeats", "0")
+    assert code == 2
+    assert "model.py:10: loss_fn(output, target) raised" in stderr
+
+
+UNTRACEABLE = """
+import torch
+
+
+class Gate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.a(x)
+        return self.b(x)
+
+
+def build_model():
+    return Gate()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 4),)
+"""
+
+
+def test_untraceable_model_names_the_line_and_the_fix(model_file, compile_cli, tmp_path: Path) -> None:
+    path = model_file(UNTRACEABLE)
+    code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "b"))
+    assert code == 2
+    message = stderr.strip()
+    assert "Traceback" not in message
+    assert "model.py:12: cannot trace the model at `if x.sum() > 0:`" in message
+    assert "torch.where" in message and "--leaf-module" in message
+    assert not (tmp_path / "b").exists()
