@@ -13,11 +13,12 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from cloudless.compiler.trace import TracedProgram
-from cloudless.ir import OpGraph, OpNode, ParamInfo, TensorMeta
 from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
+
+from cloudless.compiler.trace import TracedProgram
+from cloudless.ir import OpGraph, OpNode, ParamInfo, TensorMeta
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -55,16 +56,6 @@ def _clean_module_path(path: str) -> str:
     path = path.removeprefix("L['self'].").removeprefix("L['self']")
     path = path.replace("[", ".").replace("]", "").replace("'", "")
     return path.split("@")[0]
-
-
-def canonical_names(module: torch.nn.Module) -> dict[int, tuple[str, bool]]:
-    """id(tensor) -> (first name, trainable) over parameters, then buffers."""
-    names: dict[int, tuple[str, bool]] = {}
-    for name, p in module.named_parameters():
-        names.setdefault(id(p), (name, True))
-    for name, b in module.named_buffers():
-        names.setdefault(id(b), (name, False))
-    return names
 
 
 def fetch_attr(module: torch.nn.Module, target: str) -> Any:
@@ -141,7 +132,7 @@ def _describe_value(value: Any) -> tuple[str, list[TensorMeta], int]:
 def annotate(program: TracedProgram, flat_inputs: list[Any], model_name: str, batch_size: int) -> OpGraph:
     """Run the program once (with autograd on, so saved activations are real) and record per node."""
     module = program.module
-    names = canonical_names(module)
+    names = program.tensor_names
     param_storages = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
     annotator = _Annotator(module, param_storages)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(annotator.pack, lambda t: t):

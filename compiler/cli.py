@@ -15,11 +15,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from rich.console import Console
+
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS
 from cloudless.compiler.errors import CompileError, display_path
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, run_front_end
 from cloudless.compiler.verify import TOLERANCE
-from rich.console import Console
 
 SLOW_STEPS = {
     "trace": "Tracing",

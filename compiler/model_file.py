@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cloudless.compiler.errors import ModelFileError, describe, display_path, frame_location, user_frame
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from cloudless.compiler.errors import ModelFileError, describe, display_path, frame_location, user_frame
 
 TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "global_batch_size": int,

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.annotate import annotate, fetch_attr
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS, block_cuts, coarsen
@@ -24,8 +27,6 @@ from cloudless.compiler.state import preserved_state
 from cloudless.compiler.trace import TracedProgram, trace_model
 from cloudless.compiler.verify import VerifyReport, verify_stages
 from cloudless.ir import BlockChain, OpGraph
-from torch import nn
-from torch.utils import _pytree as pytree
 
 DEFAULT_BATCH_SIZE = 2
 

@@ -15,12 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
+
 from cloudless.compiler.chain import run_chain
 from cloudless.compiler.coarsen import block_cuts
 from cloudless.compiler.split import partition
 from cloudless.compiler.trace import TracedProgram
 from cloudless.ir import BlockChain, MachineInfo, OpGraph
-from torch.utils import _pytree as pytree
 
 
 def reference_speed(size: int = 1024, repeats: int = 5) -> MachineInfo:

@@ -16,13 +16,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from cloudless.compiler.annotate import canonical_names, fetch_attr, node_tensors
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from cloudless.compiler.annotate import fetch_attr, node_tensors
 from cloudless.compiler.coarsen import compute_positions, crossing_values
 from cloudless.compiler.errors import CompileError
 from cloudless.compiler.trace import TracedProgram, export_module
 from cloudless.ir import OpGraph
-from torch import fx
-from torch.utils import _pytree as pytree
 
 
 @dataclass
@@ -47,7 +48,7 @@ def partition(program: TracedProgram, graph: OpGraph, cuts: list[int]) -> list[S
     crossing = crossing_values(graph, cuts)
     bounds = list(zip([-1, *cuts], [*cuts, len(positions) - 1], strict=True))
     output_args = program.output_node().args[0]
-    names = canonical_names(program.module)
+    names = program.tensor_names
     parts = []
     for s, (before, last) in enumerate(bounds):
         inputs = program.input_names if s == 0 else crossing[s - 1]
@@ -57,17 +58,29 @@ def partition(program: TracedProgram, graph: OpGraph, cuts: list[int]) -> list[S
         env: dict[str, fx.Node] = {name: stage_graph.placeholder(name) for name in inputs}
         source_nodes = {n.name: n for n in program.module.graph.nodes}
 
-        def lookup(node: fx.Node, env: dict[str, fx.Node] = env, stage_graph: fx.Graph = stage_graph) -> fx.Node:
+        attributes: dict[str, Any] = {}
+
+        def lookup(
+            node: fx.Node,
+            env: dict[str, fx.Node] = env,
+            stage_graph: fx.Graph = stage_graph,
+            attributes: dict[str, Any] = attributes,
+        ) -> fx.Node:
             if node.name not in env:
                 if node.op != "get_attr":
                     raise CompileError(f"internal: value {node.name} is not available in its stage")
-                env[node.name] = stage_graph.node_copy(node)
+                value = fetch_attr(program.module, str(node.target))
+                target = names.get(id(value), (str(node.target), False))[0]
+                attributes[target] = value
+                env[node.name] = stage_graph.create_node("get_attr", target, name=node.name)
             return env[node.name]
 
         for node in program.module.graph.nodes:
             position = position_of.get(node.name)
             if position is not None and before < position <= last:
                 env[node.name] = stage_graph.node_copy(node, lookup)
+                if node.op == "call_module":
+                    attributes[str(node.target)] = program.module.get_submodule(str(node.target))
         if is_last:
             result = tuple(lookup(a) if isinstance(a, fx.Node) else a for a in output_args)
         else:
@@ -75,7 +88,8 @@ def partition(program: TracedProgram, graph: OpGraph, cuts: list[int]) -> list[S
         stage_graph.output(result)
         for node in stage_graph.nodes:
             node.meta.pop("stack_trace", None)
-        module = fx.GraphModule(program.module, stage_graph, f"Stage{s}")
+        # A dict root: attributes live under the model's canonical names, whatever export called them.
+        module = fx.GraphModule(attributes, stage_graph, f"Stage{s}")
         parts.append(StagePart(s, before + 1, last, module, list(inputs), list(outputs), _stage_tensors(module, names)))
     return parts
 
@@ -98,10 +112,16 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
     module = part.module
     stage_graph = module.graph
     metas = {n.name: n for n in graph.nodes}
-    names = canonical_names(program.module)
-    for node in [n for n in stage_graph.nodes if n.op == "call_module"]:
+    names = program.tensor_names
+    leaves = [n for n in stage_graph.nodes if n.op == "call_module"]
+    # Example arguments first: splicing one leaf renames the values the next one reads.
+    examples = {
+        node: pytree.tree_map_only(fx.Node, lambda n: _example_value(metas[n.name]), (node.args, node.kwargs))
+        for node in leaves
+    }
+    for node in leaves:
         leaf = module.get_submodule(str(node.target))
-        args, kwargs = pytree.tree_map_only(fx.Node, lambda n: _example_value(metas[n.name]), (node.args, node.kwargs))
+        args, kwargs = examples[node]
         key = (
             type(leaf),
             repr(leaf),
@@ -193,5 +213,7 @@ def _set_attr(module: torch.nn.Module, target: str, value: torch.Tensor) -> None
     *path, name = target.split(".")
     owner = module
     for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, torch.nn.Module())
         owner = getattr(owner, part)
     setattr(owner, name, value)

@@ -11,11 +11,15 @@ import io
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch import fx, nn
+from torch.fx.graph import CodeGen
+from torch.utils import _pytree as pytree
+
 from cloudless.compiler.errors import (
     TraceFailure,
     describe,
@@ -24,9 +28,6 @@ from cloudless.compiler.errors import (
     frame_source,
     user_frame,
 )
-from torch import fx, nn
-from torch.fx.graph import CodeGen
-from torch.utils import _pytree as pytree
 
 TracerName = Literal["fx", "export"]
 
@@ -39,6 +40,12 @@ class TracedProgram:
     out_spec: pytree.TreeSpec
     tracer: TracerName
     fx_error: str = ""
+    #: id(tensor held by `module`) -> (the user model's name for it, trainable). torch.export may
+    #: register a tied weight under its second name; everything downstream uses the model's first.
+    tensor_names: dict[int, tuple[str, bool]] = field(default_factory=dict)
+
+    def tensor_name(self, tensor: torch.Tensor, fallback: str) -> str:
+        return self.tensor_names.get(id(tensor), (fallback, False))[0]
 
     @property
     def input_names(self) -> list[str]:
@@ -110,6 +117,7 @@ def trace_model(
         try:
             program = _trace_fx(model, example_inputs, leaf_modules)
             if tracer == "fx" or _agrees_with_eager(program, model, example_inputs):
+                program.tensor_names = _model_names(program.module, model)
                 return program
             fx_exc = RuntimeError("the fx graph's outputs differ from the model's (Python control flow was baked in)")
         except Exception as exc:  # noqa: BLE001 - fx failing is expected; export is the fallback
@@ -121,7 +129,37 @@ def trace_model(
     except Exception as exc:  # noqa: BLE001 - reported with the user's line
         raise _trace_failure(model_path, fx_exc, exc) from exc
     program.fx_error = describe(fx_exc) if fx_exc else ""
+    program.tensor_names = _model_names(program.module, model)
     return program
+
+
+def _model_names(module: nn.Module, model: nn.Module) -> dict[int, tuple[str, bool]]:
+    """Name each tensor of the traced module by the user model's first name for the same memory."""
+
+    def key(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+    by_memory: dict[tuple[Any, ...], tuple[str, bool]] = {}
+    for name, p in model.named_parameters():
+        by_memory.setdefault(key(p), (name, True))
+    for name, b in model.named_buffers():
+        by_memory.setdefault(key(b), (name, False))
+    names: dict[int, tuple[str, bool]] = {}
+    for name, t in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        if id(t) not in names:
+            found = by_memory.get(key(t)) if t.numel() else None
+            names[id(t)] = found or (name, isinstance(t, nn.Parameter))
+    for node in module.graph.nodes:  # lifted constants are attributes, not buffers
+        if node.op == "get_attr":
+            value = module
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            if isinstance(value, torch.Tensor) and id(value) not in names:
+                names[id(value)] = (str(node.target), False)
+    return names
 
 
 def _trace_fx(model: nn.Module, example_inputs: tuple[Any, ...], leaf_modules: Sequence[str]) -> TracedProgram:

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from cloudless.compiler.chain import run_chain
-from cloudless.compiler.errors import VerificationError
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from cloudless.compiler.chain import run_chain
+from cloudless.compiler.errors import VerificationError
 
 TOLERANCE = 1e-4
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import networkx as nx
+
 from cloudless.ir.schema import validate
 
 GRAPH_KIND = "OpGraph"
