@@ -137,7 +137,7 @@ def generate_stages(
             info = graph.parameters.get(name)
             trainable = info.trainable if info else isinstance(tensor, nn.Parameter)
             tensors[name] = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), trainable)
-            state[name] = tensor.detach().clone()
+            state[name] = tensor.detach()  # loading a stage copies it; no clone needed
         header = StageHeader(
             model=graph.model,
             index=part.index,

@@ -13,7 +13,6 @@ tolerance, TOLERANCE, allows for float32 summation order; identical kernels give
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,14 +70,36 @@ def verify_stages(
     out_spec: pytree.TreeSpec,
     tolerance: float = TOLERANCE,
 ) -> VerifyReport:
-    """`stages`: (source, state dict, input names, output names) per stage, in order."""
-    reference = copy.deepcopy(model)
+    """`stages`: (source, state dict, input names, output names) per stage, in order.
+
+    The reference is `model` itself (the caller restores its buffers); its gradients are cleared
+    on return. Stage weights are copied in, so the stages never write to the model.
+    """
+    try:
+        return _verify(model, example_inputs, targets, loss_fn, stages, out_spec, tolerance)
+    finally:
+        for param in model.parameters():
+            param.grad = None
+
+
+def _verify(
+    reference: nn.Module,
+    example_inputs: tuple[Any, ...],
+    targets: Any,
+    loss_fn: Any,
+    stages: list[tuple[str, dict[str, torch.Tensor], list[str], list[str]]],
+    out_spec: pytree.TreeSpec,
+    tolerance: float,
+) -> VerifyReport:
+    for param in reference.parameters():
+        param.grad = None
+    # Load the stages first: their weights may alias the model's, whose buffers the reference run updates.
+    modules = [load_stage(src, state, f"stage{i}") for i, (src, state, _, _) in enumerate(stages)]
     torch.manual_seed(0)
     expected_out = reference(*example_inputs)
     expected_loss = loss_fn(expected_out, targets)
     expected_loss.backward()
 
-    modules = [load_stage(src, state, f"stage{i}") for i, (src, state, _, _) in enumerate(stages)]
     flat_inputs = pytree.tree_leaves(example_inputs)
     first_inputs = stages[0][2]
     torch.manual_seed(0)
