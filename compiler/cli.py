@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True, quiet=args.quiet)
-    out = Console(quiet=args.quiet, highlight=False)
+    # Plain, unwrapped lines for the summary: it is read in terminals and in CI logs alike.
+    out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
     for name, value in (
         ("--batch-size", args.batch_size),
         ("--blocks", args.blocks),
@@ -134,6 +135,13 @@ def write_build(result: FrontEndResult, output: Path) -> None:
             shutil.rmtree(staging)
 
 
+def human_flops(flops: int) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.2f} {unit}"
+    return f"{flops} FLOP"
+
+
 def print_summary(out: Console, result: FrontEndResult, output: Path) -> None:
     graph, chain = result.graph, result.chain
     compute = sum(1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module"))
@@ -144,7 +152,7 @@ def print_summary(out: Console, result: FrontEndResult, output: Path) -> None:
         f"  parameters  {graph.param_count:,} ({graph.param_bytes / 2**20:.1f} MiB)"
         + (f", {len(chain.shared_params)} shared across blocks" if chain.shared_params else "")
     )
-    out.print(f"  forward     {graph.flops / 1e9:.3f} GFLOP per micro-batch")
+    out.print(f"  forward     {human_flops(graph.flops)} per micro-batch")
     if chain.machine:
         fwd = sum(b.forward_s for b in chain.blocks)
         bwd = sum(b.backward_s for b in chain.blocks)

@@ -146,3 +146,23 @@ def test_untraceable_model_names_the_line_and_the_fix(model_file, compile_cli, t
     assert "model.py:12: cannot trace the model at `if x.sum() > 0:`" in message
     assert "torch.where" in message and "--leaf-module" in message
     assert not (tmp_path / "b").exists()
+
+
+def test_summary_and_quiet(compile_cli, tmp_path: Path) -> None:
+    from .conftest import MODELS
+
+    code, stdout, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "a"), "--repeats", "1")
+    assert code == 0, stderr
+    for label in ("nodes", "blocks", "parameters", "forward", "measured", "time", "wrote"):
+        assert f"  {label}" in stdout
+    assert "parameters  2,176" in stdout
+    code, stdout, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "--repeats", "0", "-q")
+    assert code == 0 and stdout == "" and stderr == ""
+    assert (tmp_path / "b" / "ir" / "graph.json").exists()
+
+
+def test_bad_option_values(compile_cli, tmp_path: Path) -> None:
+    from .conftest import MODELS
+
+    code, _, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "a"), "--blocks", "0")
+    assert code == 2 and "--blocks must be at least 1" in stderr
