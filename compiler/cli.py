@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CompileError as exc:
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
         return exc.exit_code
-    print_summary(out, result, args.output)
+    print_summary(out, result, args.output, requested_blocks=args.blocks)
     return 0
 
 
@@ -142,12 +142,15 @@ def human_flops(flops: int) -> str:
     return f"{flops} FLOP"
 
 
-def print_summary(out: Console, result: FrontEndResult, output: Path) -> None:
+def print_summary(out: Console, result: FrontEndResult, output: Path, requested_blocks: int) -> None:
     graph, chain = result.graph, result.chain
     compute = sum(1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module"))
     out.print(f"{graph.model}: traced with torch.{graph.tracer} at micro-batch {graph.batch_size}")
     out.print(f"  nodes       {len(graph.nodes)} ({compute} compute)")
-    out.print(f"  blocks      {len(chain.blocks)}")
+    note = ""
+    if len(chain.blocks) < requested_blocks:
+        note = f" ({requested_blocks} requested: fewer valid cut points, or single ops larger than a block)"
+    out.print(f"  blocks      {len(chain.blocks)}{note}")
     out.print(
         f"  parameters  {graph.param_count:,} ({graph.param_bytes / 2**20:.1f} MiB)"
         + (f", {len(chain.shared_params)} shared across blocks" if chain.shared_params else "")

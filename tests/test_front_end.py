@@ -214,3 +214,14 @@ def test_verification_fails_clearly_on_a_wrong_stage() -> None:
             result.program.out_spec,
         )
     assert torch.is_grad_enabled()
+
+
+def test_op_graph_is_a_dag_in_topological_order() -> None:
+    import networkx as nx
+
+    result = front_end("tricky", num_blocks=6)
+    digraph = result.graph.digraph
+    assert nx.is_directed_acyclic_graph(digraph)
+    order = {n.name: i for i, n in enumerate(result.graph.nodes)}
+    assert all(order[u] < order[v] for u, v in digraph.edges)
+    assert digraph.number_of_nodes() == len(result.graph.nodes)
