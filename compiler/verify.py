@@ -76,20 +76,14 @@ def verify_stages(
     on return. Stage weights are copied in, so the stages never write to the model.
     """
     try:
-        return _verify(model, example_inputs, targets, loss_fn, stages, out_spec, tolerance)
+        return _compare(model, example_inputs, targets, loss_fn, stages, out_spec, tolerance)
     finally:
         for param in model.parameters():
             param.grad = None
 
 
-def _verify(
-    reference: nn.Module,
-    example_inputs: tuple[Any, ...],
-    targets: Any,
-    loss_fn: Any,
-    stages: list[tuple[str, dict[str, torch.Tensor], list[str], list[str]]],
-    out_spec: pytree.TreeSpec,
-    tolerance: float,
+def _compare(
+    reference: nn.Module, example_inputs: Any, targets: Any, loss_fn: Any, stages: Any, out_spec: Any, tolerance: float
 ) -> VerifyReport:
     for param in reference.parameters():
         param.grad = None
