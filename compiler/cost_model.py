@@ -1,0 +1,319 @@
+"""The serverless cost model: one place for every predicted time, memory and dollar.
+
+Used by the MILP planner (as coefficients), the exhaustive search, the baselines, the report, and
+to parameterise the event simulator (which derives its timeline independently). Formulas are
+documented in docs/cost_model.md; symbols below follow it.
+
+Scaling from the profile: block times were measured at micro-batch mu_p on `threads` threads of a
+machine doing `reference_gflops`; on a function of tier m at micro-batch mu they take
+    t * (mu / mu_p) * kappa(m),   kappa(m) = reference_gflops / (gflops_per_vcpu * vcpus(m))
+(linear in the micro-batch, as FuncPipe fitted; inversely proportional to the CPU share).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cloudless.ir import BlockChain
+from cloudless.ir.catalog import Region
+
+Schedule = Literal["gpipe", "1f1b"]
+Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
+MB = 2**20
+
+#: Optimizer state per parameter byte: SGD keeps none, momentum one buffer, Adam two.
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block's measured and annotated costs at the profiled micro-batch."""
+
+    forward_s: float
+    backward_s: float
+    param_bytes: int  # trainable, excluding parameters shared with other blocks (counted per stage)
+    buffer_bytes: int
+    saved_bytes: int
+    input_bytes: int
+    output_bytes: int
+    shared: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a plan is chosen from, in one region."""
+
+    blocks: tuple[BlockCost, ...]
+    shared_bytes: dict[str, int]
+    profile_batch: int
+    reference_gflops: float
+    threads: int
+    region: Region
+    global_batch: int
+    micro_batches: tuple[int, ...]
+    replicas: tuple[int, ...] = (1, 2, 4, 8)
+    max_stages: int = 16
+    max_functions: int | None = None
+    schedule: Schedule = "gpipe"
+    optimizer_state: int = 0
+    iterations: int = 1
+    samples_per_epoch: int | None = None
+
+    @property
+    def function_limit(self) -> int:
+        limit = self.region.max_functions
+        return min(limit, self.max_functions) if self.max_functions else limit
+
+    def micro_batch_counts(self) -> dict[int, int]:
+        """Candidate micro-batch sizes that divide the global batch, with their count M."""
+        return {mu: self.global_batch // mu for mu in self.micro_batches if self.global_batch % mu == 0}
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    first: int
+    last: int
+    tier_mb: int
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    micro_batch: int
+    stages: tuple[StageChoice, ...]
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """Per-micro-batch and per-iteration terms of one stage (seconds, MB, requests)."""
+
+    forward_compute_s: float
+    backward_compute_s: float
+    forward_comm_s: float
+    backward_comm_s: float
+    sync_s: float
+    update_s: float
+    memory_mb: float
+    parameter_bytes: int
+    puts: int
+    gets: int
+
+    @property
+    def forward_s(self) -> float:  # phi: transfers overlap compute
+        return max(self.forward_compute_s, self.forward_comm_s)
+
+    @property
+    def backward_s(self) -> float:  # beta
+        return max(self.backward_compute_s, self.backward_comm_s)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    iteration_s: float
+    cost_usd: float
+    pipeline_s: float
+    sync_s: float
+    update_s: float
+    compute_usd: float
+    request_usd: float
+    storage_usd: float
+    stages: tuple[StageTerms, ...]
+    violations: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+
+class CostModel:
+    """Evaluates plans for one Problem; exposes the per-tier coefficients the MILP uses."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.region = problem.region
+        per_vcpu = self.region.gflops_per_vcpu or problem.reference_gflops / max(problem.threads, 1)
+        self._gflops_per_vcpu = per_vcpu
+
+    # --- per-tier coefficients -------------------------------------------------------------
+    def vcpus(self, tier_mb: int) -> float:
+        return min(self.region.max_vcpus, tier_mb / self.region.mb_per_vcpu)
+
+    def kappa(self, tier_mb: int) -> float:
+        """Measured seconds -> seconds on this tier (compute share)."""
+        return self.problem.reference_gflops / (self._gflops_per_vcpu * self.vcpus(tier_mb))
+
+    def bandwidth(self, tier_mb: int) -> float:
+        """Bytes per second each way (uploads and downloads run at once)."""
+        tiers = self.region.tiers_mb
+        low, high = min(tiers), max(tiers)
+        share = 0.0 if high == low else (tier_mb - low) / (high - low)
+        mbps = self.region.min_mbps + share * (self.region.max_mbps - self.region.min_mbps)
+        return mbps * 1e6
+
+    def update_rate(self, tier_mb: int) -> float:
+        """Bytes per second the optimizer step streams."""
+        return self.region.memory_gbps_per_vcpu * 1e9 * self.vcpus(tier_mb)
+
+    @property
+    def latency(self) -> float:
+        return self.region.request_latency_s
+
+    @staticmethod
+    def in_flight(schedule: Schedule, per_replica: int, stages_from_here: int) -> int:
+        """Micro-batches whose activations a replica holds: all of its own under GPipe, at most the
+        number of stages from here to the end under 1F1B."""
+        return per_replica if schedule == "gpipe" else min(per_replica, stages_from_here)
+
+    @staticmethod
+    def sync_factor(replicas: int) -> float:
+        """Pipelined scatter-reduce moves 2(n-1)/n of the gradient bytes each way."""
+        return 2 * (replicas - 1) / replicas
+
+    # --- one stage -------------------------------------------------------------------------
+    def stage_params(self, first: int, last: int) -> int:
+        blocks = self.problem.blocks[first : last + 1]
+        shared = {name for b in blocks for name in b.shared}
+        return sum(b.param_bytes for b in blocks) + sum(self.problem.shared_bytes[n] for n in shared)
+
+    def stage_terms(self, choice: StageChoice, index: int, count: int, micro_batch: int) -> StageTerms:
+        p = self.problem
+        blocks = p.blocks[choice.first : choice.last + 1]
+        scale = micro_batch / p.profile_batch
+        micro_batches = p.global_batch // micro_batch
+        per_replica = math.ceil(micro_batches / choice.replicas)
+        kappa = self.kappa(choice.tier_mb)
+        bandwidth = self.bandwidth(choice.tier_mb)
+        inputs = scale * blocks[0].input_bytes
+        outputs = scale * blocks[-1].output_bytes if index < count - 1 else 0.0
+        grad_in = inputs if index > 0 else 0.0
+        params = self.stage_params(choice.first, choice.last)
+        state = (2 + p.optimizer_state) * params
+        activations = scale * sum(b.saved_bytes for b in blocks)
+        held = self.in_flight(p.schedule, per_replica, count - index)
+        memory = self.region.runtime_overhead_mb + (
+            state + sum(b.buffer_bytes for b in blocks) + activations * held + 2 * (inputs + outputs)
+        ) / MB
+        r = choice.replicas
+        sync = self.sync_factor(r) * params / bandwidth + 2 * (r - 1) * self.latency if r > 1 else 0.0
+        puts = (2 * micro_batches if index < count - 1 else 0) + (r * r if r > 1 else 0)
+        gets = (micro_batches if index == 0 else 0) + (2 * micro_batches if index > 0 else 0) + (
+            2 * r * (r - 1) if r > 1 else 0
+        )
+        return StageTerms(
+            forward_compute_s=kappa * scale * sum(b.forward_s for b in blocks),
+            backward_compute_s=kappa * scale * sum(b.backward_s for b in blocks),
+            forward_comm_s=max(inputs, outputs) / bandwidth + self.latency,
+            backward_comm_s=(max(outputs, grad_in) / bandwidth + self.latency) if count > 1 else 0.0,
+            sync_s=sync,
+            update_s=(2 + p.optimizer_state) * params / self.update_rate(choice.tier_mb),
+            memory_mb=memory,
+            parameter_bytes=params,
+            puts=puts,
+            gets=gets,
+        )
+
+    # --- a whole plan ----------------------------------------------------------------------
+    def evaluate(self, plan: Plan) -> Evaluation:
+        p = self.problem
+        count = len(plan.stages)
+        terms = tuple(self.stage_terms(c, i, count, plan.micro_batch) for i, c in enumerate(plan.stages))
+        micro_batches = p.global_batch // plan.micro_batch
+        extra = [math.ceil(micro_batches / c.replicas) - 1 for c in plan.stages]
+        fill = sum(t.forward_s + t.backward_s for t in terms)
+        if p.schedule == "gpipe":
+            steady = max(e * t.forward_s for e, t in zip(extra, terms, strict=True)) + max(
+                e * t.backward_s for e, t in zip(extra, terms, strict=True)
+            )
+        else:
+            steady = max(e * (t.forward_s + t.backward_s) for e, t in zip(extra, terms, strict=True))
+        pipeline = fill + steady
+        sync = max(t.sync_s for t in terms)
+        update = max(t.update_s for t in terms)
+        iteration = pipeline + sync + update
+        prices = self.region.prices
+        gb_functions = sum(c.replicas * c.tier_mb / 1024 for c in plan.stages)
+        compute_usd = iteration * gb_functions * prices.gb_second
+        request_usd = sum(c.replicas for c in plan.stages) * prices.per_million_requests / 1e6
+        storage_usd = sum(t.puts for t in terms) * prices.storage_put_per_1000 / 1000 + sum(
+            t.gets for t in terms
+        ) * prices.storage_get_per_1000 / 1000
+        violations = self.violations(plan, terms)
+        return Evaluation(
+            iteration_s=iteration,
+            cost_usd=compute_usd + request_usd + storage_usd,
+            pipeline_s=pipeline,
+            sync_s=sync,
+            update_s=update,
+            compute_usd=compute_usd,
+            request_usd=request_usd,
+            storage_usd=storage_usd,
+            stages=terms,
+            violations=tuple(violations),
+        )
+
+    def violations(self, plan: Plan, terms: tuple[StageTerms, ...]) -> list[str]:
+        found = []
+        for i, (choice, t) in enumerate(zip(plan.stages, terms, strict=True)):
+            if t.memory_mb > choice.tier_mb:
+                found.append(
+                    f"stage {i} (blocks {choice.first}-{choice.last}) needs {t.memory_mb:.0f} MB, "
+                    f"more than its {choice.tier_mb} MB tier"
+                )
+        functions = sum(c.replicas for c in plan.stages)
+        if functions > self.problem.function_limit:
+            found.append(f"{functions} functions exceed the limit of {self.problem.function_limit}")
+        if len(plan.stages) > self.problem.max_stages:
+            found.append(f"{len(plan.stages)} stages exceed the limit of {self.problem.max_stages}")
+        return found
+
+
+def problem_from_chain(
+    chain: BlockChain,
+    region: Region,
+    *,
+    global_batch: int,
+    micro_batches: tuple[int, ...],
+    schedule: Schedule = "gpipe",
+    optimizer_state: int = 0,
+    replicas: tuple[int, ...] = (1, 2, 4, 8),
+    max_stages: int = 16,
+    max_functions: int | None = None,
+    iterations: int = 1,
+    samples_per_epoch: int | None = None,
+) -> Problem:
+    """The planning problem for a profiled block chain in one region."""
+    if chain.machine is None:
+        raise ValueError("the block chain has no measured times; profile it first (--repeats >= 1)")
+    shared = set(chain.shared_params)
+    blocks = tuple(
+        BlockCost(
+            forward_s=b.forward_s,
+            backward_s=b.backward_s,
+            param_bytes=b.param_bytes - sum(chain.shared_params[n] for n in b.params if n in shared),
+            buffer_bytes=b.buffer_bytes,
+            saved_bytes=b.saved_bytes,
+            input_bytes=b.input_bytes,
+            output_bytes=b.output_bytes,
+            shared=tuple(n for n in b.params if n in shared),
+        )
+        for b in chain.blocks
+    )
+    return Problem(
+        blocks=blocks,
+        shared_bytes=dict(chain.shared_params),
+        profile_batch=chain.batch_size,
+        reference_gflops=chain.machine.reference_gflops,
+        threads=chain.machine.threads,
+        region=region,
+        global_batch=global_batch,
+        micro_batches=micro_batches,
+        replicas=replicas,
+        max_stages=min(max_stages, len(blocks)),
+        max_functions=max_functions,
+        schedule=schedule,
+        optimizer_state=optimizer_state,
+        iterations=iterations,
+        samples_per_epoch=samples_per_epoch,
+    )

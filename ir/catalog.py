@@ -1,0 +1,117 @@
+"""The region catalog: regions, memory tiers, CPU shares, bandwidth, prices and limits (YAML).
+
+A built-in default (catalogs/default.yaml, figures cited there) serves when no catalog is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cloudless.ir.schema import SchemaError, validate
+
+
+@dataclass(frozen=True)
+class Prices:
+    gb_second: float
+    per_million_requests: float
+    storage_put_per_1000: float
+    storage_get_per_1000: float
+    egress_per_gb: float
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    provider: str
+    tiers_mb: tuple[int, ...]
+    mb_per_vcpu: float
+    max_vcpus: float
+    gflops_per_vcpu: float | None
+    min_mbps: float
+    max_mbps: float
+    request_latency_s: float
+    runtime_overhead_mb: float
+    memory_gbps_per_vcpu: float
+    prices: Prices
+    max_memory_mb: int
+    timeout_s: float
+    max_functions: int
+    sync_payload_bytes: int = 6 * 2**20
+    async_payload_bytes: int = 256 * 2**10
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Region:
+        limits = data["limits"]
+        return Region(
+            name=data["name"],
+            provider=data["provider"],
+            tiers_mb=tuple(sorted(data["tiers_mb"])),
+            mb_per_vcpu=data["cpu"]["mb_per_vcpu"],
+            max_vcpus=data["cpu"]["max_vcpus"],
+            gflops_per_vcpu=data["cpu"].get("gflops_per_vcpu"),
+            min_mbps=data["network"]["min_mbps"],
+            max_mbps=data["network"]["max_mbps"],
+            request_latency_s=data["network"]["request_latency_s"],
+            runtime_overhead_mb=data["memory"]["runtime_overhead_mb"],
+            memory_gbps_per_vcpu=data["memory"]["bandwidth_gbps_per_vcpu"],
+            prices=Prices(**data["prices"]),
+            max_memory_mb=limits["max_memory_mb"],
+            timeout_s=limits["timeout_s"],
+            max_functions=limits["max_functions"],
+            sync_payload_bytes=limits.get("sync_payload_bytes", 6 * 2**20),
+            async_payload_bytes=limits.get("async_payload_bytes", 256 * 2**10),
+        )
+
+
+@dataclass(frozen=True)
+class Catalog:
+    source: str
+    regions: tuple[Region, ...]
+
+    def region(self, name: str | None) -> Region:
+        if name is None:
+            return self.regions[0]
+        for region in self.regions:
+            if region.name == name:
+                return region
+        known = ", ".join(r.name for r in self.regions)
+        raise SchemaError(f"{self.source}: no region {name!r}; the catalog has {known}")
+
+
+def parse_catalog(data: Any, source: str) -> Catalog:
+    validate(data, "catalog", source)
+    regions = tuple(Region.from_json(r) for r in data["regions"])
+    for i, region in enumerate(regions):
+        if region.min_mbps > region.max_mbps:
+            raise SchemaError(f"{source}: key regions/{i}/network: min_mbps exceeds max_mbps")
+        too_big = [t for t in region.tiers_mb if t > region.max_memory_mb]
+        if too_big:
+            raise SchemaError(
+                f"{source}: key regions/{i}/tiers_mb: tier {too_big[0]} MB exceeds limits.max_memory_mb "
+                f"{region.max_memory_mb}"
+            )
+    names = [r.name for r in regions]
+    if len(set(names)) != len(names):
+        raise SchemaError(f"{source}: key regions: region names must be unique")
+    return Catalog(source, regions)
+
+
+def load_catalog(path: Path | None = None) -> Catalog:
+    """The catalog at `path`, or the built-in default."""
+    if path is None:
+        text = resources.files("cloudless.ir").joinpath("catalogs", "default.yaml").read_text()
+        return parse_catalog(yaml.safe_load(text), "default catalog")
+    if not path.exists():
+        raise SchemaError(f"{path}: no such file; expected a region catalog (YAML)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise SchemaError(f"{path}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    return parse_catalog(data, str(path))
