@@ -20,9 +20,12 @@ from rich.console import Console
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS
 from cloudless.compiler.errors import CompileError, display_path
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, run_front_end
+from cloudless.compiler.plan import PlanOptions, plan_document
 from cloudless.compiler.verify import TOLERANCE
+from cloudless.ir.plan import save_plan
 
 SLOW_STEPS = {
+    "plan": "Planning",
     "trace": "Tracing",
     "annotate": "Annotating",
     "profile": "Profiling blocks",
@@ -69,6 +72,33 @@ def build_parser() -> argparse.ArgumentParser:
         f"unsplit model (tolerance {TOLERANCE:g} relative)",
     )
     parser.add_argument("--stages", type=int, default=4, help="stages to split into for --verify (default 4)")
+    planning = parser.add_argument_group("planning (see docs/cost_model.md)")
+    planning.add_argument("-c", "--catalog", type=Path, help="region catalog YAML (default: the built-in catalog)")
+    planning.add_argument("--region", help="region to plan for (default: the catalog's first)")
+    planning.add_argument(
+        "--objective",
+        choices=["cost", "time", "cost-under-deadline", "time-under-budget"],
+        default="cost",
+        help="what to minimise (default cost)",
+    )
+    planning.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="the whole run (TRAINING['iterations']) must finish within this many seconds",
+    )
+    planning.add_argument("--budget", type=float, metavar="USD", help="the whole run must cost at most this")
+    planning.add_argument("--max-functions", type=int, help="at most this many functions at once")
+    planning.add_argument("--max-stages", type=int, default=16, help="at most this many pipeline stages (default 16)")
+    planning.add_argument("--replicas", default="1,2,4,8", help="replica counts a stage may use (default 1,2,4,8)")
+    planning.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="micro-batch schedule")
+    planning.add_argument(
+        "--solver-time-limit",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="per micro-batch size; the plan then reports its proven gap (default 10)",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     return parser
 
@@ -82,10 +112,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--batch-size", args.batch_size),
         ("--blocks", args.blocks),
         ("--stages", args.stages),
+        ("--max-stages", args.max_stages),
+        ("--max-functions", args.max_functions),
     ):
         if value is not None and value < 1:
             console.print(f"cloudless-compile: error: {name} must be at least 1", style="red", markup=False)
             return 2
+    try:
+        replicas = tuple(sorted({int(r) for r in args.replicas.split(",")}))
+        if not replicas or min(replicas) < 1:
+            raise ValueError
+    except ValueError:
+        console.print("cloudless-compile: error: --replicas takes positive integers like 1,2,4,8", markup=False)
+        return 2
+    objective = args.objective
+    if objective == "cost" and args.deadline is not None:
+        objective = "cost-under-deadline"
+    if objective == "time" and args.budget is not None:
+        objective = "time-under-budget"
+    plan_options = PlanOptions(
+        catalog=args.catalog,
+        region=args.region,
+        objective=objective,
+        deadline=args.deadline,
+        budget=args.budget,
+        max_functions=args.max_functions,
+        schedule=args.schedule,
+        max_stages=args.max_stages,
+        replicas=replicas,
+        time_limit=args.solver_time_limit,
+    )
     options = FrontEndOptions(
         model_path=args.model,
         batch_size=args.batch_size,
@@ -94,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tracer=args.tracer,
         profile_repeats=max(args.repeats, 0),
         verify_stages=args.stages if args.verify else 0,
+        plan=plan_options if args.repeats > 0 else None,
     )
 
     @contextmanager
@@ -123,6 +180,8 @@ def write_build(result: FrontEndResult, output: Path) -> None:
         (staging / "ir").mkdir()
         result.graph.save(staging / "ir" / "graph.json")
         result.chain.save(staging / "ir" / "blocks.json")
+        if result.plan is not None:
+            save_plan(plan_document(result.plan, result.chain, result.plan_options), staging / "plan.json")
         if output.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
             os.replace(output, retired / output.name)
@@ -133,6 +192,40 @@ def write_build(result: FrontEndResult, output: Path) -> None:
     finally:
         if staging.exists():
             shutil.rmtree(staging)
+
+
+def print_plan(out: Console, result: FrontEndResult) -> None:
+    plan = result.plan
+    solution, problem = plan.solution, plan.problem
+    ev = solution.evaluation
+    gap = "unknown" if solution.gap == float("inf") else f"{solution.gap:.2%}"
+    out.print(
+        f"  plan        {plan.region.name}, objective {result.plan_options.objective}, {problem.schedule}, "
+        f"micro-batch {solution.plan.micro_batch} x {problem.global_batch // solution.plan.micro_batch}: "
+        f"{solution.status} (gap {gap}, {solution.solver}, {solution.solve_s:.1f} s)"
+    )
+    out.print("              stage  blocks   tier MB  replicas  memory MB  fwd+bwd s/mb  modules")
+    for i, (choice, terms) in enumerate(zip(solution.plan.stages, ev.stages, strict=True)):
+        modules = [m for b in result.chain.blocks[choice.first : choice.last + 1] for m in b.modules]
+        shown = f"{modules[0]} .. {modules[-1]}" if len(modules) > 1 else (modules[0] if modules else "-")
+        out.print(
+            f"              {i:>5}  {choice.first:>2}-{choice.last:<3}  {choice.tier_mb:>7}  {choice.replicas:>8}  "
+            f"{terms.memory_mb:>9.0f}  {terms.forward_s + terms.backward_s:>12.3f}  {shown}"
+        )
+    out.print(
+        f"  predicted   {ev.iteration_s:.2f} s and {ev.cost_usd * 1e3:.4f} mUSD per iteration; "
+        f"{problem.iterations} iterations: {ev.iteration_s * problem.iterations:.0f} s, "
+        f"{ev.cost_usd * problem.iterations:.4f} USD"
+    )
+    for b in plan.baselines:
+        if b.evaluation is None:
+            out.print(f"  baseline    {b.name}: cannot fit: {b.reason}")
+        else:
+            out.print(
+                f"  baseline    {b.name}: {b.evaluation.iteration_s:.2f} s, {b.evaluation.cost_usd * 1e3:.4f} mUSD "
+                f"per iteration (ours: {ev.iteration_s / b.evaluation.iteration_s:.2f}x time, "
+                f"{ev.cost_usd / b.evaluation.cost_usd:.2f}x cost)"
+            )
 
 
 def human_flops(flops: int) -> str:
@@ -170,10 +263,13 @@ def print_summary(out: Console, result: FrontEndResult, output: Path, requested_
             f"({v.compared_gradients} gradients), loss {v.loss_error:.3g}, outputs {v.output_error:.3g}, "
             f"buffers {v.buffer_error:.3g} (tolerance {TOLERANCE:g})"
         )
+    if result.plan is not None:
+        print_plan(out, result)
     out.print("  time        " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
-    out.print(
-        f"  wrote       {display_path(output / 'ir' / 'graph.json')}, {display_path(output / 'ir' / 'blocks.json')}"
-    )
+    written = [output / "ir" / "graph.json", output / "ir" / "blocks.json"]
+    if result.plan is not None:
+        written.append(output / "plan.json")
+    out.print("  wrote       " + ", ".join(display_path(p) for p in written))
 
 
 if __name__ == "__main__":

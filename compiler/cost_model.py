@@ -178,6 +178,14 @@ class CostModel:
         return sum(b.param_bytes for b in blocks) + sum(self.problem.shared_bytes[n] for n in shared)
 
     def stage_terms(self, choice: StageChoice, index: int, count: int, micro_batch: int) -> StageTerms:
+        """Terms of the stage at `index` of `count` stages."""
+        return self.config_terms(choice, index == 0, index == count - 1, count - index, micro_batch)
+
+    def config_terms(
+        self, choice: StageChoice, first: bool, last: bool, stages_from_here: int, micro_batch: int
+    ) -> StageTerms:
+        """Terms of a stage configuration from what it alone determines: whether it is the first
+        and the last stage, and (1F1B memory only) how many stages run from it to the end."""
         p = self.problem
         blocks = p.blocks[choice.first : choice.last + 1]
         scale = micro_batch / p.profile_batch
@@ -186,26 +194,30 @@ class CostModel:
         kappa = self.kappa(choice.tier_mb)
         bandwidth = self.bandwidth(choice.tier_mb)
         inputs = scale * blocks[0].input_bytes
-        outputs = scale * blocks[-1].output_bytes if index < count - 1 else 0.0
-        grad_in = inputs if index > 0 else 0.0
+        outputs = scale * blocks[-1].output_bytes if not last else 0.0
+        grad_in = inputs if not first else 0.0
+        alone = first and last
         params = self.stage_params(choice.first, choice.last)
         state = (2 + p.optimizer_state) * params
         activations = scale * sum(b.saved_bytes for b in blocks)
-        held = self.in_flight(p.schedule, per_replica, count - index)
-        memory = self.region.runtime_overhead_mb + (
-            state + sum(b.buffer_bytes for b in blocks) + activations * held + 2 * (inputs + outputs)
-        ) / MB
+        held = self.in_flight(p.schedule, per_replica, stages_from_here)
+        memory = (
+            self.region.runtime_overhead_mb
+            + (state + sum(b.buffer_bytes for b in blocks) + activations * held + 2 * (inputs + outputs)) / MB
+        )
         r = choice.replicas
         sync = self.sync_factor(r) * params / bandwidth + 2 * (r - 1) * self.latency if r > 1 else 0.0
-        puts = (2 * micro_batches if index < count - 1 else 0) + (r * r if r > 1 else 0)
-        gets = (micro_batches if index == 0 else 0) + (2 * micro_batches if index > 0 else 0) + (
-            2 * r * (r - 1) if r > 1 else 0
+        puts = (2 * micro_batches if not last else 0) + (r * r if r > 1 else 0)
+        gets = (
+            (micro_batches if first else 0)
+            + (2 * micro_batches if not first else 0)
+            + (2 * r * (r - 1) if r > 1 else 0)
         )
         return StageTerms(
             forward_compute_s=kappa * scale * sum(b.forward_s for b in blocks),
             backward_compute_s=kappa * scale * sum(b.backward_s for b in blocks),
             forward_comm_s=max(inputs, outputs) / bandwidth + self.latency,
-            backward_comm_s=(max(outputs, grad_in) / bandwidth + self.latency) if count > 1 else 0.0,
+            backward_comm_s=(max(outputs, grad_in) / bandwidth + self.latency) if not alone else 0.0,
             sync_s=sync,
             update_s=(2 + p.optimizer_state) * params / self.update_rate(choice.tier_mb),
             memory_mb=memory,
@@ -236,9 +248,10 @@ class CostModel:
         gb_functions = sum(c.replicas * c.tier_mb / 1024 for c in plan.stages)
         compute_usd = iteration * gb_functions * prices.gb_second
         request_usd = sum(c.replicas for c in plan.stages) * prices.per_million_requests / 1e6
-        storage_usd = sum(t.puts for t in terms) * prices.storage_put_per_1000 / 1000 + sum(
-            t.gets for t in terms
-        ) * prices.storage_get_per_1000 / 1000
+        storage_usd = (
+            sum(t.puts for t in terms) * prices.storage_put_per_1000 / 1000
+            + sum(t.gets for t in terms) * prices.storage_get_per_1000 / 1000
+        )
         violations = self.violations(plan, terms)
         return Evaluation(
             iteration_s=iteration,

@@ -1,4 +1,4 @@
-"""The front end's passes, top to bottom: load → trace → annotate → coarsen → profile → split → verify.
+"""The compiler's passes, top to bottom: load → trace → annotate → coarsen → profile → plan → split → verify.
 
 Each pass is a function with typed input and output; `run_front_end` chains them, times each, and
 reports progress through a callback so the CLI (or a test) decides how to show it.
@@ -21,6 +21,7 @@ from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.annotate import annotate, fetch_attr
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS, block_cuts, coarsen
 from cloudless.compiler.model_file import ModelFile, load_model_file
+from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.profile import loss_function, profile_blocks
 from cloudless.compiler.split import inline_leaf_modules, partition
 from cloudless.compiler.state import preserved_state
@@ -40,6 +41,7 @@ class FrontEndOptions:
     tracer: Literal["auto", "fx", "export"] = "auto"
     profile_repeats: int = 3
     verify_stages: int = 0
+    plan: PlanOptions | None = None
 
 
 @dataclass
@@ -64,6 +66,8 @@ class FrontEndResult:
     chain: BlockChain
     stages: list[StageCode] = field(default_factory=list)
     verify: VerifyReport | None = None
+    plan: PlanResult | None = None
+    plan_options: PlanOptions | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -106,6 +110,10 @@ def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = 
             with timed("profile"):
                 chain = profile_blocks(program, graph, chain, flat_inputs, loss_of, options.profile_repeats)
     result = FrontEndResult(model_file, model, program, graph, chain, timings=timings)
+    if options.plan is not None and chain.machine is not None:
+        with timed("plan"):
+            result.plan = plan_training(chain, model_file, options.plan)
+            result.plan_options = options.plan
     if options.verify_stages > 0:
         ranges = balanced_stage_ranges(chain, options.verify_stages)
         with timed("split"):

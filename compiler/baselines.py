@@ -1,0 +1,130 @@
+"""Baseline plans on the same cost model, for plan.json and as incumbents of the MILP.
+
+- data-parallel: the whole model in every function (LambdaML), best tier and replica count;
+- equal-parameters: contiguous stages with about equal parameter bytes (PyTorch pipelining and
+  DeepSpeed's default), best stage count and micro-batch size;
+- time-balanced: contiguous stages with about equal measured time (torchgpipe's balance by time).
+Each deploys one (tier, replicas) for all its stages, as those systems use homogeneous workers;
+the best such choice is found by enumeration on the same cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice
+from cloudless.compiler.planner import objective_key, within_limits
+
+
+@dataclass
+class Baseline:
+    name: str
+    description: str
+    plan: Plan | None
+    evaluation: Evaluation | None
+    reason: str = ""
+
+
+def balanced_ranges(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges whose weight sums are about total/stages each (cut where the running sum
+    passes each share), every range non-empty."""
+    total = sum(weights) or 1.0
+    ranges, first, running = [], 0, 0.0
+    for i, weight in enumerate(weights):
+        running += weight
+        left_blocks = len(weights) - i - 1
+        left_stages = stages - len(ranges) - 1
+        if left_stages == 0:
+            break
+        if running >= total * (len(ranges) + 1) / stages or left_blocks == left_stages:
+            ranges.append((first, i))
+            first = i + 1
+    ranges.append((first, len(weights) - 1))
+    return ranges
+
+
+def _best_uniform(
+    problem: Problem,
+    objective: Objective,
+    partitions: list[list[tuple[int, int]]],
+    deadline: float | None,
+    budget: float | None,
+) -> tuple[Plan, Evaluation] | None:
+    """The best plan over these partitions with one (tier, replicas) for every stage, as pipeline
+    systems deploy homogeneous workers; exact by enumeration on the cost model."""
+    model = CostModel(problem)
+    best = None
+    for mu in sorted(problem.micro_batch_counts()):
+        for ranges in partitions:
+            for m in problem.region.tiers_mb:
+                for r in problem.replicas:
+                    plan = Plan(mu, tuple(StageChoice(a, b, m, r) for a, b in ranges))
+                    evaluation = model.evaluate(plan)
+                    if not within_limits(problem, evaluation, deadline, budget):
+                        continue
+                    key = objective_key(problem, objective, evaluation)
+                    if best is None or key < best[0]:
+                        best = (key, plan, evaluation)
+    return None if best is None else (best[1], best[2])
+
+
+def _why_not(problem: Problem, partitions: list[list[tuple[int, int]]]) -> str:
+    """The smallest memory any stage of these partitions needs beyond the largest tier, if any."""
+    model = CostModel(problem)
+    largest = max(problem.region.tiers_mb)
+    mu = min(problem.micro_batch_counts(), default=problem.profile_batch)
+    worst = None
+    for ranges in partitions:
+        need = 0.0
+        for index, (first, last) in enumerate(ranges):
+            choice = StageChoice(first, last, largest, max(problem.replicas))
+            terms = model.stage_terms(choice, index, len(ranges), mu)
+            need = max(need, terms.memory_mb)
+        if worst is None or need < worst[0]:
+            worst = (need, ranges)
+    if worst and worst[0] > largest:
+        return (
+            f"its largest stage needs {worst[0]:.0f} MB even on the {largest} MB tier with "
+            f"{max(problem.replicas)} replicas at micro-batch {mu}"
+        )
+    return "no stage count fits the function limit, deadline or budget"
+
+
+def baselines(
+    problem: Problem,
+    objective: Objective,
+    *,
+    deadline: float | None = None,
+    budget: float | None = None,
+) -> list[Baseline]:
+    n_blocks = len(problem.blocks)
+    stage_counts = range(1, min(problem.max_stages, n_blocks) + 1)
+
+    def split_by(weight: Callable[[int], float]) -> list[list[tuple[int, int]]]:
+        weights = [weight(b) for b in range(n_blocks)]
+        return [balanced_ranges(weights, s) for s in stage_counts]
+
+    specs = [
+        ("data-parallel", "whole model in every function (LambdaML), best tier and replicas", [[(0, n_blocks - 1)]]),
+        (
+            "equal-parameters",
+            "equal parameter bytes per stage (PyTorch pipelining, DeepSpeed)",
+            split_by(
+                lambda b: problem.blocks[b].param_bytes + sum(problem.shared_bytes[n] for n in problem.blocks[b].shared)
+            ),
+        ),
+        (
+            "time-balanced",
+            "equal measured time per stage (torchgpipe)",
+            split_by(lambda b: problem.blocks[b].forward_s + problem.blocks[b].backward_s),
+        ),
+    ]
+    result = []
+    for name, description, partitions in specs:
+        best = _best_uniform(problem, objective, partitions, deadline, budget)
+        if best is None:
+            result.append(Baseline(name, description, None, None, _why_not(problem, partitions)))
+        else:
+            result.append(Baseline(name, description, best[0], best[1]))
+    return result
