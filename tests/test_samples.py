@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cloudless.ir import BlockChain, OpGraph, validate
+from cloudless.ir.plan import load_plan
 
 from .conftest import SAMPLES
 
@@ -26,7 +27,19 @@ CASES = {
 def test_sample_compiles_and_verifies(sample: str, compile_cli, tmp_path: Path) -> None:
     tracer, params = CASES[sample]
     out = tmp_path / "build"
-    code, stdout, stderr = compile_cli(str(SAMPLES / f"{sample}.py"), "-o", str(out), "--verify", "--repeats", "1")
+    # 12 blocks and a 2 s solver limit keep planning quick here; the benchmark plans at the defaults.
+    code, stdout, stderr = compile_cli(
+        str(SAMPLES / f"{sample}.py"),
+        "-o",
+        str(out),
+        "--verify",
+        "--repeats",
+        "1",
+        "--blocks",
+        "12",
+        "--solver-time-limit",
+        "2",
+    )
     assert code == 0, stderr
     assert f"traced with torch.{tracer}" in stdout
     assert f"parameters  {params:,}" in stdout
@@ -41,12 +54,20 @@ def test_sample_compiles_and_verifies(sample: str, compile_cli, tmp_path: Path) 
     graph = OpGraph.load(out / "ir" / "graph.json")
     chain = BlockChain.load(out / "ir" / "blocks.json")
     assert graph.param_count == params
-    assert 1 <= len(chain.blocks) <= 30
+    assert 1 <= len(chain.blocks) <= 12
     assert sum(len(b.nodes) for b in chain.blocks) == sum(
         1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")
     )
     assert all(b.forward_s > 0 for b in chain.blocks)
     assert [p.name for p in tmp_path.iterdir()] == ["build"]  # no staging folder left behind
+
+    plan = load_plan(out / "plan.json")  # validated against its schema
+    assert plan["stages"][0]["blocks"][0] == 0 and plan["stages"][-1]["blocks"][1] == len(chain.blocks) - 1
+    for baseline in plan["baselines"]:
+        if baseline["feasible"]:
+            assert baseline["cost_ratio"] <= 1 + 1e-9, baseline
+        else:
+            assert baseline["reason"]
 
 
 def test_tied_embeddings_are_one_shared_parameter(compile_cli, tmp_path: Path) -> None:
