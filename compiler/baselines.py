@@ -10,11 +10,12 @@ the best such choice is found by enumeration on the same cost model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from cloudless.compiler.coarsen import balanced_ranges
 from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice
-from cloudless.compiler.planner import objective_key, within_limits
+from cloudless.compiler.exhaustive import best_plan
 
 
 @dataclass
@@ -26,24 +27,6 @@ class Baseline:
     reason: str = ""
 
 
-def balanced_ranges(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges whose weight sums are about total/stages each (cut where the running sum
-    passes each share), every range non-empty."""
-    total = sum(weights) or 1.0
-    ranges, first, running = [], 0, 0.0
-    for i, weight in enumerate(weights):
-        running += weight
-        left_blocks = len(weights) - i - 1
-        left_stages = stages - len(ranges) - 1
-        if left_stages == 0:
-            break
-        if running >= total * (len(ranges) + 1) / stages or left_blocks == left_stages:
-            ranges.append((first, i))
-            first = i + 1
-    ranges.append((first, len(weights) - 1))
-    return ranges
-
-
 def _best_uniform(
     problem: Problem,
     objective: Objective,
@@ -53,20 +36,14 @@ def _best_uniform(
 ) -> tuple[Plan, Evaluation] | None:
     """The best plan over these partitions with one (tier, replicas) for every stage, as pipeline
     systems deploy homogeneous workers; exact by enumeration on the cost model."""
-    model = CostModel(problem)
-    best = None
-    for mu in sorted(problem.micro_batch_counts()):
-        for ranges in partitions:
-            for m in problem.region.tiers_mb:
-                for r in problem.replicas:
-                    plan = Plan(mu, tuple(StageChoice(a, b, m, r) for a, b in ranges))
-                    evaluation = model.evaluate(plan)
-                    if not within_limits(problem, evaluation, deadline, budget):
-                        continue
-                    key = objective_key(problem, objective, evaluation)
-                    if best is None or key < best[0]:
-                        best = (key, plan, evaluation)
-    return None if best is None else (best[1], best[2])
+    plans = (
+        Plan(mu, tuple(StageChoice(a, b, m, r) for a, b in ranges))
+        for mu in sorted(problem.micro_batch_counts())
+        for ranges in partitions
+        for m in problem.region.tiers_mb
+        for r in problem.replicas
+    )
+    return best_plan(problem, objective, plans, deadline, budget)
 
 
 def _why_not(problem: Problem, partitions: list[list[tuple[int, int]]]) -> str:

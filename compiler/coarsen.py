@@ -13,6 +13,7 @@ window around its balanced position, where the fewest bytes cross.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cloudless.ir import Block, BlockChain, OpGraph, OpNode
@@ -206,3 +207,21 @@ def block_cuts(chain: BlockChain, stage_ranges: list[tuple[int, int]]) -> list[i
     if expected != len(chain.blocks):
         raise ValueError(f"stage ranges {stage_ranges} do not cover all {len(chain.blocks)} blocks")
     return [chain.blocks[last].last for _, last in stage_ranges[:-1]]
+
+
+def balanced_ranges(weights: Sequence[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous ranges whose weight sums are about total/stages each (cut where the running sum
+    passes each share), every range non-empty."""
+    total = sum(weights) or 1.0
+    ranges, first, running = [], 0, 0.0
+    for i, weight in enumerate(weights):
+        running += weight
+        left_blocks = len(weights) - i - 1
+        left_stages = stages - len(ranges) - 1
+        if left_stages == 0:
+            break
+        if running >= total * (len(ranges) + 1) / stages or left_blocks == left_stages:
+            ranges.append((first, i))
+            first = i + 1
+    ranges.append((first, len(weights) - 1))
+    return ranges

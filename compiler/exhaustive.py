@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice
 from cloudless.compiler.planner import objective_key, within_limits
@@ -26,23 +27,37 @@ def exhaustive(
     fixed_ranges: list[tuple[int, int]] | None = None,
 ) -> tuple[Plan, Evaluation] | None:
     """The best plan by enumeration (micro-batch x partition x tier and replicas per stage)."""
-    model = CostModel(problem)
     options = [(m, r) for m in problem.region.tiers_mb for r in problem.replicas]
-    best: tuple[tuple[float, float], Plan, Evaluation] | None = None
     n_blocks = len(problem.blocks)
     partitions = (
         [fixed_ranges]
         if fixed_ranges is not None
         else [p for s in range(1, min(problem.max_stages, n_blocks) + 1) for p in contiguous_ranges(n_blocks, s)]
     )
-    for mu in sorted(problem.micro_batch_counts()):
-        for ranges in partitions:
-            for picks in itertools.product(options, repeat=len(ranges)):
-                plan = Plan(mu, tuple(StageChoice(a, b, m, r) for (a, b), (m, r) in zip(ranges, picks, strict=True)))
-                evaluation = model.evaluate(plan)
-                if not within_limits(problem, evaluation, deadline, budget):
-                    continue
-                key = objective_key(problem, objective, evaluation)
-                if best is None or key < best[0]:
-                    best = (key, plan, evaluation)
+    plans = (
+        Plan(mu, tuple(StageChoice(a, b, m, r) for (a, b), (m, r) in zip(ranges, picks, strict=True)))
+        for mu in sorted(problem.micro_batch_counts())
+        for ranges in partitions
+        for picks in itertools.product(options, repeat=len(ranges))
+    )
+    return best_plan(problem, objective, plans, deadline, budget)
+
+
+def best_plan(
+    problem: Problem,
+    objective: Objective,
+    plans: Iterable[Plan],
+    deadline: float | None = None,
+    budget: float | None = None,
+) -> tuple[Plan, Evaluation] | None:
+    """The best of `plans` within the limits, by the objective (first found wins ties)."""
+    model = CostModel(problem)
+    best: tuple[tuple[float, float], Plan, Evaluation] | None = None
+    for plan in plans:
+        evaluation = model.evaluate(plan)
+        if not within_limits(problem, evaluation, deadline, budget):
+            continue
+        key = objective_key(problem, objective, evaluation)
+        if best is None or key < best[0]:
+            best = (key, plan, evaluation)
     return None if best is None else (best[1], best[2])

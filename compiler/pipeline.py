@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.annotate import annotate, fetch_attr
-from cloudless.compiler.coarsen import DEFAULT_BLOCKS, block_cuts, coarsen
+from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen
 from cloudless.compiler.model_file import ModelFile, load_model_file
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.profile import loss_function, profile_blocks
@@ -172,21 +172,8 @@ def _stage_tensor_names(module: torch.fx.GraphModule) -> list[str]:
 
 def balanced_stage_ranges(chain: BlockChain, stages: int) -> list[tuple[int, int]]:
     """Contiguous block ranges with about equal measured (else FLOP) cost, for --verify."""
-    count = min(stages, len(chain.blocks))
     costs = [b.forward_s + b.backward_s or float(b.flops + 1) for b in chain.blocks]
-    total = sum(costs)
-    ranges, first, running = [], 0, 0.0
-    for i, cost in enumerate(costs):
-        running += cost
-        remaining_blocks = len(costs) - i - 1
-        remaining_stages = count - len(ranges) - 1
-        if remaining_stages == 0:
-            break
-        if running >= total * (len(ranges) + 1) / count or remaining_blocks == remaining_stages:
-            ranges.append((first, i))
-            first = i + 1
-    ranges.append((first, len(costs) - 1))
-    return ranges
+    return balanced_ranges(costs, min(stages, len(chain.blocks)))
 
 
 def _default_batch_size(model_file: ModelFile) -> int:
