@@ -97,10 +97,8 @@ def sample_ratios(samples: list[str], time_limit: float) -> None:
                 if b.evaluation is None:
                     parts.append(f"{b.name}: cannot fit")
                 else:
-                    parts.append(
-                        f"{b.name} {ev.iteration_s / b.evaluation.iteration_s:.2f}/"
-                        f"{ev.cost_usd / b.evaluation.cost_usd:.2f}"
-                    )
+                    time_ratio, cost_ratio = b.ratios(ev)
+                    parts.append(f"{b.name} {time_ratio:.2f}/{cost_ratio:.2f}")
             gap = "?" if plan.solution.gap == float("inf") else f"{plan.solution.gap:.1%}"
             print(
                 f"{name:<11} {objective:<6} {ev.iteration_s:>9.2f} {ev.cost_usd * 1e3:>12.4f} "

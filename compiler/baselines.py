@@ -26,6 +26,11 @@ class Baseline:
     evaluation: Evaluation | None
     reason: str = ""
 
+    def ratios(self, chosen: Evaluation) -> tuple[float, float]:
+        """The chosen plan's (time, cost) over this baseline's: below 1 means the plan is better."""
+        assert self.evaluation is not None
+        return chosen.iteration_s / self.evaluation.iteration_s, chosen.cost_usd / self.evaluation.cost_usd
+
 
 def _best_uniform(
     problem: Problem,

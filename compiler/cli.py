@@ -221,10 +221,10 @@ def print_plan(out: Console, result: FrontEndResult) -> None:
         if b.evaluation is None:
             out.print(f"  baseline    {b.name}: cannot fit: {b.reason}")
         else:
+            time_ratio, cost_ratio = b.ratios(ev)
             out.print(
                 f"  baseline    {b.name}: {b.evaluation.iteration_s:.2f} s, {b.evaluation.cost_usd * 1e3:.4f} mUSD "
-                f"per iteration (ours: {ev.iteration_s / b.evaluation.iteration_s:.2f}x time, "
-                f"{ev.cost_usd / b.evaluation.cost_usd:.2f}x cost)"
+                f"per iteration (ours: {time_ratio:.2f}x time, {cost_ratio:.2f}x cost)"
             )
 
 

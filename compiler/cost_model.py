@@ -23,9 +23,6 @@ Schedule = Literal["gpipe", "1f1b"]
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20
 
-#: Optimizer state per parameter byte: SGD keeps none, momentum one buffer, Adam two.
-OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
-
 
 @dataclass(frozen=True)
 class BlockCost:

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.annotate import annotate, fetch_attr
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen
+from cloudless.compiler.errors import ModelFileError
 from cloudless.compiler.model_file import ModelFile, load_model_file
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.profile import loss_function, profile_blocks
@@ -71,9 +72,6 @@ class FrontEndResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-Progress = Callable[[str], Any]
-
-
 def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = None) -> FrontEndResult:
     """Run every front-end pass; `step(name)` returns a context manager shown while a pass runs."""
     timings: dict[str, float] = {}
@@ -104,7 +102,7 @@ def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = 
             graph = annotate(program, flat_inputs, model_file.name, batch_size)
         with timed("coarsen"):
             chain = coarsen(graph, options.num_blocks)
-        loss_of = loss_function(program.out_spec, _loss_fn(model_file), targets)
+        loss_of = loss_function(program.out_spec, model_file.loss_fn, targets)
         _check_loss(model_file, program, flat_inputs, loss_of)
         if options.profile_repeats > 0:
             with timed("profile"):
@@ -123,7 +121,7 @@ def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = 
                 model,
                 example_inputs,
                 targets,
-                _loss_fn(model_file),
+                model_file.loss_fn,
                 [(s.source, s.state, s.inputs, s.outputs) for s in result.stages],
                 program.out_spec,
             )
@@ -181,10 +179,6 @@ def _default_batch_size(model_file: ModelFile) -> int:
     return max(min(sizes), 1) if sizes else DEFAULT_BATCH_SIZE
 
 
-def _loss_fn(model_file: ModelFile) -> Callable[[Any, Any], torch.Tensor]:
-    return model_file.loss_fn
-
-
 def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list[Any], loss_of: Any) -> None:
     """Run the loss once so a broken loss_fn/example_targets fails here, naming its line."""
     with torch.no_grad():
@@ -194,8 +188,6 @@ def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list
     except Exception as exc:  # noqa: BLE001 - reported with the user's line
         raise model_file.error_at(exc, f"loss_fn(output, target) raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        from cloudless.compiler.errors import ModelFileError
-
         raise ModelFileError(
             f"{model_file.path.name}: loss_fn(output, target) returned {type(loss).__name__}; expected a scalar tensor"
         )

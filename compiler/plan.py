@@ -23,7 +23,7 @@ from cloudless.compiler.cost_model import (
 )
 from cloudless.compiler.errors import CompileError
 from cloudless.compiler.model_file import ModelFile
-from cloudless.compiler.planner import Infeasible, Solution, solve, stage_configs
+from cloudless.compiler.planner import Infeasible, Solution, check_objective, solve, stage_configs
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import Catalog, Region, load_catalog
 from cloudless.ir.schema import SchemaError
@@ -111,10 +111,10 @@ def _samples_per_epoch(model_file: ModelFile, region: str) -> int | None:
 
 def plan_training(chain: BlockChain, model_file: ModelFile, options: PlanOptions) -> PlanResult:
     region, problem = build_problem(chain, model_file, options)
-    if options.objective == "cost-under-deadline" and options.deadline is None:
-        raise CompileError("--objective cost-under-deadline needs --deadline SECONDS")
-    if options.objective == "time-under-budget" and options.budget is None:
-        raise CompileError("--objective time-under-budget needs --budget USD")
+    try:
+        check_objective(options.objective, options.deadline, options.budget)
+    except ValueError as exc:
+        raise CompileError(str(exc)) from exc
     found = baselines(problem, options.objective, deadline=options.deadline, budget=options.budget)
     incumbents = tuple(b.plan for b in found if b.plan is not None)
     try:
@@ -275,8 +275,8 @@ def plan_document(result: PlanResult, chain: BlockChain, options: PlanOptions) -
                 "micro_batch": b.plan.micro_batch if feasible else None,
                 "stages": _stage_documents(b.plan, b.evaluation, chain) if feasible else [],
                 "predicted": _figures(problem, b.evaluation) if feasible else None,
-                "time_ratio": _round(chosen.iteration_s / b.evaluation.iteration_s, 6) if feasible else None,
-                "cost_ratio": _round(chosen.cost_usd / b.evaluation.cost_usd, 6) if feasible else None,
+                "time_ratio": _round(b.ratios(chosen)[0], 6) if feasible else None,
+                "cost_ratio": _round(b.ratios(chosen)[1], 6) if feasible else None,
             }
         )
     return {

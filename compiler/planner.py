@@ -70,7 +70,7 @@ def solve(
     limit the result is never worse than them. The gap is measured against the solver's proven
     lower bound, which holds for every plan.
     """
-    _check_objective(objective, deadline, budget)
+    check_objective(objective, deadline, budget)
     start = time.perf_counter()
     model = CostModel(problem)
     found: list[Solution] = []
@@ -103,11 +103,11 @@ def solve(
     return best
 
 
-def _check_objective(objective: Objective, deadline: float | None, budget: float | None) -> None:
+def check_objective(objective: Objective, deadline: float | None, budget: float | None) -> None:
     if objective == "cost-under-deadline" and deadline is None:
-        raise ValueError("objective cost-under-deadline needs --deadline")
+        raise ValueError("--objective cost-under-deadline needs --deadline SECONDS")
     if objective == "time-under-budget" and budget is None:
-        raise ValueError("objective time-under-budget needs --budget")
+        raise ValueError("--objective time-under-budget needs --budget USD")
 
 
 def stage_configs(
@@ -122,27 +122,26 @@ def stage_configs(
     configs = []
     spans = ranges if ranges is not None else [(a, b) for a in range(n_blocks) for b in range(a, n_blocks)]
     for first, last in spans:
-        if True:
-            for m in problem.region.tiers_mb:
-                for r in problem.replicas:
-                    if r > problem.function_limit:
-                        continue
-                    choice = StageChoice(first, last, m, r)
-                    is_first, is_last = first == 0, last == n_blocks - 1
-                    # Stages from here to the end, this one included: 1 for the last, else as many as
-                    # the blocks left and the stage limit allow.
-                    most = 1 if is_last else min(n_blocks - first, limit if is_first else limit - 1)
-                    fits = 0
-                    for depth in range(1, most + 1):
-                        terms = model.config_terms(choice, is_first, is_last, depth, mu)
-                        if terms.memory_mb > m:
-                            break
-                        fits = depth
-                        if problem.schedule == "gpipe":
-                            fits = most  # GPipe memory does not depend on the depth
-                            break
-                    if fits:
-                        configs.append((choice, model.config_terms(choice, is_first, is_last, 1, mu), fits))
+        for m in problem.region.tiers_mb:
+            for r in problem.replicas:
+                if r > problem.function_limit:
+                    continue
+                choice = StageChoice(first, last, m, r)
+                is_first, is_last = first == 0, last == n_blocks - 1
+                # Stages from here to the end, this one included: 1 for the last, else as many as
+                # the blocks left and the stage limit allow.
+                most = 1 if is_last else min(n_blocks - first, limit if is_first else limit - 1)
+                fits = 0
+                for depth in range(1, most + 1):
+                    terms = model.config_terms(choice, is_first, is_last, depth, mu)
+                    if terms.memory_mb > m:
+                        break
+                    fits = depth
+                    if problem.schedule == "gpipe":
+                        fits = most  # GPipe memory does not depend on the depth
+                        break
+                if fits:
+                    configs.append((choice, model.config_terms(choice, is_first, is_last, 1, mu), fits))
     return configs
 
 

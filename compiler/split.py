@@ -48,7 +48,6 @@ def partition(program: TracedProgram, graph: OpGraph, cuts: list[int]) -> list[S
     crossing = crossing_values(graph, cuts)
     bounds = list(zip([-1, *cuts], [*cuts, len(positions) - 1], strict=True))
     output_args = program.output_node().args[0]
-    names = program.tensor_names
     parts = []
     for s, (before, last) in enumerate(bounds):
         inputs = program.input_names if s == 0 else crossing[s - 1]
@@ -70,7 +69,7 @@ def partition(program: TracedProgram, graph: OpGraph, cuts: list[int]) -> list[S
                 if node.op != "get_attr":
                     raise CompileError(f"internal: value {node.name} is not available in its stage")
                 value = fetch_attr(program.module, str(node.target))
-                target = names.get(id(value), (str(node.target), False))[0]
+                target = program.tensor_name(value, str(node.target))
                 attributes[target] = value
                 env[node.name] = stage_graph.create_node("get_attr", target, name=node.name)
             return env[node.name]
@@ -90,15 +89,17 @@ def partition(program: TracedProgram, graph: OpGraph, cuts: list[int]) -> list[S
             node.meta.pop("stack_trace", None)
         # A dict root: attributes live under the model's canonical names, whatever export called them.
         module = fx.GraphModule(attributes, stage_graph, f"Stage{s}")
-        parts.append(StagePart(s, before + 1, last, module, list(inputs), list(outputs), _stage_tensors(module, names)))
+        parts.append(
+            StagePart(s, before + 1, last, module, list(inputs), list(outputs), _stage_tensors(module, program))
+        )
     return parts
 
 
-def _stage_tensors(module: fx.GraphModule, names: dict[int, tuple[str, bool]]) -> list[str]:
+def _stage_tensors(module: fx.GraphModule, program: TracedProgram) -> list[str]:
     found: list[str] = []
     for node in module.graph.nodes:
         for tensor in node_tensors(module, node):
-            name = names.get(id(tensor), (str(node.target), False))[0]
+            name = program.tensor_name(tensor, str(node.target))
             if name not in found:
                 found.append(name)
     return found
@@ -112,7 +113,6 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
     module = part.module
     stage_graph = module.graph
     metas = {n.name: n for n in graph.nodes}
-    names = program.tensor_names
     leaves = [n for n in stage_graph.nodes if n.op == "call_module"]
     # Example arguments first: splicing one leaf renames the values the next one reads.
     examples = {
@@ -154,7 +154,7 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
                 if inner.op == "get_attr":
                     tensor = fetch_attr(leaf_program, str(inner.target))
                     original = fetch_attr(leaf, str(inner.target)) if _has_attr(leaf, str(inner.target)) else tensor
-                    target = names.get(id(original), (f"{node.target}.{inner.target}", False))[0]
+                    target = program.tensor_name(original, f"{node.target}.{inner.target}")
                     if target not in existing:
                         if not _has_attr(module, target):
                             _set_attr(module, target, original)

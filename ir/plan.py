@@ -9,8 +9,6 @@ from typing import Any
 from cloudless.ir.graph import dumps
 from cloudless.ir.schema import validate
 
-PLAN_KIND = "Plan"
-
 
 def save_plan(document: dict[str, Any], path: Path) -> None:
     validate(document, "plan", str(path))
