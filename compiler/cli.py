@@ -21,6 +21,7 @@ from cloudless.compiler.coarsen import DEFAULT_BLOCKS
 from cloudless.compiler.errors import CompileError, display_path
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, run_front_end
 from cloudless.compiler.plan import PlanOptions, plan_document
+from cloudless.compiler.simulate import simulate
 from cloudless.compiler.verify import TOLERANCE
 from cloudless.ir.plan import save_plan
 
@@ -213,10 +214,13 @@ def print_plan(out: Console, result: FrontEndResult) -> None:
             f"{terms.memory_mb:>9.0f}  {terms.forward_s + terms.backward_s:>12.3f}  {shown}"
         )
     out.print(
-        f"  predicted   {ev.iteration_s:.2f} s and {ev.cost_usd * 1e3:.4f} mUSD per iteration; "
+        f"  predicted   {ev.iteration_s:.2f} s (simulated {simulate(problem, solution.plan).iteration_s:.2f} s) and "
+        f"{ev.cost_usd * 1e3:.4f} mUSD per iteration; "
         f"{problem.iterations} iterations: {ev.iteration_s * problem.iterations:.0f} s, "
         f"{ev.cost_usd * problem.iterations:.4f} USD"
     )
+    for warning in ev.warnings:
+        out.print(f"  [yellow]warning[/yellow]     {warning}")
     for b in plan.baselines:
         if b.evaluation is None:
             out.print(f"  baseline    {b.name}: cannot fit: {b.reason}")

@@ -22,6 +22,16 @@ from cloudless.ir.catalog import Region
 Schedule = Literal["gpipe", "1f1b"]
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20
+# Pipelined scatter-reduce moves each replica's chunk in pieces of about this size (at most
+# MAX_SYNC_PIECES), so a replica's uplink and downlink stay busy together. The runtime uses the same.
+SYNC_PIECE_BYTES = 4 * MB
+MAX_SYNC_PIECES = 16
+
+
+def sync_pieces(param_bytes: float, replicas: int) -> int:
+    """Pieces per chunk in the pipelined scatter-reduce among `replicas` functions."""
+    chunk = param_bytes / max(replicas, 1)
+    return max(1, min(MAX_SYNC_PIECES, math.ceil(chunk / SYNC_PIECE_BYTES)))
 
 
 @dataclass(frozen=True)
@@ -84,12 +94,17 @@ class Plan:
 
 @dataclass(frozen=True)
 class StageTerms:
-    """Per-micro-batch and per-iteration terms of one stage (seconds, MB, requests)."""
+    """Per-micro-batch and per-iteration terms of one stage (seconds, MB, requests).
+
+    Each function has a compute lane, a download link and an upload link that run at once; a
+    transfer costs the request latency plus bytes over bandwidth on its link."""
 
     forward_compute_s: float
     backward_compute_s: float
-    forward_comm_s: float
-    backward_comm_s: float
+    forward_download_s: float  # activations in (the data batch for the first stage)
+    forward_upload_s: float  # activations out (0 for the last stage)
+    backward_download_s: float  # output gradients in (0 for the last stage)
+    backward_upload_s: float  # input gradients out (0 for the first stage)
     sync_s: float
     update_s: float
     memory_mb: float
@@ -98,12 +113,36 @@ class StageTerms:
     gets: int
 
     @property
-    def forward_s(self) -> float:  # phi: transfers overlap compute
-        return max(self.forward_compute_s, self.forward_comm_s)
+    def forward_s(self) -> float:
+        """phi: a micro-batch's forward in steady state, when receives and sends overlap compute."""
+        return max(self.forward_compute_s, self.forward_download_s, self.forward_upload_s)
 
     @property
     def backward_s(self) -> float:  # beta
-        return max(self.backward_compute_s, self.backward_comm_s)
+        return max(self.backward_compute_s, self.backward_download_s, self.backward_upload_s)
+
+    @property
+    def forward_fill_s(self) -> float:
+        """The first micro-batch's forward: its receive, compute and send cannot overlap."""
+        return self.forward_download_s + self.forward_compute_s + self.forward_upload_s
+
+    @property
+    def backward_fill_s(self) -> float:
+        return self.backward_download_s + self.backward_compute_s + self.backward_upload_s
+
+    @property
+    def cycle_s(self) -> float:
+        """A forward and a backward in steady state under 1F1B, where they alternate on each lane."""
+        return max(
+            self.forward_compute_s + self.backward_compute_s,
+            self.forward_download_s + self.backward_download_s,
+            self.forward_upload_s + self.backward_upload_s,
+        )
+
+    @property
+    def tail_s(self) -> float:
+        """After the stage's last backward: scatter-reduce, then the optimizer step."""
+        return self.sync_s + self.update_s
 
 
 @dataclass(frozen=True)
@@ -118,6 +157,7 @@ class Evaluation:
     storage_usd: float
     stages: tuple[StageTerms, ...]
     violations: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def feasible(self) -> bool:
@@ -163,10 +203,16 @@ class CostModel:
         number of stages from here to the end under 1F1B."""
         return per_replica if schedule == "gpipe" else min(per_replica, stages_from_here)
 
-    @staticmethod
-    def sync_factor(replicas: int) -> float:
-        """Pipelined scatter-reduce moves 2(n-1)/n of the gradient bytes each way."""
-        return 2 * (replicas - 1) / replicas
+    def sync_time(self, param_bytes: float, replicas: int, tier_mb: int) -> float:
+        """Pipelined scatter-reduce among `replicas`: each downlink receives 2(r-1) chunks of P/r
+        bytes (its own chunk from every other replica, then every other reduced chunk) in k pieces,
+        one request each, and starts one piece behind the uplinks in each of the two phases."""
+        r = replicas
+        if r <= 1:
+            return 0.0
+        k = sync_pieces(param_bytes, r)
+        piece_s = self.latency + param_bytes / (r * k) / self.bandwidth(tier_mb)
+        return 2 * (r - 1) * k * piece_s + 2 * piece_s
 
     # --- one stage -------------------------------------------------------------------------
     def stage_params(self, first: int, last: int) -> int:
@@ -193,7 +239,6 @@ class CostModel:
         inputs = scale * blocks[0].input_bytes
         outputs = scale * blocks[-1].output_bytes if not last else 0.0
         grad_in = inputs if not first else 0.0
-        alone = first and last
         params = self.stage_params(choice.first, choice.last)
         state = (2 + p.optimizer_state) * params
         activations = scale * sum(b.saved_bytes for b in blocks)
@@ -203,19 +248,25 @@ class CostModel:
             + (state + sum(b.buffer_bytes for b in blocks) + activations * held + 2 * (inputs + outputs)) / MB
         )
         r = choice.replicas
-        sync = self.sync_factor(r) * params / bandwidth + 2 * (r - 1) * self.latency if r > 1 else 0.0
-        puts = (2 * micro_batches if not last else 0) + (r * r if r > 1 else 0)
+        pieces = sync_pieces(params, r)
+        puts = (2 * micro_batches if not last else 0) + (r * r * pieces if r > 1 else 0)
         gets = (
             (micro_batches if first else 0)
             + (2 * micro_batches if not first else 0)
-            + (2 * r * (r - 1) if r > 1 else 0)
+            + (2 * r * (r - 1) * pieces if r > 1 else 0)
         )
+
+        def transfer(size: float) -> float:
+            return size / bandwidth + self.latency if size else 0.0
+
         return StageTerms(
             forward_compute_s=kappa * scale * sum(b.forward_s for b in blocks),
             backward_compute_s=kappa * scale * sum(b.backward_s for b in blocks),
-            forward_comm_s=max(inputs, outputs) / bandwidth + self.latency,
-            backward_comm_s=(max(outputs, grad_in) / bandwidth + self.latency) if not alone else 0.0,
-            sync_s=sync,
+            forward_download_s=transfer(inputs),
+            forward_upload_s=transfer(outputs),
+            backward_download_s=transfer(outputs),
+            backward_upload_s=transfer(grad_in),
+            sync_s=self.sync_time(params, r, choice.tier_mb),
             update_s=(2 + p.optimizer_state) * params / self.update_rate(choice.tier_mb),
             memory_mb=memory,
             parameter_bytes=params,
@@ -230,17 +281,26 @@ class CostModel:
         terms = tuple(self.stage_terms(c, i, count, plan.micro_batch) for i, c in enumerate(plan.stages))
         micro_batches = p.global_batch // plan.micro_batch
         extra = [math.ceil(micro_batches / c.replicas) - 1 for c in plan.stages]
-        fill = sum(t.forward_s + t.backward_s for t in terms)
+        fill = sum(t.forward_fill_s + t.backward_fill_s for t in terms)
         if p.schedule == "gpipe":
-            steady = max(e * t.forward_s for e, t in zip(extra, terms, strict=True)) + max(
-                e * t.backward_s for e, t in zip(extra, terms, strict=True)
-            )
+            drains = [e * t.backward_s for e, t in zip(extra, terms, strict=True)]
+            steady = max(e * t.forward_s for e, t in zip(extra, terms, strict=True)) + max(drains)
         else:
-            steady = max(e * (t.forward_s + t.backward_s) for e, t in zip(extra, terms, strict=True))
+            drains = [e * t.cycle_s for e, t in zip(extra, terms, strict=True)]
+            steady = max(drains)
         pipeline = fill + steady
-        sync = max(t.sync_s for t in terms)
-        update = max(t.update_s for t in terms)
-        iteration = pipeline + sync + update
+        # A stage syncs and steps as soon as its own last backward is done: the stages before it
+        # still run their backward fill, and the drain of the busiest stage before it has not
+        # delayed it. The iteration ends with the stage that finishes last.
+        overhang, before = 0.0, 0.0
+        critical = terms[0]
+        for s, t in enumerate(terms):
+            ends = t.tail_s - before - (max(drains) - max(drains[s:]))
+            if ends > overhang:
+                overhang, critical = ends, t
+            before += t.backward_fill_s
+        sync, update = critical.sync_s, critical.update_s
+        iteration = pipeline + overhang
         prices = self.region.prices
         gb_functions = sum(c.replicas * c.tier_mb / 1024 for c in plan.stages)
         compute_usd = iteration * gb_functions * prices.gb_second
@@ -261,7 +321,26 @@ class CostModel:
             storage_usd=storage_usd,
             stages=terms,
             violations=tuple(violations),
+            warnings=tuple(self.round_trip_warnings(terms)),
         )
+
+    def round_trip_warnings(self, terms: tuple[StageTerms, ...]) -> list[str]:
+        """1F1B keeps (stages from here) micro-batches in flight per replica; the steady term above
+        assumes they cover the round trip of one micro-batch to the last stage and back. When they
+        do not, the stage waits and the prediction is optimistic (the simulator shows by how much)."""
+        if self.problem.schedule != "1f1b":
+            return []
+        found = []
+        for s, t in enumerate(terms):
+            after = len(terms) - s
+            round_trip = sum(u.forward_fill_s + u.backward_fill_s for u in terms[s:])
+            round_trip -= t.forward_download_s + t.backward_upload_s
+            if round_trip > after * t.cycle_s * 1.1:
+                found.append(
+                    f"stage {s}: under 1F1B its {after} micro-batches in flight wait for a {round_trip:.3f} s round "
+                    f"trip against a {t.cycle_s:.3f} s cycle; the predicted time is optimistic (try --schedule gpipe)"
+                )
+        return found
 
     def violations(self, plan: Plan, terms: tuple[StageTerms, ...]) -> list[str]:
         found = []

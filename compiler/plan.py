@@ -15,7 +15,9 @@ from cloudless.compiler.baselines import Baseline, baselines
 from cloudless.compiler.cost_model import (
     MB,
     CostModel,
+    Evaluation,
     Objective,
+    Plan,
     Problem,
     Schedule,
     StageChoice,
@@ -24,6 +26,7 @@ from cloudless.compiler.cost_model import (
 from cloudless.compiler.errors import CompileError
 from cloudless.compiler.model_file import ModelFile
 from cloudless.compiler.planner import Infeasible, Solution, check_objective, solve, stage_configs
+from cloudless.compiler.simulate import simulate
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import Catalog, Region, load_catalog
 from cloudless.ir.schema import SchemaError
@@ -232,7 +235,7 @@ def _stage_documents(plan, evaluation, chain: BlockChain) -> list[dict]:
     return stages
 
 
-def _figures(problem: Problem, evaluation) -> dict:
+def _figures(problem: Problem, plan: Plan, evaluation: Evaluation) -> dict:
     per_epoch = None
     if problem.samples_per_epoch:
         iterations = max(1, math.ceil(problem.samples_per_epoch / problem.global_batch))
@@ -243,6 +246,7 @@ def _figures(problem: Problem, evaluation) -> dict:
         }
     return {
         "iteration_s": _round(evaluation.iteration_s),
+        "simulated_iteration_s": _round(simulate(problem, plan).iteration_s),
         "cost_usd": _round(evaluation.cost_usd),
         "pipeline_s": _round(evaluation.pipeline_s),
         "sync_s": _round(evaluation.sync_s),
@@ -256,6 +260,7 @@ def _figures(problem: Problem, evaluation) -> dict:
             "cost_usd": _round(evaluation.cost_usd * problem.iterations),
         },
         "per_epoch": per_epoch,
+        "warnings": list(evaluation.warnings),
     }
 
 
@@ -274,7 +279,7 @@ def plan_document(result: PlanResult, chain: BlockChain, options: PlanOptions) -
                 "reason": b.reason,
                 "micro_batch": b.plan.micro_batch if feasible else None,
                 "stages": _stage_documents(b.plan, b.evaluation, chain) if feasible else [],
-                "predicted": _figures(problem, b.evaluation) if feasible else None,
+                "predicted": _figures(problem, b.plan, b.evaluation) if feasible else None,
                 "time_ratio": _round(b.ratios(chosen)[0], 6) if feasible else None,
                 "cost_ratio": _round(b.ratios(chosen)[1], 6) if feasible else None,
             }
@@ -292,7 +297,7 @@ def plan_document(result: PlanResult, chain: BlockChain, options: PlanOptions) -
         "micro_batch": solution.plan.micro_batch,
         "micro_batches": problem.global_batch // solution.plan.micro_batch,
         "stages": _stage_documents(solution.plan, chosen, chain),
-        "predicted": _figures(problem, chosen),
+        "predicted": _figures(problem, solution.plan, chosen),
         "solver": {
             "name": solution.solver,
             "status": solution.status,

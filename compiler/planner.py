@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pulp
@@ -77,19 +78,28 @@ def solve(
     bounds: list[float] = []
     statuses: dict[int, str] = {}
     solver_name = ""
-    for mu in sorted(problem.micro_batch_counts()):
-        solution, bound, status, solver_name = solve_for_micro_batch(
-            problem, objective, mu, deadline=deadline, budget=budget, time_limit=time_limit, fixed_ranges=fixed_ranges
-        )
-        statuses[mu] = status
-        bounds.append(bound)
-        if solution is not None:
-            found.append(solution)
     for plan in incumbents:
         evaluation = model.evaluate(plan)
         if within_limits(problem, evaluation, deadline, budget):
             value = objective_key(problem, objective, evaluation)[0]
             found.append(Solution(plan, evaluation, value, "incumbent", math.inf, 0.0, "baseline"))
+    cutoff = min((sol.objective_value for sol in found), default=None)
+    for mu in sorted(problem.micro_batch_counts()):
+        solution, bound, status, name = solve_for_micro_batch(
+            problem,
+            objective,
+            mu,
+            deadline=deadline,
+            budget=budget,
+            time_limit=time_limit,
+            fixed_ranges=fixed_ranges,
+            cutoff=cutoff,
+        )
+        solver_name = name if name != "none" else solver_name
+        statuses[mu] = status
+        bounds.append(bound)
+        if solution is not None:
+            found.append(solution)
     if not found:
         raise Infeasible("no plan fits")
     best = min(found, key=lambda sol: objective_key(problem, objective, sol.evaluation))
@@ -154,6 +164,7 @@ def solve_for_micro_batch(
     budget: float | None = None,
     time_limit: float | None = 60.0,
     fixed_ranges: list[tuple[int, int]] | None = None,
+    cutoff: float | None = None,
 ) -> tuple[Solution | None, float, str, str]:
     """One MILP over stage configurations x_c (path-flow formulation), for micro-batch size mu.
 
@@ -179,25 +190,58 @@ def solve_for_micro_batch(
             if key not in largest or c.tier_mb > largest[key][0].tier_mb:
                 largest[key] = config
         configs = list(largest.values())
-    if not configs:
-        return None, math.inf, "infeasible", "none"
     per_replica = {r: math.ceil(M / r) for r in problem.replicas}
     gpipe = problem.schedule == "gpipe"
 
-    def lower_bound(terms: StageTerms, r: int) -> float:
-        extra = per_replica[r] - 1
-        return (1 + extra) * (terms.forward_s + terms.backward_s) + terms.sync_s + terms.update_s
+    # The blocks outside a stage still compute once each in the fill, at best on the fastest tier.
+    fastest = min(model.kappa(m) for m in problem.region.tiers_mb) * mu / problem.profile_batch
+    work = [b.forward_s + b.backward_s for b in problem.blocks]
+    total_work = sum(work)
+    prefix_work = [0.0]
+    for w_b in work:
+        prefix_work.append(prefix_work[-1] + w_b)
+
+    def lower_bound(choice: StageChoice, terms: StageTerms) -> float:
+        """Of the iteration time when the configuration is chosen (its tail may overlap others' work)."""
+        steady = terms.forward_s + terms.backward_s if gpipe else terms.cycle_s
+        rest = fastest * (total_work - (prefix_work[choice.last + 1] - prefix_work[choice.first]))
+        return terms.forward_fill_s + terms.backward_fill_s + (per_replica[choice.replicas] - 1) * steady + rest
+
+    prices = problem.region.prices
+
+    def least_cost(choice: StageChoice, terms: StageTerms) -> float:
+        """Of any plan with the configuration: its functions alive for at least T_c, its requests."""
+        return (
+            prices.gb_second * choice.replicas * choice.tier_mb / 1024 * lower_bound(choice, terms)
+            + prices.per_million_requests * choice.replicas / 1e6
+            + prices.storage_put_per_1000 * terms.puts / 1000
+            + prices.storage_get_per_1000 * terms.gets / 1000
+        )
+
+    # Exact reductions: drop every configuration that alone breaks the deadline or the budget, or
+    # whose least value is no better than a known plan's (`cutoff`, e.g. the best baseline).
+    slack = 1 + 1e-9
+    least = lower_bound if objective in ("time", "time-under-budget") else least_cost
+    configs = [
+        (c, t, fits)
+        for c, t, fits in configs
+        if (deadline is None or lower_bound(c, t) * problem.iterations <= deadline * slack)
+        and (budget is None or least_cost(c, t) * problem.iterations <= budget * slack)
+        and (cutoff is None or least(c, t) <= cutoff * slack)
+    ]
+    floor = math.inf if cutoff is None else cutoff  # what the pruned plans are at least worth
+    if not configs:
+        return None, (math.inf if cutoff is None else cutoff), "infeasible" if cutoff is None else "pruned", "none"
 
     # An upper bound of any plan's iteration time: at most one stage starts at each block, and each
     # max term is at most its largest configuration value.
     t_max = (
         sum(
-            max((t.forward_s + t.backward_s for c, t, _ in configs if c.first == b), default=0.0)
+            max((t.forward_fill_s + t.backward_fill_s for c, t, _ in configs if c.first == b), default=0.0)
             for b in range(n_blocks)
         )
         + max((per_replica[c.replicas] - 1) * (t.forward_s + t.backward_s) for c, t, _ in configs)
-        + max(t.sync_s for _, t, _ in configs)
-        + max(t.update_s for _, t, _ in configs)
+        + max(t.tail_s for _, t, _ in configs)
     )
 
     lp = pulp.LpProblem("cloudless_plan", pulp.LpMinimize)
@@ -223,35 +267,49 @@ def solve_for_micro_batch(
                 lp += after_boundary[c.last + 1] + 1 <= fits + problem.max_stages * (1 - x[i])
 
     t_iter = pulp.LpVariable("t_iter", lowBound=0)
-    t_sync = pulp.LpVariable("t_sync", lowBound=0)
-    t_upd = pulp.LpVariable("t_upd", lowBound=0)
-    fill = pulp.lpSum((t.forward_s + t.backward_s) * x[i] for i, (_, t, _) in enumerate(configs))
-    if gpipe:
-        steady_f = pulp.LpVariable("steady_f", lowBound=0)
-        steady_b = pulp.LpVariable("steady_b", lowBound=0)
-        steady = steady_f + steady_b
-    else:
-        steady_fb = pulp.LpVariable("steady", lowBound=0)
-        steady = steady_fb
+    fill = pulp.lpSum((t.forward_fill_s + t.backward_fill_s) * x[i] for i, (_, t, _) in enumerate(configs))
+    # At most one stage starts at each boundary, so each max term is bounded below by the sum over
+    # the configurations starting there (tighter than one row per configuration, and fewer rows).
+    steady_terms: list[tuple[str, Callable[[StageTerms], float]]] = (
+        [("steady_f", lambda t: t.forward_s), ("steady_b", lambda t: t.backward_s)]
+        if gpipe
+        else [("steady", lambda t: t.cycle_s)]
+    )
+    steady = []
+    for name, term in steady_terms:
+        var = pulp.LpVariable(name, lowBound=0)
+        steady.append(var)
+        for members in starting.values():
+            row = [((per_replica[configs[i][0].replicas] - 1) * term(configs[i][1]), x[i]) for i in members]
+            if any(coef for coef, _ in row):
+                lp += var >= pulp.lpSum(coef * xi for coef, xi in row)
+    # Each stage syncs and steps once its last backward is done, while the stages before it still
+    # run theirs and the drain of the busiest stage at or after it has passed (cost_model.evaluate).
+    # Along the chosen path, with D the drain term (steady_b, or the 1F1B steady term):
+    #   A_f = max(d_c, A_{l+1})                      the largest drain d_c = (n_c - 1) beta_c from f on
+    #   E_f = max(0, tail_c + A_f - D, E_{l+1} - bfill_c)   how long the tails outlast the pipeline
+    # as big-M rows, exact at integer points; the iteration ends E_0 after the pipeline.
+    drain_var = steady[-1]
+    drain_term = steady_terms[-1][1]
+    drains = [(per_replica[c.replicas] - 1) * drain_term(t) for c, t, _ in configs]
+    drain_bound = max(drains)
+    tail_bound = max(t.tail_s for _, t, _ in configs)
+    later_drain = [pulp.LpVariable(f"a_{b}", lowBound=0) for b in range(n_blocks + 1)]
+    overhang = [pulp.LpVariable(f"e_{b}", lowBound=0) for b in range(n_blocks + 1)]
+    for b, members in starting.items():
+        lp += later_drain[b] >= pulp.lpSum(drains[i] * x[i] for i in members)
+        lp += overhang[b] >= pulp.lpSum(configs[i][1].tail_s * x[i] for i in members) + later_drain[b] - drain_var
     for i, (c, t, _) in enumerate(configs):
-        extra = per_replica[c.replicas] - 1
-        if extra:
-            if gpipe:
-                lp += steady_f >= extra * t.forward_s * x[i]
-                lp += steady_b >= extra * t.backward_s * x[i]
-            else:
-                lp += steady_fb >= extra * (t.forward_s + t.backward_s) * x[i]
-        if t.sync_s:
-            lp += t_sync >= t.sync_s * x[i]
-        lp += t_upd >= t.update_s * x[i]
-    lp += t_iter >= fill + steady + t_sync + t_upd
+        if c.last + 1 < n_blocks:
+            lp += later_drain[c.first] >= later_drain[c.last + 1] - drain_bound * (1 - x[i])
+            lp += overhang[c.first] >= overhang[c.last + 1] - t.backward_fill_s - tail_bound * (1 - x[i])
+    lp += t_iter >= fill + pulp.lpSum(steady) + overhang[0]
 
     # Cost in micro-dollars (keeps coefficients within a few orders of magnitude for the solver).
-    prices = problem.region.prices
     g = [pulp.LpVariable(f"g_{i}", lowBound=0) for i in range(len(configs))]
     for i, (c, t, _) in enumerate(configs):
         lp += g[i] >= t_iter - t_max * (1 - x[i])
-        lp += g[i] >= lower_bound(t, c.replicas) * x[i]
+        lp += g[i] >= lower_bound(c, t) * x[i]
     compute = (
         1e6 * prices.gb_second * pulp.lpSum(c.replicas * c.tier_mb / 1024 * g[i] for i, (c, _, _) in enumerate(configs))
     )
@@ -278,8 +336,11 @@ def solve_for_micro_batch(
     bound = _lower_bound(lp, solver_name, status)
     if objective not in ("time", "time-under-budget"):
         bound /= 1e6  # micro-dollars
+    bound = min(bound, floor)
     if not _has_solution(lp):
-        return None, bound, "infeasible" if status == "Infeasible" else "no solution in time", solver_name
+        if status == "Infeasible":
+            return None, bound, "infeasible" if cutoff is None else "pruned", solver_name
+        return None, bound, "no solution in time", solver_name
     chosen = sorted((configs[i][0] for i in range(len(configs)) if (x[i].value() or 0) > 0.5), key=lambda c: c.first)
     plan = Plan(mu, tuple(chosen))
     evaluation = model.evaluate(plan)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from cloudless.compiler.cost_model import BlockCost, Problem
+from cloudless.compiler.cost_model import BlockCost, Plan, Problem, StageChoice
 from cloudless.ir.catalog import load_catalog
 
 
@@ -58,4 +58,20 @@ def random_problem(seed: int) -> Problem:
         schedule=rng.choice(["gpipe", "1f1b"]),
         optimizer_state=rng.choice([0, 1, 2]),
         iterations=10,
+    )
+
+
+def random_plan(problem: Problem, rng: random.Random) -> Plan:
+    """Any plan of the problem: micro-batch size, contiguous stages, tier and replicas per stage."""
+    mu = rng.choice(sorted(problem.micro_batch_counts()))
+    n_blocks = len(problem.blocks)
+    n_stages = rng.randint(1, min(n_blocks, problem.max_stages))
+    cuts = sorted(rng.sample(range(1, n_blocks), n_stages - 1))
+    starts, ends = [0, *cuts], [*(c - 1 for c in cuts), n_blocks - 1]
+    return Plan(
+        mu,
+        tuple(
+            StageChoice(a, b, rng.choice(problem.region.tiers_mb), rng.choice(problem.replicas))
+            for a, b in zip(starts, ends, strict=True)
+        ),
     )

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from cloudless.compiler.baselines import baselines
 from cloudless.compiler.cost_model import CostModel
 from cloudless.compiler.exhaustive import exhaustive
 from cloudless.compiler.planner import Infeasible, solve
@@ -60,3 +61,24 @@ def test_milp_matches_exhaustive_search(chunk: int) -> None:
             assert got.gap <= 1e-6 and got.status == "optimal"
             checked += 1
     assert checked > CHUNK  # most instances are feasible for most objectives
+
+
+@pytest.mark.parametrize("objective", ["cost", "time", "cost-under-deadline", "time-under-budget"])
+def test_pruning_by_a_known_plan_keeps_the_optimum(objective: str) -> None:
+    """With the baselines as incumbents, configurations that cannot beat them are dropped before the
+    MILP; the optimum and its proof must survive, including when no configuration survives."""
+    pruned = 0
+    for seed in range(40):
+        problem = random_problem(seed)
+        kwargs = limits(seed, problem).get(objective, {})
+        expected = exhaustive(problem, objective, **kwargs)
+        incumbents = tuple(b.plan for b in baselines(problem, objective, **kwargs) if b.plan is not None)
+        try:
+            got = solve(problem, objective, incumbents=incumbents, **kwargs)
+        except Infeasible:
+            assert expected is None
+            continue
+        assert primary(objective, got.evaluation) == pytest.approx(primary(objective, expected[1]), rel=1e-6)
+        assert got.gap <= 1e-6 and got.status == "optimal", (seed, got)
+        pruned += "pruned" in got.candidates.values()
+    assert pruned > 0
