@@ -274,6 +274,14 @@ class CostModel:
             gets=gets,
         )
 
+    def request_usd(self, choice: StageChoice) -> float:
+        """One invocation per function per iteration."""
+        return choice.replicas * self.region.prices.per_million_requests / 1e6
+
+    def storage_usd(self, terms: StageTerms) -> float:
+        prices = self.region.prices
+        return terms.puts * prices.storage_put_per_1000 / 1000 + terms.gets * prices.storage_get_per_1000 / 1000
+
     # --- a whole plan ----------------------------------------------------------------------
     def evaluate(self, plan: Plan) -> Evaluation:
         p = self.problem
@@ -304,11 +312,8 @@ class CostModel:
         prices = self.region.prices
         gb_functions = sum(c.replicas * c.tier_mb / 1024 for c in plan.stages)
         compute_usd = iteration * gb_functions * prices.gb_second
-        request_usd = sum(c.replicas for c in plan.stages) * prices.per_million_requests / 1e6
-        storage_usd = (
-            sum(t.puts for t in terms) * prices.storage_put_per_1000 / 1000
-            + sum(t.gets for t in terms) * prices.storage_get_per_1000 / 1000
-        )
+        request_usd = sum(self.request_usd(c) for c in plan.stages)
+        storage_usd = sum(self.storage_usd(t) for t in terms)
         violations = self.violations(plan, terms)
         return Evaluation(
             iteration_s=iteration,

@@ -171,8 +171,8 @@ def solve_for_micro_batch(
     x_c = 1 when configuration c = (first block, last block, tier, replicas) is a stage. The chosen
     configurations form a path over block boundaries 0..B (flow conservation), so stages are
     contiguous and cover every block. All per-stage terms are constants of c from the cost model;
-    the iteration time t = sum_c (phi_c + beta_c) x_c + steady + sync + update, with each max
-    term bounded below by its configurations; the cost of keeping functions alive is
+    the iteration time t = sum_c (phi1_c + beta1_c) x_c + steady + overhang (docs/cost_model.md),
+    with each max term bounded below per boundary; the cost of keeping functions alive is
     sum_c price * GB_c * g_c with g_c = x_c * t, linearised exactly:
     g_c >= t - T_max (1 - x_c), g_c >= T_c x_c (T_c: a lower bound of t when c is chosen), g_c >= 0.
     """
@@ -211,12 +211,8 @@ def solve_for_micro_batch(
 
     def least_cost(choice: StageChoice, terms: StageTerms) -> float:
         """Of any plan with the configuration: its functions alive for at least T_c, its requests."""
-        return (
-            prices.gb_second * choice.replicas * choice.tier_mb / 1024 * lower_bound(choice, terms)
-            + prices.per_million_requests * choice.replicas / 1e6
-            + prices.storage_put_per_1000 * terms.puts / 1000
-            + prices.storage_get_per_1000 * terms.gets / 1000
-        )
+        compute = prices.gb_second * choice.replicas * choice.tier_mb / 1024 * lower_bound(choice, terms)
+        return compute + model.request_usd(choice) + model.storage_usd(terms)
 
     # Exact reductions: drop every configuration that alone breaks the deadline or the budget, or
     # whose least value is no better than a known plan's (`cutoff`, e.g. the best baseline).
@@ -231,7 +227,7 @@ def solve_for_micro_batch(
     ]
     floor = math.inf if cutoff is None else cutoff  # what the pruned plans are at least worth
     if not configs:
-        return None, (math.inf if cutoff is None else cutoff), "infeasible" if cutoff is None else "pruned", "none"
+        return None, floor, "infeasible" if cutoff is None else "pruned", "none"
 
     # An upper bound of any plan's iteration time: at most one stage starts at each block, and each
     # max term is at most its largest configuration value.
@@ -314,12 +310,7 @@ def solve_for_micro_batch(
         1e6 * prices.gb_second * pulp.lpSum(c.replicas * c.tier_mb / 1024 * g[i] for i, (c, _, _) in enumerate(configs))
     )
     fixed = pulp.lpSum(
-        (
-            prices.per_million_requests * c.replicas
-            + 1e3 * (prices.storage_put_per_1000 * t.puts + prices.storage_get_per_1000 * t.gets)
-        )
-        * x[i]
-        for i, (c, t, _) in enumerate(configs)
+        1e6 * (model.request_usd(c) + model.storage_usd(t)) * x[i] for i, (c, t, _) in enumerate(configs)
     )
     cost = compute + fixed
     if deadline is not None:
