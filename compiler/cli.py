@@ -7,23 +7,23 @@ to a temporary folder beside BUILD and renamed into place, so a failed compile w
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
 
+from cloudless.codegen.platforms import TARGETS
+from cloudless.codegen.validate import check_build
+from cloudless.compiler.build import build_files, write_build
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS
 from cloudless.compiler.errors import CompileError, display_path
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, run_front_end
-from cloudless.compiler.plan import PlanOptions, plan_document
+from cloudless.compiler.plan import PlanOptions
 from cloudless.compiler.simulate import simulate
 from cloudless.compiler.verify import TOLERANCE
-from cloudless.ir.plan import save_plan
+from cloudless.ir.schema import SchemaError
 
 SLOW_STEPS = {
     "plan": "Planning",
@@ -31,6 +31,8 @@ SLOW_STEPS = {
     "annotate": "Annotating",
     "profile": "Profiling blocks",
     "verify": "Verifying stages",
+    "lower": "Generating the functions of",
+    "write": "Writing and checking the build of",
 }
 
 
@@ -39,8 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cloudless-compile",
         description="Compile a PyTorch training job (a model file) into pipelined serverless functions.",
     )
-    parser.add_argument("model", type=Path, help="the model file (defines build_model and example_inputs)")
-    parser.add_argument("-o", "--output", type=Path, required=True, help="build folder to write")
+    parser.add_argument("model", type=Path, nargs="?", help="the model file (defines build_model and example_inputs)")
+    parser.add_argument("-o", "--output", type=Path, help="build folder to write")
+    parser.add_argument(
+        "--check",
+        type=Path,
+        metavar="BUILD",
+        help="validate an existing build folder (schemas, platform limits, statelint, cfn-lint) and exit",
+    )
+    parser.add_argument(
+        "--target",
+        choices=["openfaas", "sam", "both"],
+        default="both",
+        help="which platforms' deployment files to write (default both)",
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -66,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.fx, torch.export, or fx with export as fallback (default)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed profiling runs after one warm-up (default 3)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="BLOCKS_JSON",
+        help="reuse the block times of an earlier build's ir/blocks.json instead of measuring "
+        "(the same model, options and profile give a byte-identical build)",
+    )
     parser.add_argument(
         "--verify",
         action="store_true",
@@ -96,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     planning.add_argument(
         "--solver-time-limit",
         type=float,
-        default=30.0,
+        default=10.0,
         metavar="SECONDS",
         help="per micro-batch size; the plan then reports its proven gap (default 10)",
     )
@@ -105,8 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     console = Console(stderr=True, quiet=args.quiet)
+    if args.check is not None:
+        return check_command(args.check, Console(quiet=args.quiet, highlight=False, soft_wrap=True))
+    if args.model is None or args.output is None:
+        parser.error("a model file and -o BUILD are required (or --check BUILD)")
     # Plain, unwrapped lines for the summary: it is read in terminals and in CI logs alike.
     out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
     for name, value in (
@@ -150,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         leaf_modules=tuple(args.leaf_module),
         tracer=args.tracer,
         profile_repeats=max(args.repeats, 0),
+        profile_from=args.profile,
         verify_stages=args.stages if args.verify else 0,
-        plan=plan_options if args.repeats > 0 else None,
+        plan=plan_options if args.repeats > 0 or args.profile else None,
     )
 
     @contextmanager
@@ -162,37 +189,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             yield
 
+    targets = TARGETS if args.target == "both" else frozenset({args.target})
     try:
         result = run_front_end(options, step)
-        write_build(result, args.output)
-    except CompileError as exc:
+        with step("write"):
+            files = build_files(result, targets)
+            write_build(files, args.output, check=check_build if result.workflow is not None else None)
+    except (CompileError, SchemaError) as exc:
+        code = exc.exit_code if isinstance(exc, CompileError) else 2
+        if isinstance(exc, SchemaError):
+            exc = SchemaError(f"the generated build failed its check (a Cloudless bug, please report it): {exc}")
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
-        return exc.exit_code
-    print_summary(out, result, args.output, requested_blocks=args.blocks)
+        return code
+    print_summary(out, result, args.output, requested_blocks=args.blocks, files=files)
     return 0
 
 
-def write_build(result: FrontEndResult, output: Path) -> None:
-    """Write the build into a temporary sibling folder, then swap it into place."""
-    output = output.resolve()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+def check_command(build: Path, out: Console) -> int:
     try:
-        (staging / "ir").mkdir()
-        result.graph.save(staging / "ir" / "graph.json")
-        result.chain.save(staging / "ir" / "blocks.json")
-        if result.plan is not None:
-            save_plan(plan_document(result.plan, result.chain, result.plan_options), staging / "plan.json")
-        if output.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
-            os.replace(output, retired / output.name)
-            os.replace(staging, output)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, output)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        check_build(build)
+    except SchemaError as exc:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
+        return 2
+    out.print(f"{display_path(build)}: every check passed (schemas, platform limits, statelint, cfn-lint)")
+    return 0
 
 
 def print_plan(out: Console, result: FrontEndResult) -> None:
@@ -239,7 +259,9 @@ def human_flops(flops: int) -> str:
     return f"{flops} FLOP"
 
 
-def print_summary(out: Console, result: FrontEndResult, output: Path, requested_blocks: int) -> None:
+def print_summary(
+    out: Console, result: FrontEndResult, output: Path, requested_blocks: int, files: dict[str, bytes]
+) -> None:
     graph, chain = result.graph, result.chain
     compute = sum(1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module"))
     out.print(f"{graph.model}: traced with torch.{graph.tracer} at micro-batch {graph.batch_size}")
@@ -270,10 +292,11 @@ def print_summary(out: Console, result: FrontEndResult, output: Path, requested_
     if result.plan is not None:
         print_plan(out, result)
     out.print("  time        " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
-    written = [output / "ir" / "graph.json", output / "ir" / "blocks.json"]
-    if result.plan is not None:
-        written.append(output / "plan.json")
-    out.print("  wrote       " + ", ".join(display_path(p) for p in written))
+    top = sorted({path.split("/")[0] + ("/" if "/" in path else "") for path in files})
+    size = sum(len(data) for data in files.values())
+    out.print(
+        f"  wrote       {display_path(output)}/: {len(files)} files, {size / 2**20:.1f} MiB ({', '.join(top)})"
+    )
 
 
 if __name__ == "__main__":

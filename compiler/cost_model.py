@@ -18,20 +18,10 @@ from typing import Literal
 
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import Region
+from cloudless.runtimes.schedule import Schedule, sync_pieces
 
-Schedule = Literal["gpipe", "1f1b"]
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20
-# Pipelined scatter-reduce moves each replica's chunk in pieces of about this size (at most
-# MAX_SYNC_PIECES), so a replica's uplink and downlink stay busy together. The runtime uses the same.
-SYNC_PIECE_BYTES = 4 * MB
-MAX_SYNC_PIECES = 16
-
-
-def sync_pieces(param_bytes: float, replicas: int) -> int:
-    """Pieces per chunk in the pipelined scatter-reduce among `replicas` functions."""
-    chunk = param_bytes / max(replicas, 1)
-    return max(1, min(MAX_SYNC_PIECES, math.ceil(chunk / SYNC_PIECE_BYTES)))
 
 
 @dataclass(frozen=True)

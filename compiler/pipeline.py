@@ -1,4 +1,4 @@
-"""The compiler's passes, top to bottom: load → trace → annotate → coarsen → profile → plan → split → verify.
+"""The compiler's passes, top to bottom: load → trace → annotate → coarsen → profile → plan → split → verify → lower.
 
 Each pass is a function with typed input and output; `run_front_end` chains them, times each, and
 reports progress through a callback so the CLI (or a test) decides how to show it.
@@ -20,15 +20,19 @@ from torch.utils import _pytree as pytree
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.annotate import annotate, fetch_attr
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen
+from cloudless.compiler.cost_model import Plan
 from cloudless.compiler.errors import ModelFileError
+from cloudless.compiler.lower import StageInterface, describe_optimizer, loss_source, lower_plan
 from cloudless.compiler.model_file import ModelFile, load_model_file
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
-from cloudless.compiler.profile import loss_function, profile_blocks
+from cloudless.compiler.profile import loss_function, profile_blocks, reuse_profile
 from cloudless.compiler.split import inline_leaf_modules, partition
 from cloudless.compiler.state import preserved_state
 from cloudless.compiler.trace import TracedProgram, trace_model
 from cloudless.compiler.verify import VerifyReport, verify_stages
 from cloudless.ir import BlockChain, OpGraph
+from cloudless.ir.catalog import Region
+from cloudless.runtimes.schedule import Schedule
 
 DEFAULT_BATCH_SIZE = 2
 
@@ -41,6 +45,8 @@ class FrontEndOptions:
     leaf_modules: Sequence[str] = ()
     tracer: Literal["auto", "fx", "export"] = "auto"
     profile_repeats: int = 3
+    #: reuse the block times of an earlier build's ir/blocks.json instead of measuring
+    profile_from: Path | None = None
     verify_stages: int = 0
     plan: PlanOptions | None = None
 
@@ -56,6 +62,8 @@ class StageCode:
     state: dict[str, torch.Tensor]
     inputs: list[str]
     outputs: list[str]
+    #: names of the trainable tensors in `state`
+    trainable: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -65,10 +73,15 @@ class FrontEndResult:
     program: TracedProgram
     graph: OpGraph
     chain: BlockChain
+    example_inputs: tuple[Any, ...] = ()
+    example_targets: Any = None
     stages: list[StageCode] = field(default_factory=list)
     verify: VerifyReport | None = None
     plan: PlanResult | None = None
     plan_options: PlanOptions | None = None
+    #: workflow.yaml's content and the loss module's source, when there is a plan
+    workflow: dict[str, Any] | None = None
+    loss_source: str = ""
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -104,18 +117,25 @@ def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = 
             chain = coarsen(graph, options.num_blocks)
         loss_of = loss_function(program.out_spec, model_file.loss_fn, targets)
         _check_loss(model_file, program, flat_inputs, loss_of)
-        if options.profile_repeats > 0:
+        if options.profile_from is not None:
+            chain = reuse_profile(chain, options.profile_from)
+        elif options.profile_repeats > 0:
             with timed("profile"):
                 chain = profile_blocks(program, graph, chain, flat_inputs, loss_of, options.profile_repeats)
-    result = FrontEndResult(model_file, model, program, graph, chain, timings=timings)
+    result = FrontEndResult(model_file, model, program, graph, chain, example_inputs, targets, timings=timings)
     if options.plan is not None and chain.machine is not None:
         with timed("plan"):
             result.plan = plan_training(chain, model_file, options.plan)
             result.plan_options = options.plan
-    if options.verify_stages > 0:
+    ranges: list[tuple[int, int]] = []
+    if result.plan is not None:
+        ranges = [(s.first, s.last) for s in result.plan.solution.plan.stages]
+    elif options.verify_stages > 0:
         ranges = balanced_stage_ranges(chain, options.verify_stages)
+    if ranges:
         with timed("split"):
             result.stages = generate_stages(program, graph, chain, ranges)
+    if options.verify_stages > 0:
         with timed("verify"), preserved_state(model):
             result.verify = verify_stages(
                 model,
@@ -125,7 +145,54 @@ def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = 
                 [(s.source, s.state, s.inputs, s.outputs) for s in result.stages],
                 program.out_spec,
             )
+    if result.plan is not None:
+        with timed("lower"):
+            problem = result.plan.problem
+            lower_training(
+                result,
+                result.plan.solution.plan,
+                result.plan.region,
+                iterations=problem.iterations,
+                global_batch=problem.global_batch,
+                schedule=problem.schedule,
+                samples=problem.samples_per_epoch,
+            )
     return result
+
+
+def lower_training(
+    result: FrontEndResult,
+    plan: Plan,
+    region: Region,
+    *,
+    iterations: int,
+    global_batch: int,
+    schedule: Schedule,
+    samples: int | None,
+) -> None:
+    """Generate the plan's stages (unless done), the loss module and workflow.yaml, into `result`."""
+    ranges = [(s.first, s.last) for s in plan.stages]
+    if [(s.first_block, s.last_block) for s in result.stages] != ranges:
+        result.stages = generate_stages(result.program, result.graph, result.chain, ranges)
+    model_file, program = result.model_file, result.program
+    targets = result.example_targets
+    with preserved_state(result.model), torch.no_grad():
+        flat_outputs = list(program.module(*pytree.tree_leaves(result.example_inputs)))
+    result.loss_source = loss_source(model_file, program.out_spec, flat_outputs, targets)
+    interfaces = [StageInterface(s.index, tuple(s.inputs), tuple(s.outputs), tuple(s.trainable)) for s in result.stages]
+    result.workflow = lower_plan(
+        plan,
+        region,
+        model_file,
+        interfaces,
+        iterations=iterations,
+        global_batch=global_batch,
+        schedule=schedule,
+        input_names=program.input_names,
+        target_count=len(pytree.tree_leaves(targets)),
+        optimizer=describe_optimizer(model_file),
+        samples=samples,
+    )
 
 
 def generate_stages(
@@ -155,7 +222,10 @@ def generate_stages(
             tensors=tensors,
         )
         source = render_stage_source(inlined.module.graph, header)
-        stages.append(StageCode(part.index, first, last, source, state, list(part.inputs), list(part.outputs)))
+        trainable_names = [name for name, (_, _, trainable) in tensors.items() if trainable]
+        stages.append(
+            StageCode(part.index, first, last, source, state, list(part.inputs), list(part.outputs), trainable_names)
+        )
     return stages
 
 

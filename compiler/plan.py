@@ -302,7 +302,7 @@ def plan_document(result: PlanResult, chain: BlockChain, options: PlanOptions) -
             "name": solution.solver,
             "status": solution.status,
             "gap": None if math.isinf(solution.gap) else _round(solution.gap, 6),
-            "solve_s": round(solution.solve_s, 3),
+            "time_limit_s": options.time_limit,
             "candidates": {str(k): v for k, v in sorted(solution.candidates.items())},
         },
         "baselines": baseline_docs,

@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from cloudless.compiler.chain import run_chain
 from cloudless.compiler.coarsen import block_cuts
+from cloudless.compiler.errors import CompileError, display_path
 from cloudless.compiler.split import partition
 from cloudless.compiler.trace import TracedProgram
 from cloudless.ir import BlockChain, MachineInfo, OpGraph
@@ -89,3 +91,36 @@ def loss_function(
         return loss_fn(pytree.tree_unflatten(list(flat_outputs), out_spec), targets)
 
     return loss_of
+
+
+def reuse_profile(chain: BlockChain, path: Path) -> BlockChain:
+    """The chain with the block times and machine of an earlier profile (an ir/blocks.json).
+
+    Measured times differ from run to run; reusing them is what makes two compiles byte-identical.
+    The earlier chain must be this model's, cut the same way."""
+    try:
+        earlier = BlockChain.load(path)
+    except (OSError, ValueError) as exc:
+        raise CompileError(f"--profile {display_path(path)}: {exc}") from exc
+    if earlier.machine is None:
+        raise CompileError(f"--profile {display_path(path)}: key machine: the file holds no measured times")
+    mismatch = ""
+    if (earlier.model, earlier.batch_size) != (chain.model, chain.batch_size):
+        mismatch = (
+            f"it profiles {earlier.model} at micro-batch {earlier.batch_size}, "
+            f"not {chain.model} at {chain.batch_size}"
+        )
+    elif len(earlier.blocks) != len(chain.blocks):
+        mismatch = f"key blocks: {len(earlier.blocks)} blocks, this model has {len(chain.blocks)}"
+    else:
+        for before, now in zip(earlier.blocks, chain.blocks, strict=True):
+            if before.nodes != now.nodes:
+                mismatch = f"key blocks/{now.index}/nodes: the block holds other nodes than this model's"
+                break
+    if mismatch:
+        raise CompileError(f"--profile {display_path(path)}: {mismatch}; profile again (omit --profile)")
+    for before, now in zip(earlier.blocks, chain.blocks, strict=True):
+        now.forward_s, now.backward_s = before.forward_s, before.backward_s
+    chain.machine = earlier.machine
+    chain.profile_repeats = earlier.profile_repeats
+    return chain

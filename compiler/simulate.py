@@ -20,7 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
-from cloudless.compiler.cost_model import CostModel, Plan, Problem, Schedule, sync_pieces
+from cloudless.compiler.cost_model import CostModel, Plan, Problem, sync_pieces
+from cloudless.runtimes.schedule import compute_order, local_micro_batches, one_f_one_b_windows
 
 Lane = Literal["compute", "download", "upload"]
 LANES: tuple[Lane, ...] = ("compute", "download", "upload")
@@ -130,29 +131,6 @@ class _Simulation:
         return Timeline(max((t.end for t in self.tasks), default=0.0), spans)
 
 
-def one_f_one_b_windows(replicas: list[int]) -> list[int]:
-    """How far (in micro-batches) each stage's forwards run ahead of its backwards under 1F1B.
-
-    Stage s runs the backward of micro-batch m after the forwards of every m' <= m + w_s. With
-    w_s = (S - s) r_s - 1 each replica holds at most S - s micro-batches (S stages); w must not grow
-    along the pipeline, or a stage would wait for a forward its predecessor runs only after the
-    backward it is itself waiting for."""
-    windows: list[int] = []
-    for s, r in enumerate(replicas):
-        own = (len(replicas) - s) * r - 1
-        windows.append(min(own, windows[-1]) if windows else own)
-    return windows
-
-
-def compute_order(schedule: Schedule, local: list[int], window: int) -> list[tuple[str, int]]:
-    """The order a replica runs its micro-batches `local`: GPipe does every forward, then every
-    backward in reverse; 1F1B runs the backward of m once the forwards up to m + window are done."""
-    if schedule == "gpipe":
-        return [("forward", m) for m in local] + [("backward", m) for m in reversed(local)]
-    keyed = [(m, 0, "forward", m) for m in local] + [(m + window, 1, "backward", m) for m in local]
-    return [(kind, m) for _, _, kind, m in sorted(keyed)]
-
-
 def simulate(problem: Problem, plan: Plan) -> Timeline:
     """The timeline of one iteration of `plan`: micro-batch m runs on replica m mod r of each stage."""
     model = CostModel(problem)
@@ -195,7 +173,7 @@ def simulate(problem: Problem, plan: Plan) -> Timeline:
         choice, info = plan.stages[s], stage_plans[s]
         first, last = s == 0, s == n_stages - 1
         for j in range(choice.replicas):
-            local = [m for m in range(micro_batches) if m % choice.replicas == j]
+            local = local_micro_batches(micro_batches, choice.replicas, j)
             order = compute_order(problem.schedule, local, windows[s])
             receive: dict[tuple[str, int], int] = {}
             # Downlink: receives in the order compute needs them.

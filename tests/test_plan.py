@@ -44,7 +44,7 @@ def test_plan_is_no_worse_than_any_feasible_baseline(flags, compile_cli, tmp_pat
     stages = plan["stages"]
     assert stages[0]["blocks"][0] == 0 and stages[-1]["blocks"][1] == 4
     solver = plan["solver"]
-    assert solver["status"] in ("optimal", "feasible") and solver["solve_s"] > 0
+    assert solver["status"] in ("optimal", "feasible") and solver["time_limit_s"] > 0
     assert solver["gap"] is None or solver["gap"] >= 0
     if solver["status"] == "optimal":
         assert solver["gap"] == 0
@@ -112,13 +112,11 @@ def test_catalog_errors_name_file_and_key(tmp_path: Path, compile_cli) -> None:
     assert not (tmp_path / "b").exists()
 
 
-def test_plan_json_is_deterministic_apart_from_solve_time(compile_cli, tmp_path: Path) -> None:
+def test_plan_json_has_the_same_shape_when_profiled_again(compile_cli, tmp_path: Path) -> None:
     docs = []
     for name in ("a", "b"):
         assert compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / name), "--repeats", "1", "-q")[0] == 0
         docs.append(json.loads((tmp_path / name / "plan.json").read_text()))
-    for doc in docs:
-        doc["solver"].pop("solve_s")
     # Measured block times differ between runs; the structure of the plan may follow them, but the
     # document's shape and the solver's proof do not.
     assert docs[0].keys() == docs[1].keys()

@@ -10,6 +10,7 @@ import pytest
 
 from cloudless.ir import BlockChain, OpGraph, validate
 from cloudless.ir.plan import load_plan
+from cloudless.ir.workflow import load_workflow
 
 from .conftest import SAMPLES
 
@@ -60,6 +61,17 @@ def test_sample_compiles_and_verifies(sample: str, compile_cli, tmp_path: Path) 
     )
     assert all(b.forward_s > 0 for b in chain.blocks)
     assert [p.name for p in tmp_path.iterdir()] == ["build"]  # no staging folder left behind
+
+    # The deployable tree: every function package of the plan (the compile ran every validator on it).
+    workflow = load_workflow(out / "workflow.yaml")
+    functions = workflow["regions"][0]["functions"]
+    assert len(functions) == len(load_plan(out / "plan.json")["stages"])
+    for function in functions:
+        for name in ("handler.py", "stage.py", "weights.safetensors", "Dockerfile", "requirements.txt"):
+            assert (out / function["package"] / name).is_file(), (function["name"], name)
+    for name in ("stack.yaml", "template.yaml", "statemachine.asl.json"):
+        assert (out / "regions" / workflow["regions"][0]["name"] / name).is_file()
+    assert (out / "report.md").is_file() and (out / "samconfig.toml").is_file()
 
     plan = load_plan(out / "plan.json")  # validated against its schema
     assert plan["stages"][0]["blocks"][0] == 0 and plan["stages"][-1]["blocks"][1] == len(chain.blocks) - 1

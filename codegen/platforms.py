@@ -1,0 +1,253 @@
+"""Deployment files for the serverless platforms: OpenFaaS stack files and SAM templates with state machines.
+
+Per region, `render_region` writes
+- `regions/<region>/stack.yaml` (target "openfaas"): one OpenFaaS function per pipeline stage, built from the
+  `python3-http-debian` template, scaled to the stage's replicas;
+- `regions/<region>/template.yaml` and `regions/<region>/statemachine.asl.json` (target "sam"): one image-based
+  Lambda function per stage and one Step Functions state machine running the region's iteration loop;
+and `render_samconfig` writes the build root's `samconfig.toml`, one config-env per region.
+
+The function packages themselves (handler, Dockerfile, stage code) are written elsewhere; these files only
+name their folders. Everything is rendered from jinja templates in a fixed order, so the same manifest gives
+byte-identical files. No credentials appear anywhere: OpenFaaS functions read the `cloudless-storage` secret,
+Lambda functions get an IAM role scoped to the run's bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+TARGETS = frozenset({"openfaas", "sam"})
+
+#: The OpenFaaS template: Debian-based because torch publishes no musl (Alpine) wheels.
+OPENFAAS_TEMPLATE = "python3-http-debian"
+OPENFAAS_TEMPLATE_SOURCE = "https://github.com/openfaas/python-flask-template"
+OPENFAAS_GATEWAY = "http://127.0.0.1:8080"
+#: OpenFaaS secret (mounted as a file) holding the storage credentials.
+STORAGE_SECRET = "cloudless-storage"
+#: read/write timeouts of the function's HTTP server exceed the execution timeout by this, so that a
+#: handler finishing just in time can still send its response.
+TIMEOUT_MARGIN_S = 10
+
+#: Step Functions runs at most this many iterations of an inline Map at once.
+MAX_MAP_CONCURRENCY = 40
+LAMBDA_INVOKE = "arn:aws:states:::lambda:invoke"
+#: The transient Lambda errors AWS recommends retrying.
+LAMBDA_RETRY_ERRORS = (
+    "Lambda.ServiceException",
+    "Lambda.AWSLambdaException",
+    "Lambda.SdkClientException",
+    "Lambda.ClientExecutionTimeoutException",
+    "Lambda.TooManyRequestsException",
+)
+#: A Standard workflow's execution history holds at most 25,000 events; an execution that would exceed it
+#: fails. One worker's invocation costs about 7 events (Map iteration started/succeeded, task state
+#: entered/exited, task scheduled/started/succeeded), 10 with one retry; one iteration adds about 12 more.
+#: Each execution therefore runs at most `iterations_per_execution(workers)` iterations and hands back
+#: where it stopped.
+MAX_HISTORY_EVENTS = 25_000
+HISTORY_EVENTS_RESERVED = 1_000
+EVENTS_PER_WORKER = 10
+EVENTS_PER_ITERATION = 12
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    autoescape=False,
+)
+# JSON scalars are valid YAML and TOML basic strings too: one quoting filter for all three formats.
+_ENV.filters["q"] = lambda value: json.dumps(value)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One (stage, replica) instance the state machine invokes every iteration."""
+
+    function: str
+    logical_id: str
+    stage: int
+    replica: int
+
+
+def aws_region(region_name: str) -> str:
+    """The AWS region of a catalog region: the catalog names AWS regions `aws-<aws region>`.
+
+    Rule: a name starting with `aws-` loses that prefix (aws-us-east-1 -> us-east-1); any other name is
+    kept as it is (it is not an AWS region, and tools that need one will say so)."""
+    return region_name[len("aws-") :] if region_name.startswith("aws-") else region_name
+
+
+def logical_id(function_name: str) -> str:
+    """A CloudFormation logical id (alphanumeric) for a function: mlp-digits-s0 -> MlpDigitsS0Function."""
+    parts = re.split(r"[^A-Za-z0-9]+", function_name)
+    return "".join(part[:1].upper() + part[1:] for part in parts if part) + "Function"
+
+
+def iterations_per_execution(workers: int) -> int:
+    """How many iterations one state machine execution may run before its history could overflow."""
+    budget = MAX_HISTORY_EVENTS - HISTORY_EVENTS_RESERVED
+    return max(1, budget // (EVENTS_PER_WORKER * workers + EVENTS_PER_ITERATION))
+
+
+def stack_name(workflow: dict[str, Any], region: str) -> str:
+    """The CloudFormation stack of a region's deployment."""
+    return f"{workflow['run']['name']}-{region}"
+
+
+def render_region(workflow: dict[str, Any], region: str, targets: set[str]) -> dict[str, str]:
+    """The deployment files of one region for the given targets, as path under the build root -> text."""
+    unknown = set(targets) - TARGETS
+    if unknown:
+        raise ValueError(f"unknown targets {sorted(unknown)}; known: {sorted(TARGETS)}")
+    entry = _region(workflow, region)
+    files: dict[str, str] = {}
+    if "openfaas" in targets:
+        files[f"regions/{region}/stack.yaml"] = _render_stack(workflow, entry)
+    if "sam" in targets:
+        files[f"regions/{region}/template.yaml"] = _render_template(workflow, entry)
+        files[f"regions/{region}/statemachine.asl.json"] = _render_state_machine(workflow, entry)
+    return dict(sorted(files.items()))
+
+
+def render_samconfig(workflow: dict[str, Any]) -> str:
+    """The build root's samconfig.toml: one config-env per region, named like the region."""
+    regions = []
+    for entry in workflow["regions"]:
+        name = entry["name"]
+        regions.append(
+            {
+                "name": name,
+                "stack_name": stack_name(workflow, name),
+                "aws_region": aws_region(name),
+                "template_file": f"regions/{name}/template.yaml",
+                # One build folder per region: `sam build` empties its build folder first.
+                "build_dir": f".aws-sam/{name}/build",
+            }
+        )
+    return _ENV.get_template("samconfig.toml.j2").render(
+        run=workflow["run"]["name"], bucket=workflow["storage"]["bucket"], regions=regions
+    )
+
+
+def workers(workflow: dict[str, Any], region: str) -> list[Worker]:
+    """Every (stage, replica) of a region, by stage then replica: what one iteration invokes."""
+    entry = _region(workflow, region)
+    found = []
+    for function in sorted(entry["functions"], key=lambda f: f["stage"]):
+        for replica in range(function["replicas"]):
+            found.append(Worker(function["name"], logical_id(function["name"]), function["stage"], replica))
+    return found
+
+
+def _region(workflow: dict[str, Any], region: str) -> dict[str, Any]:
+    for entry in workflow["regions"]:
+        if entry["name"] == region:
+            return entry
+    raise ValueError(f"workflow has no region {region!r}; it has {[r['name'] for r in workflow['regions']]}")
+
+
+def _relative(package: str, region: str) -> str:
+    """A package folder (relative to the build root) as seen from the region's folder."""
+    return posixpath.relpath(package, f"regions/{region}")
+
+
+def _storage_url(workflow: dict[str, Any]) -> str:
+    return f"s3://{workflow['storage']['bucket']}/{workflow['storage']['prefix']}"
+
+
+def _render_stack(workflow: dict[str, Any], entry: dict[str, Any]) -> str:
+    functions = []
+    for function in sorted(entry["functions"], key=lambda f: f["stage"]):
+        handler = _relative(function["package"], entry["name"])
+        timeout = function["timeout_s"]
+        functions.append(
+            {
+                "name": function["name"],
+                "stage": function["stage"],
+                "handler": handler if handler.startswith("../") else f"./{handler}",
+                "image": f"{function['name']}:latest",
+                "exec_timeout": f"{timeout}s",
+                "io_timeout": f"{timeout + TIMEOUT_MARGIN_S}s",
+                "memory": f"{function['memory_mb']}Mi",
+                "cpu": f"{function['cpu_millis']}m",
+                "replicas": str(function["replicas"]),
+            }
+        )
+    return _ENV.get_template("stack.yaml.j2").render(
+        run=workflow["run"]["name"],
+        region=entry["name"],
+        gateway=OPENFAAS_GATEWAY,
+        template=OPENFAAS_TEMPLATE,
+        template_source=OPENFAAS_TEMPLATE_SOURCE,
+        storage=_storage_url(workflow),
+        secret=STORAGE_SECRET,
+        functions=functions,
+    )
+
+
+def _sam_functions(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    functions = []
+    seen: dict[str, str] = {}
+    for function in sorted(entry["functions"], key=lambda f: f["stage"]):
+        logical = logical_id(function["name"])
+        if logical in seen:
+            raise ValueError(f"functions {seen[logical]!r} and {function['name']!r} both map to logical id {logical}")
+        seen[logical] = function["name"]
+        functions.append(
+            {
+                "name": function["name"],
+                "logical": logical,
+                "stage": function["stage"],
+                "memory_mb": function["memory_mb"],
+                "timeout_s": function["timeout_s"],
+                "context": _relative(function["package"], entry["name"]),
+            }
+        )
+    return functions
+
+
+def _render_template(workflow: dict[str, Any], entry: dict[str, Any]) -> str:
+    return _ENV.get_template("template.yaml.j2").render(
+        run=workflow["run"]["name"],
+        region=entry["name"],
+        bucket=workflow["storage"]["bucket"],
+        storage_sub="s3://${BucketName}/" + workflow["storage"]["prefix"],
+        functions=_sam_functions(entry),
+        iterations=workflow["run"]["iterations"],
+    )
+
+
+def _render_state_machine(workflow: dict[str, Any], entry: dict[str, Any]) -> str:
+    region_workers = workers(workflow, entry["name"])
+    if len(region_workers) > MAX_MAP_CONCURRENCY:
+        # The stages of a pipeline wait on each other's activations: every worker must run at once.
+        raise ValueError(
+            f"region {entry['name']!r} has {len(region_workers)} (stage, replica) workers; a Step Functions "
+            f"inline Map runs at most {MAX_MAP_CONCURRENCY} at once, and all of an iteration's workers must run "
+            "together"
+        )
+    chunk = iterations_per_execution(len(region_workers))
+    items = [
+        json.dumps({"function": f"${{{w.logical_id}Arn}}", "stage": w.stage, "replica": w.replica})
+        for w in region_workers
+    ]
+    return _ENV.get_template("statemachine.asl.json.j2").render(
+        run=workflow["run"]["name"],
+        region=entry["name"],
+        iterations=workflow["run"]["iterations"],
+        chunk=chunk,
+        workers=items,
+        concurrency=len(region_workers),
+        retry_errors=json.dumps(list(LAMBDA_RETRY_ERRORS)),
+        invoke=LAMBDA_INVOKE,
+    )

@@ -1,0 +1,525 @@
+"""The build's report for people: report.md with the plan, its figures and the baselines, and two pictures.
+
+`render_report` returns relative path -> bytes. The pictures are SVG drawn with matplotlib (no pyplot
+state) under fixed settings so that the same plan and timeline always give the same bytes: a fixed
+hash salt for the SVG ids, no date or creator metadata, text kept as text in one font, and numbers
+formatted to a fixed number of significant digits.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import matplotlib
+import matplotlib.style
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, PathPatch
+from matplotlib.path import Path
+
+if TYPE_CHECKING:  # codegen reads the timeline's attributes only; no import of the compiler at run time
+    from cloudless.compiler.simulate import Span, Timeline
+
+REPORT_MD = "report.md"
+SCHEDULE_SVG = "report/schedule.svg"
+COMPARISON_SVG = "report/comparison.svg"
+
+LANES = ("compute", "download", "upload")
+#: at most this many replicas of a stage get rows in the schedule...
+MAX_REPLICAS_SHOWN = 8
+#: ...and fewer when there are many stages, so the chart keeps about this many functions (3 rows each)
+MAX_FUNCTIONS_SHOWN = 32
+#: modules listed in full in the stage table; longer lists become "first .. last (n modules)"
+MAX_MODULES_LISTED = 3
+
+# Span kind -> legend group; kinds not listed fall into a grey group named after the kind.
+_GROUPS = {
+    "forward": "forward",
+    "backward": "backward",
+    "recv-activation": "activation transfer",
+    "send-activation": "activation transfer",
+    "recv-gradient": "gradient transfer",
+    "send-gradient": "gradient transfer",
+    "sync-scatter": "sync scatter-reduce",
+    "sync-gather": "sync gather",
+    "update": "optimizer update",
+}
+_COLOURS = {
+    "forward": "#3b6fb6",
+    "backward": "#e8833a",
+    "activation transfer": "#a6c8ea",
+    "gradient transfer": "#f6c08f",
+    "sync scatter-reduce": "#7dc98f",
+    "sync gather": "#2f8f4e",
+    "optimizer update": "#b4477a",
+}
+_OTHER_COLOUR = "#9a9a9a"
+_PLAN_COLOUR = "#3b6fb6"
+_BASELINE_COLOUR = "#b8b8b8"
+
+# Fixed rendering settings (see the module docstring); applied over matplotlib's defaults so that a
+# user's matplotlibrc cannot change the bytes.
+_RC = {
+    "svg.hashsalt": "cloudless-report",
+    "svg.fonttype": "none",
+    "font.family": "DejaVu Sans",
+    "font.size": 8,
+    "axes.titlesize": 9,
+    "axes.labelsize": 8,
+    "xtick.labelsize": 7,
+    "ytick.labelsize": 7,
+    "legend.fontsize": 7,
+    "figure.dpi": 72,
+    "savefig.dpi": 72,
+}
+# Only these SVG metadata keys would vary between runs or versions; None leaves them out.
+_SVG_METADATA = {"Date": None, "Creator": None}
+
+# Schedule layout, in inches (72 points each).
+_GANTT_WIDTH = 11.0
+_GANTT_LEFT, _GANTT_RIGHT, _GANTT_TOP, _GANTT_BOTTOM = 1.3, 0.25, 0.55, 0.75
+_ROW_HEIGHT = 0.16
+_BAR_HEIGHT = 0.8  # of a row
+_LABEL_FONT = 5.5  # points, micro-batch numbers inside compute spans
+_MERGE_GAP_PT = 0.5  # spans closer than this on one row touch on the picture
+_MIN_SPLIT_PT = 2.0  # narrower touching spans of one group are drawn as one bar
+_SEPARATOR_PT = 0.4  # blank at the end of each bar, so touching bars stay apart
+_RECT_CODES = [Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY]
+
+
+# --- numbers ---------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 4) -> str:
+    """`digits` significant digits in plain decimal notation (never exponent), for stable text."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    if value == 0:
+        return "0"
+    decimals = max(0, min(10, digits - 1 - math.floor(math.log10(abs(value)))))
+    return f"{value:.{decimals}f}"
+
+
+def fmt_s(value: float) -> str:
+    return f"{fmt(value)} s"
+
+
+def fmt_usd(value: float) -> str:
+    return f"{fmt(value)} USD"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{fmt(value, 3)}×"
+
+
+# --- entry point -----------------------------------------------------------------------------------
+
+
+def render_report(plan: dict, timeline: Timeline, workflow: dict | None = None) -> dict[str, bytes]:
+    """report.md and its two pictures for `plan` (plan.json's content) and its simulated `timeline`;
+    with `workflow` (workflow.yaml's content) also the functions per region and how to deploy them."""
+    return {
+        REPORT_MD: render_markdown(plan, timeline, workflow).encode(),
+        COMPARISON_SVG: svg_bytes(comparison_figure, plan),
+        SCHEDULE_SVG: svg_bytes(schedule_figure, plan, timeline),
+    }
+
+
+@contextmanager
+def fixed_style() -> Iterator[None]:
+    """matplotlib's defaults plus _RC, for building and saving a figure (fonts are read at both)."""
+    with ExitStack() as stack:
+        stack.enter_context(matplotlib.style.context("default"))
+        stack.enter_context(matplotlib.rc_context(_RC))
+        yield
+
+
+def svg_bytes(build: Callable[..., Figure], *args: Any) -> bytes:
+    """The SVG of the figure `build(*args)` returns, drawn under the fixed style."""
+    with fixed_style():
+        figure: Figure = build(*args)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="svg", metadata=_SVG_METADATA)
+    return buffer.getvalue()
+
+
+# --- report.md -------------------------------------------------------------------------------------
+
+
+def _cell(text: Any) -> str:
+    """A Markdown table cell: pipes escaped, line breaks flattened."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str) -> list[str]:
+    """`align` has one letter per column: l (left) or r (right)."""
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _blocks(blocks: Sequence[int]) -> str:
+    first, last = blocks
+    return str(first) if first == last else f"{first}–{last}"
+
+
+def _modules(modules: Sequence[str]) -> str:
+    if not modules:
+        return "-"
+    if len(modules) <= MAX_MODULES_LISTED:
+        return ", ".join(f"`{m}`" for m in modules)
+    return f"`{modules[0]}` .. `{modules[-1]}` ({len(modules)} modules)"
+
+
+def stage_rows(stages: Sequence[dict]) -> list[list[str]]:
+    """The stage table's rows (also used by tests to find them in report.md)."""
+    return [
+        [
+            str(s["index"]),
+            _blocks(s["blocks"]),
+            _modules(s["modules"]),
+            str(s["tier_mb"]),
+            str(s["replicas"]),
+            fmt(s["memory_mb"]),
+            f"{fmt(s['forward_s'])} + {fmt(s['backward_s'])}",
+        ]
+        for s in stages
+    ]
+
+
+def render_markdown(plan: dict, timeline: Timeline, workflow: dict | None = None) -> str:
+    predicted = plan["predicted"]
+    lines = [
+        f"# Training plan for {plan['model']}",
+        "",
+        f"Region **{plan['region']}**, objective **{plan['objective']}**, schedule **{plan['schedule']}**, "
+        f"micro-batch **{plan['micro_batch']} × {plan['micro_batches']}** (global batch {plan['global_batch']}).",
+    ]
+    limits = []
+    if plan.get("deadline_s") is not None:
+        limits.append(f"deadline {fmt_s(plan['deadline_s'])} per run")
+    if plan.get("budget_usd") is not None:
+        limits.append(f"budget {fmt_usd(plan['budget_usd'])} per run")
+    if limits:
+        lines += ["", "Limits: " + ", ".join(limits) + "."]
+
+    lines += ["", "## Plan", ""]
+    lines += _table(
+        [
+            "Stage",
+            "Blocks",
+            "Modules",
+            "Memory tier (MB)",
+            "Replicas",
+            "Memory used (MB)",
+            "Forward + backward per micro-batch (s)",
+        ],
+        stage_rows(plan["stages"]),
+        "lllrrrr",
+    )
+
+    solver = plan["solver"]
+    gap = "unknown" if solver["gap"] is None else f"{fmt(100 * solver['gap'], 3)} %"
+    run = predicted["per_run"]
+    lines += [
+        "",
+        "## Predicted figures",
+        "",
+        f"- Iteration time (cost model): **{fmt_s(predicted['iteration_s'])}** = pipeline "
+        f"{fmt_s(predicted['pipeline_s'])} + gradient sync {fmt_s(predicted['sync_s'])} + optimizer update "
+        f"{fmt_s(predicted['update_s'])}",
+        f"- Iteration time (simulated, drawn below): **{fmt_s(timeline.iteration_s)}**",
+        f"- Cost per iteration: **{fmt_usd(predicted['cost_usd'])}** = compute {fmt_usd(predicted['compute_usd'])} "
+        f"+ requests {fmt_usd(predicted['request_usd'])} + storage {fmt_usd(predicted['storage_usd'])}",
+        f"- Per run ({run['iterations']} iterations): {fmt_s(run['time_s'])}, {fmt_usd(run['cost_usd'])}",
+    ]
+    epoch = predicted.get("per_epoch")
+    if epoch:
+        lines.append(
+            f"- Per epoch ({epoch['iterations']} iterations): {fmt_s(epoch['time_s'])}, {fmt_usd(epoch['cost_usd'])}"
+        )
+    lines.append(
+        f"- Solver: {solver['name']}, status **{solver['status']}**, gap {gap} "
+        f"(time limit {fmt_s(solver['time_limit_s'])} per micro-batch size)"
+    )
+
+    lines += ["", "## Warnings", ""]
+    lines += [f"- {w}" for w in predicted["warnings"]] or ["None."]
+
+    lines += ["", "## Baselines", ""]
+    if plan["baselines"]:
+        lines.append("Ratios are this plan's figure over the baseline's: below 1× means this plan is better.")
+        lines.append("")
+        rows = []
+        for b in plan["baselines"]:
+            if b["feasible"]:
+                figures = b["predicted"]
+                rows.append(
+                    [
+                        f"**{b['name']}**",
+                        b["description"],
+                        "yes",
+                        fmt(figures["iteration_s"]),
+                        fmt(figures["cost_usd"]),
+                        fmt_ratio(b["time_ratio"]),
+                        fmt_ratio(b["cost_ratio"]),
+                    ]
+                )
+            else:
+                rows.append([f"**{b['name']}**", b["description"], f"no: {b['reason']}", "-", "-", "-", "-"])
+        lines += _table(
+            ["Baseline", "Description", "Feasible", "Time (s)", "Cost (USD)", "Time ratio", "Cost ratio"],
+            rows,
+            "lllrrrr",
+        )
+    else:
+        lines.append("None were computed.")
+
+    lines += [
+        "",
+        "## Pictures",
+        "",
+        "![Time and cost per iteration of this plan and of each feasible baseline](report/comparison.svg)",
+        "",
+        "Each panel has one bar per plan (this plan highlighted in blue, baselines in grey); shorter is better, "
+        "and the figure at the end of each bar is the predicted value.",
+        "",
+        "![Simulated schedule of one training iteration](report/schedule.svg)",
+        "",
+        "Each row is one lane (compute, download or upload) of one function, `s2 r1` being replica 1 of stage 2; "
+        "time runs left to right, and the numbers in the forward and backward spans are the micro-batches.",
+    ]
+    if workflow is not None:
+        lines += _deployment(workflow)
+    return "\n".join(lines) + "\n"
+
+
+def _deployment(workflow: dict) -> list[str]:
+    lines = ["", "## Deployment", ""]
+    for region in workflow["regions"]:
+        name = region["name"]
+        lines += [f"### {name} ({region['provider']})", ""]
+        lines += _table(
+            ["Function", "Stage", "Blocks", "Memory (MB)", "Replicas"],
+            [
+                [f"`{f['name']}`", str(f["stage"]), _blocks(f["blocks"]), str(f["memory_mb"]), str(f["replicas"])]
+                for f in sorted(region["functions"], key=lambda f: f["stage"])
+            ],
+            "lrlrr",
+        )
+        lines += [
+            "",
+            "From the build folder, with OpenFaaS or with AWS SAM:",
+            "",
+            "```bash",
+            f"faas-cli up -f regions/{name}/stack.yaml",
+            f"sam build --config-env {name} && sam deploy --config-env {name}",
+            "```",
+            "",
+        ]
+    return lines[:-1]
+
+
+# --- comparison.svg --------------------------------------------------------------------------------
+
+
+def comparison_figure(plan: dict) -> Figure:
+    """Time and cost per iteration, this plan against each feasible baseline, as two bar panels."""
+    entries = [("this plan", plan["predicted"]["iteration_s"], plan["predicted"]["cost_usd"], True)]
+    entries += [
+        (b["name"], b["predicted"]["iteration_s"], b["predicted"]["cost_usd"], False)
+        for b in plan["baselines"]
+        if b["feasible"]
+    ]
+    infeasible = [b["name"] for b in plan["baselines"] if not b["feasible"]]
+    height = 1.3 + 0.4 * len(entries) + (0.25 if infeasible else 0.0)
+    figure = Figure(figsize=(10.0, height))
+    bottom = (0.55 + (0.25 if infeasible else 0.0)) / height
+    figure.subplots_adjust(left=0.13, right=0.98, top=1 - 0.6 / height, bottom=bottom, wspace=0.45)
+    axes = figure.subplots(1, 2)
+    figure.suptitle(f"{plan['model']}: this plan against the baselines (shorter is better)", fontsize=10)
+    y = list(range(len(entries)))
+    colours = [_PLAN_COLOUR if mine else _BASELINE_COLOUR for *_, mine in entries]
+    for ax, column, title, unit in ((axes[0], 1, "Time per iteration", "s"), (axes[1], 2, "Cost per iteration", "USD")):
+        values = [e[column] for e in entries]
+        bars = ax.barh(y, values, height=0.6, color=colours)
+        for i, bar in enumerate(bars):
+            bar.set_gid(f"bar-{unit.lower()}-{i}")
+        top = max(values) or 1.0
+        ax.set_xlim(0, top * 1.3)
+        for yi, value in zip(y, values, strict=True):
+            ax.text(value + top * 0.01, yi, f"{fmt(value)} {unit}", va="center", ha="left", fontsize=7)
+        ax.set_yticks(y, [e[0] for e in entries])
+        ax.invert_yaxis()
+        ax.set_title(f"{title} ({unit})")
+        for spine in ("top", "right"):
+            ax.spines[spine].set_visible(False)
+        ax.get_yticklabels()[0].set_fontweight("bold")
+    if infeasible:
+        figure.text(0.01, 0.08 / height, "Not shown (no feasible plan): " + ", ".join(infeasible), fontsize=7)
+    return figure
+
+
+# --- schedule.svg ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One drawn rectangle: a span, or touching spans of one group merged; `label` is its micro-batch."""
+
+    row: int
+    start: float
+    end: float
+    group: str
+    label: str | None
+
+
+def group_of(kind: str) -> str:
+    return _GROUPS.get(kind, kind)
+
+
+def replicas_shown(plan: dict) -> int:
+    """How many replicas of each stage get rows (the first ones; replicas run alike, in turn)."""
+    return max(1, min(MAX_REPLICAS_SHOWN, MAX_FUNCTIONS_SHOWN // max(1, len(plan["stages"]))))
+
+
+def schedule_rows(plan: dict) -> list[tuple[int, int, str]]:
+    """(stage, replica, lane) of each row of the schedule, top to bottom."""
+    cap = replicas_shown(plan)
+    return [(s["index"], j, lane) for s in plan["stages"] for j in range(min(cap, s["replicas"])) for lane in LANES]
+
+
+def _seconds_per_point(timeline: Timeline) -> float:
+    width_pt = (_GANTT_WIDTH - _GANTT_LEFT - _GANTT_RIGHT) * 72
+    return _x_limit(timeline) / width_pt
+
+
+def _x_limit(timeline: Timeline) -> float:
+    return timeline.iteration_s * 1.01 if timeline.iteration_s > 0 else 1.0
+
+
+def schedule_bars(plan: dict, timeline: Timeline) -> list[Bar]:
+    """The bars the schedule draws, row by row. Touching spans of one group on one row merge when
+    one of them is too narrow to see apart, and the pieces of a gradient sync always merge: this
+    keeps the SVG small for large plans without changing what the picture shows."""
+    rows = {key: i for i, key in enumerate(schedule_rows(plan))}
+    per_row: dict[int, list[Span]] = {}
+    for span in timeline.spans:
+        row = rows.get((span.stage, span.replica, span.lane))
+        if row is not None:
+            per_row.setdefault(row, []).append(span)
+    gap = _MERGE_GAP_PT * _seconds_per_point(timeline)
+    narrow = _MIN_SPLIT_PT * _seconds_per_point(timeline)
+    bars: list[Bar] = []
+    for row in sorted(per_row):
+        current: Bar | None = None
+        for span in sorted(per_row[row], key=lambda s: (s.start, s.end, s.kind)):
+            group = group_of(span.kind)
+            label = None if span.micro_batch is None else str(span.micro_batch)
+            touching = current is not None and current.group == group and span.start - current.end <= gap
+            small = current is not None and min(current.end - current.start, span.end - span.start) < narrow
+            if current is not None and touching and (small or span.kind.startswith("sync-")):
+                current = Bar(row, current.start, max(current.end, span.end), group, None)
+                continue
+            if current is not None:
+                bars.append(current)
+            current = Bar(row, span.start, span.end, group, label)
+        if current is not None:
+            bars.append(current)
+    return bars
+
+
+def _gid(group: str) -> str:
+    return "spans-" + re.sub(r"[^a-z0-9]+", "-", group.lower()).strip("-")
+
+
+def schedule_figure(plan: dict, timeline: Timeline) -> Figure:
+    """The simulated iteration as a Gantt chart: a row per (stage, replica, lane), spans coloured by
+    group, micro-batch numbers inside compute spans wide enough to hold them."""
+    rows = schedule_rows(plan)
+    bars = schedule_bars(plan, timeline)
+    height = _GANTT_TOP + _GANTT_BOTTOM + _ROW_HEIGHT * max(len(rows), 3)
+    figure = Figure(figsize=(_GANTT_WIDTH, height))
+    figure.subplots_adjust(
+        left=_GANTT_LEFT / _GANTT_WIDTH,
+        right=1 - _GANTT_RIGHT / _GANTT_WIDTH,
+        top=1 - _GANTT_TOP / height,
+        bottom=_GANTT_BOTTOM / height,
+    )
+    ax = figure.add_subplot()
+    cap = replicas_shown(plan)
+    title = (
+        f"{plan['model']}: simulated iteration, {len(plan['stages'])} stages, {plan['micro_batches']} micro-batches "
+        f"of {plan['micro_batch']} ({plan['schedule']}), {fmt_s(timeline.iteration_s)}"
+    )
+    if any(s["replicas"] > cap for s in plan["stages"]):
+        title += f"; first {cap} replicas of each stage shown"
+    ax.set_title(title, loc="left")
+
+    half = _BAR_HEIGHT / 2
+    # Touching spans (consecutive micro-batches) are told apart by a hairline gap cut from each bar's
+    # end; cheaper in bytes than an edge stroke on every path.
+    cut = _SEPARATOR_PT * _seconds_per_point(timeline)
+    groups: dict[str, list[Bar]] = {}
+    for bar in bars:
+        groups.setdefault(bar.group, []).append(bar)
+    order = [g for g in _COLOURS if g in groups] + sorted(g for g in groups if g not in _COLOURS)
+    handles = []
+    for group in order:
+        colour = _COLOURS.get(group, _OTHER_COLOUR)
+        vertices, codes = [], []
+        for b in groups[group]:
+            end = b.end - cut if b.end - b.start > 3 * cut else b.end
+            top, bottom = b.row - half, b.row + half
+            vertices += [(b.start, top), (end, top), (end, bottom), (b.start, bottom), (b.start, top)]
+            codes += _RECT_CODES
+        # One SVG path per group, a subpath per bar: a third of the bytes of one element per bar.
+        path = Path(vertices, codes)
+        path.should_simplify = False  # every bar must stay, however thin
+        patch = PathPatch(path, facecolor=colour, edgecolor="none", linewidth=0, gid=_gid(group))
+        patch.set_clip_on(False)  # every bar lies inside the axes
+        ax.add_patch(patch)
+        handles.append(Patch(facecolor=colour, label=group))
+
+    per_point = _seconds_per_point(timeline)
+    for bar in bars:
+        if bar.label is None or bar.group not in ("forward", "backward"):
+            continue
+        needed = (0.62 * _LABEL_FONT * len(bar.label) + 2) * per_point
+        if bar.end - bar.start >= needed:
+            ax.text(
+                (bar.start + bar.end) / 2,
+                bar.row,
+                bar.label,
+                ha="center",
+                va="center",
+                fontsize=_LABEL_FONT,
+                color="white" if bar.group == "forward" else "black",
+            )
+
+    ax.set_xlim(0, _x_limit(timeline))
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    labels = [f"s{s} r{j}  {lane}" if lane == LANES[0] else lane for s, j, lane in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=6 if len(rows) > 48 else 7)
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel("seconds since the iteration started")
+    ax.grid(axis="x", color="#e4e4e4", linewidth=0.5)
+    ax.set_axisbelow(True)
+    # Lines between functions, darker between stages.
+    for i in range(3, len(rows), 3):
+        new_stage = rows[i][0] != rows[i - 1][0]
+        ax.axhline(i - 0.5, color="#707070" if new_stage else "#d0d0d0", linewidth=0.6 if new_stage else 0.4)
+    figure.legend(
+        handles=handles,
+        loc="lower center",
+        ncol=min(len(handles), 7) or 1,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.02 / height),
+    )
+    return figure

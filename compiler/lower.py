@@ -1,0 +1,238 @@
+"""Lower a plan into the workflow manifest (workflow.yaml) and the sources its functions run.
+
+Per region, one function per pipeline stage (its replicas are instances of that function) and, per
+stage, the steps of one iteration: `compute` (the stage's micro-batch schedule), `scatter-reduce`
+among its replicas when it has more than one, `optimizer-step` (after every stage sharing a
+parameter with it has its gradients), and `checkpoint` every `checkpoint_every` iterations.
+
+What the functions need of the user's model file is lowered too, so that no function imports it:
+the optimizer as a torch.optim class and its options, the loss as generated torch-only source.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from cloudless.codegen.stage_source import StageHeader, render_stage_source
+from cloudless.compiler.cost_model import Plan
+from cloudless.compiler.errors import CompileError, ModelFileError
+from cloudless.compiler.model_file import ModelFile
+from cloudless.compiler.trace import trace_model
+from cloudless.ir import API_VERSION
+from cloudless.ir.catalog import Region
+from cloudless.runtimes.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES, Schedule
+
+DEFAULT_LEARNING_RATE = 0.01
+#: checkpoints per run when the model file does not say (at least every 1000 iterations)
+CHECKPOINTS_PER_RUN = 4
+LOSS_MODULE = "loss"
+
+
+@dataclass(frozen=True)
+class StageInterface:
+    """What lowering needs of a generated stage: its index, what it takes and returns, which tensors."""
+
+    index: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    parameters: tuple[str, ...]
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """A DNS-1035 label from any name: lowercase letters, digits and '-', starting with a letter."""
+    label = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    if not label or not label[0].isalpha():
+        label = "m-" + label
+    return label[:limit].rstrip("-")
+
+
+def describe_optimizer(model_file: ModelFile) -> dict[str, Any]:
+    """The model file's optimizer as a torch.optim class name and its constructor options."""
+    if model_file.make_optimizer is None:
+        lr = model_file.training.get("learning_rate", DEFAULT_LEARNING_RATE)
+        return {"class": "SGD", "options": {"lr": float(lr)}}
+    probe = nn.Parameter(torch.zeros(1))
+    optimizer = model_file.call("make_optimizer", [probe])
+    cls = type(optimizer)
+    if getattr(torch.optim, cls.__name__, None) is not cls:
+        raise ModelFileError(
+            f"{model_file.name}: make_optimizer returned {cls.__module__}.{cls.__qualname__}; the functions "
+            "rebuild the optimizer from its torch.optim class and options, so return a torch.optim optimizer"
+        )
+    if len(optimizer.param_groups) != 1:
+        raise ModelFileError(f"{model_file.name}: make_optimizer made {len(optimizer.param_groups)} parameter groups")
+    options: dict[str, Any] = {}
+    group = optimizer.param_groups[0]
+    for key in sorted(optimizer.defaults):
+        value = group.get(key, optimizer.defaults[key])
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, bool | int | float | str | list):
+            options[key] = value
+        else:
+            raise ModelFileError(
+                f"{model_file.name}: make_optimizer's option {key}={value!r} cannot be written to workflow.yaml"
+            )
+    return {"class": cls.__name__, "options": options}
+
+
+def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: list[Any], targets: Any) -> str:
+    """The loss as a torch-only module: `Stage()(*flat_outputs, *flat_targets)` returns the loss.
+
+    Traced like the model (fx, else torch.export), so the last stage's function never imports the
+    model file."""
+    flat_targets, target_spec = pytree.tree_flatten(targets)
+    n_out = len(flat_outputs)
+    names = [f"output_{i}" for i in range(n_out)] + [f"target_{i}" for i in range(len(flat_targets))]
+    loss_fn = model_file.loss_fn
+
+    def composed(*flat: Any) -> torch.Tensor:
+        outputs = pytree.tree_unflatten(list(flat[:n_out]), out_spec)
+        return loss_fn(outputs, pytree.tree_unflatten(list(flat[n_out:]), target_spec))
+
+    # A forward with one named argument per tensor, so the traced placeholders carry those names.
+    namespace: dict[str, Any] = {"composed": composed}
+    exec(f"def forward(self, {', '.join(names)}):\n    return composed({', '.join(names)})\n", namespace)
+    module = type("Loss", (nn.Module,), {"forward": namespace["forward"]})()
+    example = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in [*flat_outputs, *flat_targets])
+    program = trace_model(module, example, model_path=model_file.path)
+    header = StageHeader(
+        model=model_file.name,
+        index=0,
+        count=1,
+        first_block=0,
+        last_block=0,
+        inputs=tuple(program.input_names),
+        outputs=("loss",),
+        tensors={},
+        title=f"The loss of {model_file.name}: loss_fn(outputs, targets) on the last stage's flat outputs.",
+    )
+    try:
+        return render_stage_source(program.module.graph, header)
+    except ValueError as exc:
+        raise CompileError(f"{model_file.name}: loss_fn: {exc}") from exc
+
+
+def checkpoint_interval(iterations: int) -> int:
+    return max(1, min(1000, math.ceil(iterations / CHECKPOINTS_PER_RUN)))
+
+
+def lower_plan(
+    chosen: Plan,
+    region: Region,
+    model_file: ModelFile,
+    stages: list[StageInterface],
+    *,
+    iterations: int,
+    global_batch: int,
+    schedule: Schedule,
+    input_names: list[str],
+    target_count: int,
+    optimizer: dict[str, Any],
+    samples: int | None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """workflow.yaml's content for a single-region plan (training `iterations` of `global_batch`)."""
+    if len(stages) != len(chosen.stages):
+        raise ValueError(f"{len(stages)} generated stages for a plan of {len(chosen.stages)}")
+    run_name = slug(model_file.path.stem)
+    holders: dict[str, list[int]] = {}
+    for stage in stages:
+        for name in stage.parameters:
+            holders.setdefault(name, []).append(stage.index)
+    shared = {name for name, held in holders.items() if len(held) > 1}
+    functions = []
+    for stage, choice in zip(stages, chosen.stages, strict=True):
+        functions.append(
+            {
+                "name": f"{run_name}-s{stage.index}",
+                "stage": stage.index,
+                "blocks": [choice.first, choice.last],
+                "memory_mb": choice.tier_mb,
+                "cpu_millis": cpu_millis(region, choice.tier_mb),
+                "replicas": choice.replicas,
+                "timeout_s": int(region.timeout_s),
+                "package": f"regions/{region.name}/functions/{run_name}-s{stage.index}",
+                "inputs": list(stage.inputs),
+                "outputs": list(stage.outputs),
+                "shared_parameters": sorted(set(stage.parameters) & shared),
+            }
+        )
+    every = checkpoint_interval(iterations)
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Workflow",
+        "model": model_file.name,
+        "run": {
+            "name": run_name,
+            "iterations": iterations,
+            "global_batch": global_batch,
+            "micro_batch": chosen.micro_batch,
+            "micro_batches": global_batch // chosen.micro_batch,
+            "schedule": schedule,
+            "checkpoint_every": every,
+            "seed": seed,
+        },
+        "optimizer": optimizer,
+        "sync": {
+            "intra_region": "pipelined-scatter-reduce",
+            "piece_bytes": SYNC_PIECE_BYTES,
+            "max_pieces": MAX_SYNC_PIECES,
+            "inter_region": None,
+        },
+        "storage": {"bucket": f"cloudless-{run_name}", "prefix": run_name},
+        "data": {"inputs": list(input_names), "targets": target_count, "loss": LOSS_MODULE},
+        "regions": [{"name": region.name, "provider": region.provider, "samples": samples, "functions": functions}],
+        "steps": region_steps(region.name, functions, holders, every),
+    }
+
+
+def region_steps(
+    region: str, functions: list[dict[str, Any]], holders: dict[str, list[int]], checkpoint_every: int
+) -> list[dict[str, Any]]:
+    """One iteration's DAG in a region: the stages compute at once (they pipeline through storage)."""
+
+    def step(function: dict[str, Any], kind: str, depends_on: list[str]) -> dict[str, Any]:
+        return {
+            "id": f"{region}/s{function['stage']}/{kind}",
+            "kind": kind,
+            "region": region,
+            "function": function["name"],
+            "replicas": function["replicas"],
+            "depends_on": depends_on,
+        }
+
+    steps: list[dict[str, Any]] = []
+    gradients_ready: dict[int, str] = {}
+    for function in functions:
+        compute = step(function, "compute", [])
+        steps.append(compute)
+        gradients_ready[function["stage"]] = compute["id"]
+        if function["replicas"] > 1:
+            reduce = step(function, "scatter-reduce", [compute["id"]])
+            steps.append(reduce)
+            gradients_ready[function["stage"]] = reduce["id"]
+    for function in functions:
+        # A tied parameter's gradient is the sum over the stages holding it: wait for all of them.
+        partners = sorted(
+            {s for name in function["shared_parameters"] for s in holders[name]} | {function["stage"]}
+        )
+        update = step(function, "optimizer-step", [gradients_ready[s] for s in partners])
+        checkpoint = step(function, "checkpoint", [update["id"]])
+        checkpoint["every"] = checkpoint_every
+        steps.extend([update, checkpoint])
+    return steps
+
+
+def cpu_millis(region: Region, memory_mb: int) -> int:
+    """The CPU share the platform gives a function of this memory, in thousandths of a vCPU."""
+    return max(1, round(1000 * min(region.max_vcpus, memory_mb / region.mb_per_vcpu)))

@@ -1,0 +1,104 @@
+"""Training data in storage, and the order a run reads it in.
+
+A region's split is written once as safetensors shards (`data/<region>/<split>/shard-NNNNN`: each
+flat input and target leaf stacked over the shard's samples) with a JSON `meta` beside them. Sample
+order: iteration i reads global positions i*G .. i*G+G-1 (G the global batch); position g falls in
+epoch g // N (N samples) and is sample perm_e[g % N] of that epoch's seeded permutation. The first
+stage reads a micro-batch's inputs, the last its targets, and a plain PyTorch loop (the reference in
+the tests) the same samples in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from .storage import Channel
+from .tensors import pack, unpack
+
+SHARD_SAMPLES = 4096
+
+
+def data_key(region: str, split: str, name: str) -> str:
+    return f"data/{region}/{split}/{name}"
+
+
+def write_split(
+    channel: Channel,
+    region: str,
+    split: str,
+    samples: Iterable[tuple[list[torch.Tensor], list[torch.Tensor]]],
+    shard_samples: int = SHARD_SAMPLES,
+) -> int:
+    """Write (flat inputs, flat targets) samples as shards; returns the number of samples."""
+    count = 0
+    shard: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    shapes: tuple[int, int] | None = None
+
+    def flush(index: int) -> None:
+        n_inputs, n_targets = shapes or (0, 0)
+        values = {f"input_{j}": torch.stack([s[0][j] for s in shard]) for j in range(n_inputs)}
+        values.update({f"target_{j}": torch.stack([s[1][j] for s in shard]) for j in range(n_targets)})
+        channel.put(data_key(region, split, f"shard-{index:05d}"), pack(values))
+        shard.clear()
+
+    for inputs, targets in samples:
+        if shapes is None:
+            shapes = (len(inputs), len(targets))
+        shard.append(([torch.as_tensor(t) for t in inputs], [torch.as_tensor(t) for t in targets]))
+        count += 1
+        if len(shard) == shard_samples:
+            flush(count // shard_samples - 1)
+    if shard:
+        flush((count - 1) // shard_samples)
+    if shapes is None:
+        raise ValueError(f"the {split} split of {region} has no samples")
+    meta = {"samples": count, "shard_samples": shard_samples, "inputs": shapes[0], "targets": shapes[1]}
+    channel.put(data_key(region, split, "meta"), json.dumps(meta, sort_keys=True).encode())
+    return count
+
+
+@lru_cache(maxsize=64)
+def epoch_permutation(samples: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
+def sample_indices(
+    iteration: int, micro_batch: int, size: int, global_batch: int, samples: int, seed: int
+) -> list[int]:
+    """The dataset indices of micro-batch `micro_batch` (of `size` samples) of `iteration`."""
+    first = iteration * global_batch + micro_batch * size
+    return [int(epoch_permutation(samples, seed, g // samples)[g % samples]) for g in range(first, first + size)]
+
+
+class SplitReader:
+    """Reads micro-batches of a split from its shards, caching the shards it has read."""
+
+    def __init__(self, channel: Channel, region: str, split: str = "train") -> None:
+        self.channel, self.region, self.split = channel, region, split
+        self.meta: dict[str, Any] = json.loads(channel.get(data_key(region, split, "meta")))
+        self._shards: dict[int, dict[str, torch.Tensor]] = {}
+
+    @property
+    def samples(self) -> int:
+        return int(self.meta["samples"])
+
+    def _shard(self, index: int) -> dict[str, torch.Tensor]:
+        if index not in self._shards:
+            self._shards[index] = unpack(self.channel.get(data_key(self.region, self.split, f"shard-{index:05d}")))
+        return self._shards[index]
+
+    def gather(self, indices: list[int], kind: str) -> list[torch.Tensor]:
+        """The flat `kind` ("input" or "target") tensors of these samples, stacked in order."""
+        size = int(self.meta["shard_samples"])
+        count = int(self.meta["inputs" if kind == "input" else "targets"])
+        rows: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        for index in indices:
+            shard = self._shard(index // size)
+            for j in range(count):
+                rows[j].append(shard[f"{kind}_{j}"][index % size])
+        return [torch.stack(row) for row in rows]

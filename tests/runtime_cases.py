@@ -1,0 +1,111 @@
+"""Build function packages for a hand-chosen plan of a sample, and run them on this machine."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from cloudless.codegen.package import render_function_package, torch_release
+from cloudless.compiler.cost_model import Plan, StageChoice
+from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_training, run_front_end
+from cloudless.ir.catalog import load_catalog
+from cloudless.runtimes.data import sample_indices, write_split
+from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.worker import StageWorker
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = ROOT / "samples" / "mlp_digits.py"
+
+
+def front_end(model: Path = MLP, batch_size: int = 8) -> FrontEndResult:
+    return run_front_end(FrontEndOptions(model_path=model, batch_size=batch_size, profile_repeats=0))
+
+
+def write_packages(
+    result: FrontEndResult,
+    build: Path,
+    stages: list[tuple[int, int, int]],
+    *,
+    micro_batch: int,
+    global_batch: int,
+    iterations: int,
+    schedule: str = "gpipe",
+) -> dict[str, Any]:
+    """Lower a plan of (first block, last block, replicas) stages and write its packages."""
+    region = load_catalog(None).region(None)
+    plan = Plan(micro_batch, tuple(StageChoice(first, last, 1024, r) for first, last, r in stages))
+    lower_training(
+        result, plan, region, iterations=iterations, global_batch=global_batch, schedule=schedule, samples=None
+    )
+    workflow = result.workflow
+    assert workflow is not None
+    for function, stage in zip(workflow["regions"][0]["functions"], result.stages, strict=True):
+        files = render_function_package(
+            workflow,
+            region.name,
+            function,
+            stage_source=stage.source,
+            weights=stage.state,
+            loss_source=result.loss_source,
+            torch_version=torch_release(),
+        )
+        for path, data in files.items():
+            (build / path).parent.mkdir(parents=True, exist_ok=True)
+            (build / path).write_bytes(data)
+    return workflow
+
+
+def write_training_data(result: FrontEndResult, channel: DirectoryChannel, region: str) -> int:
+    dataset = result.model_file.load_shard(region, "train")
+    samples = (
+        (pytree.tree_leaves(dataset[i][0]), pytree.tree_leaves(dataset[i][1])) for i in range(len(dataset))
+    )
+    return write_split(channel, region, "train", samples)
+
+
+def run_workers(build: Path, workflow: dict[str, Any], storage: Path, start: int, stop: int) -> list[dict]:
+    """Every replica of every stage in its own thread, as the functions would run at once."""
+    region = workflow["regions"][0]
+    results: list[dict] = []
+    errors: list[BaseException] = []
+
+    def work(function: dict[str, Any], replica: int) -> None:
+        try:
+            worker = StageWorker(build / function["package"], DirectoryChannel(storage))
+            results.append(worker.run(start, stop, replica, timeout=60))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=work, args=(f, r)) for f in region["functions"] for r in range(f["replicas"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def reference_training(result: FrontEndResult, workflow: dict[str, Any], region: str) -> dict[str, torch.Tensor]:
+    """Plain single-process PyTorch on the same samples in the same order: the expected parameters."""
+    model_file = result.model_file
+    model = model_file.build_model()
+    optimizer = model_file.make_optimizer(model.parameters())
+    dataset = model_file.load_shard(region, "train")
+    run = workflow["run"]
+    for iteration in range(run["iterations"]):
+        for m in range(run["micro_batches"]):
+            idx = sample_indices(iteration, m, run["micro_batch"], run["global_batch"], len(dataset), run["seed"])
+            inputs = tuple(torch.stack([dataset[i][0][j] for i in idx]) for j in range(len(dataset[0][0])))
+            targets = torch.stack([torch.as_tensor(dataset[i][1]) for i in idx])
+            loss = model_file.loss_fn(model(*inputs), targets) / run["micro_batches"]
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -1,0 +1,136 @@
+"""Golden-file tests of the whole generated tree, and the build's determinism and atomicity.
+
+Each case compiles a model with the block times of its golden ir/blocks.json (`--profile`), so the
+plan, and with it every file, is reproducible. Weights are compared by SHA-256 (the golden holds
+`<file>.sha256`). Regenerate with `UPDATE_GOLDENS=1 pytest tests/test_golden.py` and review the diff.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .conftest import MODELS, SAMPLES
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+HASHED = (".safetensors",)
+
+CASES: dict[str, tuple[Path, list[str]]] = {
+    # the README's sample, as the demo compiles it
+    "mlp_digits": (SAMPLES / "mlp_digits.py", []),
+    # tied embeddings across stages, BatchNorm buffers, two inputs, a dict output; the fastest plan
+    "tricky_time": (MODELS / "tricky.py", ["--objective", "time"]),
+    # compute-heavy: the fastest plan pipelines over two stages of eight replicas each
+    "wide_mlp_time": (MODELS / "wide_mlp.py", ["--objective", "time", "--blocks", "8"]),
+}
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` as the golden stores it (weights by hash)."""
+    files: dict[str, bytes] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        data = path.read_bytes()
+        if name.endswith(HASHED):
+            files[name + ".sha256"] = (hashlib.sha256(data).hexdigest() + "\n").encode()
+        else:
+            files[name] = data
+    return files
+
+
+def compile_case(compile_cli, case: str, output: Path) -> None:
+    model, options = CASES[case]
+    golden_profile = GOLDEN / case / "ir" / "blocks.json"
+    profile = ["--profile", str(golden_profile)] if golden_profile.exists() else ["--repeats", "1"]
+    code, _, stderr = compile_cli(str(model), "-o", str(output), "-q", *profile, *options)
+    assert code == 0, stderr
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generated_tree_matches_golden(case: str, compile_cli, tmp_path: Path) -> None:
+    compile_case(compile_cli, case, tmp_path / "build")
+    got = tree(tmp_path / "build")
+    if os.environ.get("UPDATE_GOLDENS") == "1":
+        shutil.rmtree(GOLDEN / case, ignore_errors=True)
+        for name, data in got.items():
+            (GOLDEN / case / name).parent.mkdir(parents=True, exist_ok=True)
+            (GOLDEN / case / name).write_bytes(data)
+        return
+    assert (GOLDEN / case).is_dir(), f"no golden for {case}: run UPDATE_GOLDENS=1 pytest {__file__}"
+    expected = tree(GOLDEN / case)
+    assert sorted(got) == sorted(expected), "files differ: " + ", ".join(
+        sorted(set(got) ^ set(expected))[:10]
+    )
+    for name in expected:
+        if got[name] != expected[name]:
+            diff = difflib.unified_diff(
+                expected[name].decode(errors="replace").splitlines(),
+                got[name].decode(errors="replace").splitlines(),
+                f"golden/{case}/{name}",
+                f"build/{name}",
+                lineterm="",
+                n=1,
+            )
+            pytest.fail(
+                f"{name} differs from the golden (UPDATE_GOLDENS=1 to accept):\n" + "\n".join(list(diff)[:40])
+            )
+
+
+def test_two_compiles_are_byte_identical(compile_cli, tmp_path: Path) -> None:
+    """With the same profile, every byte of the build repeats, weights included."""
+    compile_case(compile_cli, "wide_mlp_time", tmp_path / "a")
+    compile_case(compile_cli, "wide_mlp_time", tmp_path / "b")
+    a = {p.relative_to(tmp_path / "a"): p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    b = {p.relative_to(tmp_path / "b"): p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    assert a.keys() == b.keys()
+    assert [name for name in a if a[name] != b[name]] == []
+
+
+def test_a_failed_compile_leaves_the_previous_build(compile_cli, model_file, tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    compile_case(compile_cli, "mlp_digits", build)
+    before = tree(build)
+    broken = model_file("import torch\n\ndef build_model():\n    return torch.nn.Linear(2, 2)\n")
+    code, _, stderr = compile_cli(str(broken), "-o", str(build), "-q")
+    assert code == 2 and "example_inputs" in stderr
+    assert tree(build) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "model.py"]  # no staging folder left
+
+
+def test_check_command_passes_a_build_and_names_a_broken_key(compile_cli, tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    compile_case(compile_cli, "mlp_digits", build)
+    code, stdout, _ = compile_cli("--check", str(build))
+    assert code == 0 and "every check passed" in stdout
+    stack = build / "regions" / "aws-us-east-1" / "stack.yaml"
+    stack.write_text(stack.read_text().replace("lang: python3-http-debian", "lang: python3-http-debian\n    langg: x"))
+    code, _, stderr = compile_cli("--check", str(build))
+    assert code == 2
+    assert "regions/aws-us-east-1/stack.yaml" in stderr and "functions/mlp-digits-s0" in stderr and "langg" in stderr
+
+
+
+CREDENTIALS = re.compile(
+    rb"AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}|aws_secret_access_key\s*[=:]|aws_session_token\s*[=:]"
+    rb"|-----BEGIN [A-Z ]*PRIVATE KEY-----|password\s*[=:]\s*\S|secret_key\s*[=:]\s*\S",
+    re.IGNORECASE,
+)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_generated_file_holds_credentials(case: str, compile_cli, tmp_path: Path, monkeypatch) -> None:
+    # Credentials in the compiler's own environment must not leak into what it writes either.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAABCDEFGHIJKLMNOP")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
+    compile_case(compile_cli, case, tmp_path / "build")
+    for path in (tmp_path / "build").rglob("*"):
+        if path.is_file() and not path.name.endswith(".safetensors"):
+            data = path.read_bytes()
+            assert not CREDENTIALS.search(data), f"{path.relative_to(tmp_path)}: {CREDENTIALS.search(data)}"
+            assert b"wJalrXUtnFEMI" not in data and b"AKIAABCDEFGHIJKLMNOP" not in data

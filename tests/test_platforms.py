@@ -1,0 +1,521 @@
+"""Deployment files (OpenFaaS stack, SAM template, state machine, samconfig.toml) and their offline checks.
+
+Real tools throughout: statelint, cfn-lint, and moto executing the state machine against fake Lambda
+functions (moto's own faking: with use_docker False it answers invocations without running code).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import re
+import shutil
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cloudless.codegen.platforms import (
+    LAMBDA_RETRY_ERRORS,
+    aws_region,
+    iterations_per_execution,
+    logical_id,
+    render_region,
+    render_samconfig,
+    workers,
+)
+from cloudless.codegen.validate import BuildCheckError, check_build, substitute_arns
+from cloudless.compiler.lower import region_steps
+from cloudless.ir.schema import SchemaError
+from cloudless.ir.workflow import check_workflow, dump_yaml
+
+EAST, WEST = "aws-us-east-1", "aws-eu-west-1"
+RUN = "mlp-digits"
+
+
+def _function(region: str, stage: int, replicas: int, memory_mb: int) -> dict[str, Any]:
+    name = f"{RUN}-s{stage}"
+    return {
+        "name": name,
+        "stage": stage,
+        "blocks": [2 * stage, 2 * stage + 2],
+        "memory_mb": memory_mb,
+        "cpu_millis": round(1000 * memory_mb / 1769),
+        "replicas": replicas,
+        "timeout_s": 900,
+        "package": f"regions/{region}/functions/{name}",
+        "inputs": ["input_1"] if stage == 0 else [f"hidden_{stage}"],
+        "outputs": [f"hidden_{stage + 1}"],
+        "shared_parameters": [],
+    }
+
+
+def make_workflow() -> dict[str, Any]:
+    """Two regions: three stages with 1, 2 and 4 replicas in one, two stages in the other."""
+    regions = {
+        EAST: [_function(EAST, 0, 1, 1024), _function(EAST, 1, 2, 1769), _function(EAST, 2, 4, 3008)],
+        WEST: [_function(WEST, 0, 1, 2048), _function(WEST, 1, 1, 2048)],
+    }
+    steps = [step for name, functions in regions.items() for step in region_steps(name, functions, {}, 50)]
+    workflow = {
+        "apiVersion": "cloudless/v1",
+        "kind": "Workflow",
+        "model": "mlp_digits.py",
+        "run": {
+            "name": RUN,
+            "iterations": 200,
+            "global_batch": 64,
+            "micro_batch": 16,
+            "micro_batches": 4,
+            "schedule": "gpipe",
+            "checkpoint_every": 50,
+            "seed": 0,
+        },
+        "optimizer": {"class": "SGD", "options": {"lr": 0.1, "momentum": 0.9}},
+        "sync": {
+            "intra_region": "pipelined-scatter-reduce",
+            "piece_bytes": 4194304,
+            "max_pieces": 16,
+            "inter_region": "model-average",
+        },
+        "storage": {"bucket": "cloudless-mlp-digits", "prefix": RUN},
+        "data": {"inputs": ["input_1"], "targets": 1, "loss": "loss"},
+        "regions": [
+            {"name": name, "provider": "aws", "samples": 700, "functions": functions}
+            for name, functions in regions.items()
+        ],
+        "steps": steps,
+    }
+    check_workflow(workflow)
+    return workflow
+
+
+def render_all(workflow: dict[str, Any]) -> dict[str, str]:
+    files = {"workflow.yaml": dump_yaml(workflow), "samconfig.toml": render_samconfig(workflow)}
+    for region in workflow["regions"]:
+        files.update(render_region(workflow, region["name"], {"openfaas", "sam"}))
+    return files
+
+
+def write_build(root: Path, workflow: dict[str, Any], *, packages: bool = True) -> Path:
+    for relative, text in render_all(workflow).items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    if packages:
+        # Minimal packages: the real ones are written by the package generator.
+        for region in workflow["regions"]:
+            for function in region["functions"]:
+                package = root / function["package"]
+                package.mkdir(parents=True, exist_ok=True)
+                (package / "handler.py").write_text(
+                    "def handle(event, context):\n    return {'statusCode': 200, 'body': '{}'}\n\n\n"
+                    "def handler(event, context):\n    return {'status': 'done', **event}\n"
+                )
+                (package / "requirements.txt").write_text("")
+                (package / "Dockerfile").write_text(
+                    'FROM public.ecr.aws/lambda/python:3.12\nCOPY . ${LAMBDA_TASK_ROOT}\nCMD ["handler.handler"]\n'
+                )
+    return root
+
+
+@pytest.fixture(scope="module")
+def good_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_build(tmp_path_factory.mktemp("good"), make_workflow())
+
+
+@pytest.fixture
+def build(good_build: Path, tmp_path: Path) -> Path:
+    """A private copy of the good build, to break."""
+    return Path(shutil.copytree(good_build, tmp_path / "build"))
+
+
+def edit(path: Path, old: str, new: str, count: int = 1) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, count))
+
+
+def failure(build: Path) -> str:
+    with pytest.raises(BuildCheckError) as caught:
+        check_build(build)
+    return str(caught.value)
+
+
+# --- the good build -------------------------------------------------------------------------------------
+
+
+def test_rendered_build_passes_every_check(good_build: Path) -> None:
+    check_build(good_build)
+
+
+def test_statelint_and_cfn_lint_find_nothing(good_build: Path) -> None:
+    import cfnlint.api
+    from statelint.linter import Linter
+
+    for region, aws in ((EAST, "us-east-1"), (WEST, "eu-west-1")):
+        definition = (good_build / "regions" / region / "statemachine.asl.json").read_text()
+        assert Linter.validate(json.loads(substitute_arns(definition))) == []
+        template = (good_build / "regions" / region / "template.yaml").read_text()
+        errors = [m for m in cfnlint.api.lint(template, regions=[aws]) if m.rule.id.startswith("E")]
+        assert errors == []
+
+
+def test_stack_file_content(good_build: Path) -> None:
+    stack = yaml.safe_load((good_build / "regions" / EAST / "stack.yaml").read_text())
+    assert stack["version"] == 1.0
+    assert stack["provider"] == {"name": "openfaas", "gateway": "http://127.0.0.1:8080"}
+    assert stack["configuration"]["templates"] == [
+        {"name": "python3-http-debian", "source": "https://github.com/openfaas/python-flask-template"}
+    ]
+    assert list(stack["functions"]) == [f"{RUN}-s0", f"{RUN}-s1", f"{RUN}-s2"]
+    s2 = stack["functions"][f"{RUN}-s2"]
+    assert s2["lang"] == "python3-http-debian"
+    assert s2["handler"] == f"./functions/{RUN}-s2"
+    assert (good_build / "regions" / EAST / s2["handler"] / "handler.py").is_file()
+    assert s2["image"] == f"{RUN}-s2:latest"
+    assert s2["environment"]["CLOUDLESS_STORAGE"] == "s3://cloudless-mlp-digits/mlp-digits"
+    assert s2["environment"]["exec_timeout"] == "900s"
+    assert s2["environment"]["read_timeout"] == s2["environment"]["write_timeout"] == "910s"
+    assert s2["secrets"] == ["cloudless-storage"]
+    assert s2["limits"] == s2["requests"] == {"memory": "3008Mi", "cpu": "1700m"}
+    assert s2["labels"] == {"com.openfaas.scale.min": "4", "com.openfaas.scale.max": "4"}
+    assert s2["build_args"] == {"TEST_ENABLED": "false"}
+
+
+def test_sam_template_content(good_build: Path) -> None:
+    template = yaml.safe_load((good_build / "regions" / EAST / "template.yaml").read_text())
+    assert template["Transform"] == "AWS::Serverless-2016-10-31"
+    assert template["Parameters"]["BucketName"]["Default"] == "cloudless-mlp-digits"
+    resources = template["Resources"]
+    function = resources["MlpDigitsS1Function"]
+    assert function["Type"] == "AWS::Serverless::Function"
+    properties = function["Properties"]
+    assert (properties["PackageType"], properties["MemorySize"], properties["Timeout"]) == ("Image", 1769, 900)
+    assert properties["ImageConfig"]["Command"] == ["handler.handler"]
+    assert properties["Environment"]["Variables"]["CLOUDLESS_STORAGE"] == {"Fn::Sub": "s3://${BucketName}/mlp-digits"}
+    assert function["Metadata"] == {
+        "Dockerfile": "Dockerfile",
+        "DockerContext": f"functions/{RUN}-s1",
+        "DockerTag": "latest",
+    }
+    machine = resources["IterationStateMachine"]["Properties"]
+    assert machine["DefinitionUri"] == "statemachine.asl.json"
+    assert machine["DefinitionSubstitutions"] == {
+        f"MlpDigitsS{s}FunctionArn": {"Fn::GetAtt": [f"MlpDigitsS{s}Function", "Arn"]} for s in range(3)
+    }
+    assert machine["Policies"] == [
+        {"LambdaInvokePolicy": {"FunctionName": {"Ref": f"MlpDigitsS{s}Function"}}} for s in range(3)
+    ]
+
+
+def test_state_machine_shape(good_build: Path) -> None:
+    definition = json.loads((good_build / "regions" / EAST / "statemachine.asl.json").read_text())
+    states = definition["States"]
+    assert [w["replica"] for w in states["Workers"]["Result"]] == [0, 0, 1, 0, 1, 2, 3]
+    assert states["Workers"]["Result"][0] == {"function": "${MlpDigitsS0FunctionArn}", "stage": 0, "replica": 0}
+    iteration = states["Iteration"]
+    assert iteration["Type"] == "Map" and iteration["MaxConcurrency"] == 7
+    invoke = iteration["ItemProcessor"]["States"]["Invoke"]
+    assert invoke["Resource"] == "arn:aws:states:::lambda:invoke"
+    assert invoke["Parameters"]["Payload"] == {"iteration.$": "$.iteration", "replica.$": "$.replica"}
+    assert invoke["Retry"][0]["ErrorEquals"] == list(LAMBDA_RETRY_ERRORS)
+    assert isinstance(invoke["Retry"][0]["BackoffRate"], float)
+    assert invoke["Catch"][0]["ErrorEquals"] == ["States.ALL"]
+    assert states["Advance"]["Parameters"]["iteration.$"] == "States.MathAdd($.iteration, 1)"
+    text = (good_build / "regions" / EAST / "statemachine.asl.json").read_text()
+    assert text.endswith("}\n") and '\n  "States": {\n' in text
+
+
+def test_samconfig_content(good_build: Path) -> None:
+    import tomllib
+
+    config = tomllib.loads((good_build / "samconfig.toml").read_text())
+    assert config["version"] == 0.1
+    assert sorted(k for k in config if k != "version") == sorted([EAST, WEST])
+    deploy = config[WEST]["deploy"]["parameters"]
+    assert deploy["region"] == "eu-west-1"
+    assert deploy["stack_name"] == f"{RUN}-{WEST}"
+    assert deploy["capabilities"] == "CAPABILITY_IAM"
+    assert deploy["resolve_image_repos"] is True
+    assert deploy["parameter_overrides"] == "BucketName=cloudless-mlp-digits"
+    assert config[WEST]["build"]["parameters"]["template_file"] == f"regions/{WEST}/template.yaml"
+    # deploy reads what sam build wrote for this region
+    assert deploy["template_file"] == config[WEST]["build"]["parameters"]["build_dir"] + "/template.yaml"
+
+
+def test_names() -> None:
+    assert logical_id("mlp-digits-s0") == "MlpDigitsS0Function"
+    assert aws_region("aws-us-east-1") == "us-east-1"
+    assert aws_region("tencent-ap-guangzhou") == "tencent-ap-guangzhou"
+    # a history of at most 25,000 events per execution
+    assert iterations_per_execution(40) * (10 * 40 + 12) <= 24_000
+    assert iterations_per_execution(1) >= 1000
+
+
+def test_rendering_is_deterministic() -> None:
+    first, second = render_all(make_workflow()), render_all(copy.deepcopy(make_workflow()))
+    assert first == second
+    assert all(text.endswith("\n") for text in first.values())
+
+
+def test_no_credentials_and_bucket_scoped_policies(good_build: Path) -> None:
+    for path in sorted(good_build.rglob("*")):
+        if path.suffix in {".yaml", ".json", ".toml"}:
+            text = path.read_text()
+            for pattern in (r"aws_secret_access_key", r"AKIA[0-9A-Z]{16}", r"(?i)password", r"(?i)secret_key"):
+                assert not re.search(pattern, text), f"{pattern} in {path}"
+    for region in (EAST, WEST):
+        template = yaml.safe_load((good_build / "regions" / region / "template.yaml").read_text())
+        for resource in template["Resources"].values():
+            for policy in resource["Properties"].get("Policies", []):
+                for name, arguments in policy.items():
+                    if name.startswith("S3"):
+                        assert arguments == {"BucketName": {"Ref": "BucketName"}}
+                    else:
+                        assert name == "LambdaInvokePolicy"
+
+
+def test_unknown_target_and_region_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown targets"):
+        render_region(make_workflow(), EAST, {"knative"})
+    with pytest.raises(ValueError, match="no region"):
+        render_region(make_workflow(), "aws-ap-south-1", {"sam"})
+
+
+def test_more_than_40_workers_are_refused() -> None:
+    workflow = make_workflow()
+    workflow["regions"][0]["functions"][2]["replicas"] = 38
+    workflow["steps"] = [
+        s | {"replicas": 38} if s["function"] == f"{RUN}-s2" and s["region"] == EAST else s for s in workflow["steps"]
+    ]
+    check_workflow(workflow)
+    assert len(workers(workflow, EAST)) == 41
+    render_region(workflow, EAST, {"openfaas"})
+    with pytest.raises(ValueError, match="at most 40"):
+        render_region(workflow, EAST, {"sam"})
+
+
+# --- broken builds: the first problem, with its file and key --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        (
+            "    lang: python3-http-debian\n",
+            "    lang: python3-http-debian\n    memory_limit: 1G\n",
+            f"key functions/{RUN}-s0/memory_limit",
+        ),
+        ('memory: "1024Mi"', 'memory: "1G"', f"key functions/{RUN}-s0/limits/memory"),
+        ('read_timeout: "910s"', 'read_timeout: "60s"', f"key functions/{RUN}-s0/environment/read_timeout"),
+        (
+            'com.openfaas.scale.min: "1"',
+            "com.openfaas.scale.min: 1",
+            f"key functions/{RUN}-s0/labels/com.openfaas.scale.min",
+        ),
+        (f"  {RUN}-s0:\n", "  MLP_s0:\n", "key functions/MLP_s0"),
+    ],
+    ids=["unknown-key", "bad-memory", "read-before-exec", "unquoted-scale", "bad-name"],
+)
+def test_broken_stack_file(build: Path, old: str, new: str, key: str) -> None:
+    edit(build / "regions" / EAST / "stack.yaml", old, new)
+    message = failure(build)
+    assert message.startswith(f"regions/{EAST}/stack.yaml: {key}"), message
+
+
+def test_missing_handler_folder(build: Path) -> None:
+    shutil.rmtree(build / "regions" / EAST / "functions" / f"{RUN}-s1")
+    message = failure(build)
+    assert message.startswith(f"regions/{EAST}/stack.yaml: key functions/{RUN}-s1/handler"), message
+    check_build(build, packages=False)
+
+
+def test_dangling_next_in_state_machine(build: Path) -> None:
+    edit(
+        build / "regions" / EAST / "statemachine.asl.json",
+        '"Next": "Continue"\n    },\n    "Done"',
+        '"Next": "Nowhere"\n    },\n    "Done"',
+    )
+    message = failure(build)
+    assert message.startswith(f"regions/{EAST}/statemachine.asl.json: key States/Advance/Next: statelint:"), message
+    assert "Nowhere" in message
+
+
+def test_map_concurrency_over_40(build: Path) -> None:
+    edit(build / "regions" / EAST / "statemachine.asl.json", '"MaxConcurrency": 7', '"MaxConcurrency": 41')
+    message = failure(build)
+    assert message.startswith(f"regions/{EAST}/statemachine.asl.json: key States/Iteration/MaxConcurrency"), message
+
+
+def test_task_without_retry(build: Path) -> None:
+    path = build / "regions" / EAST / "statemachine.asl.json"
+    definition = json.loads(path.read_text())
+    del definition["States"]["Iteration"]["ItemProcessor"]["States"]["Invoke"]["Retry"]
+    path.write_text(json.dumps(definition, indent=2))
+    message = failure(build)
+    assert message.startswith(
+        f"regions/{EAST}/statemachine.asl.json: key States/Iteration/ItemProcessor/States/Invoke/Retry"
+    ), message
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ("      Timeout: 900\n", "      Timeout: 2000\n", "key Resources/MlpDigitsS0Function/Properties/Timeout"),
+        (
+            "      MemorySize: 1024\n",
+            "      MemorySize: 20480\n",
+            "key Resources/MlpDigitsS0Function/Properties/MemorySize",
+        ),
+        (
+            "      PackageType: Image\n",
+            "      PackageType: Image\n      Colour: blue\n",
+            "key Resources/MlpDigitsS0Function/Properties/Colour: cfn-lint E3002",
+        ),
+        (
+            "            Ref: MlpDigitsS1Function\n",
+            "            Ref: MlpDigitsS9Function\n",
+            "key Resources/IterationStateMachine/Properties/Policies/1/LambdaInvokePolicy/FunctionName/Ref",
+        ),
+    ],
+    ids=["timeout", "memory", "unknown-property", "dangling-ref"],
+)
+def test_broken_template(build: Path, old: str, new: str, key: str) -> None:
+    edit(build / "regions" / EAST / "template.yaml", old, new)
+    message = failure(build)
+    assert message.startswith(f"regions/{EAST}/template.yaml: {key}"), message
+
+
+def test_missing_dockerfile(build: Path) -> None:
+    (build / "regions" / WEST / "functions" / f"{RUN}-s1" / "Dockerfile").unlink()
+    message = failure(build)
+    assert message.startswith(f"regions/{WEST}/template.yaml: key Resources/MlpDigitsS1Function/Metadata/Dockerfile")
+
+
+def test_broken_manifest(build: Path) -> None:
+    workflow = make_workflow()
+    workflow["steps"][1]["depends_on"] = [f"{EAST}/s7/compute"]
+    (build / "workflow.yaml").write_text(dump_yaml(workflow))
+    message = failure(build)
+    assert message.startswith("workflow.yaml: key steps/1/depends_on/0: no step"), message
+    with pytest.raises(SchemaError):  # BuildCheckError is a SchemaError
+        check_build(build)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ('region = "eu-west-1"', 'region = "eu-west-9"', f"key {WEST}.deploy.parameters.region"),
+        (f"[{WEST}.deploy.parameters]", "[other.deploy.parameters]", "key other"),
+        ("version = 0.1", "version = 1", "key version"),
+    ],
+    ids=["region", "env", "version"],
+)
+def test_broken_samconfig(build: Path, old: str, new: str, key: str) -> None:
+    edit(build / "samconfig.toml", old, new)
+    message = failure(build)
+    assert message.startswith(f"samconfig.toml: {key}"), message
+
+
+def test_credentials_are_refused(build: Path) -> None:
+    edit(
+        build / "regions" / WEST / "stack.yaml",
+        "      max_inflight:",
+        "      AWS_ACCESS_KEY_ID: AKIAABCDEFGHIJKLMNOP\n      max_inflight:",
+    )
+    message = failure(build)
+    assert message.startswith(f"regions/{WEST}/stack.yaml: key line"), message
+
+
+# --- the state machine runs -----------------------------------------------------------------------------
+
+
+def test_state_machine_runs_in_moto(good_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import boto3
+    from moto import mock_aws
+
+    for variable, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    workflow = make_workflow()
+    region_workers = workers(workflow, EAST)
+    definition = (good_build / "regions" / EAST / "statemachine.asl.json").read_text()
+    config = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
+    with mock_aws(config=config):
+        trust = {
+            "Version": "2012-10-17",
+            "Statement": [
+                {
+                    "Effect": "Allow",
+                    "Principal": {"Service": ["lambda.amazonaws.com", "states.amazonaws.com"]},
+                    "Action": "sts:AssumeRole",
+                }
+            ],
+        }
+        role = boto3.client("iam").create_role(RoleName="cloudless", AssumeRolePolicyDocument=json.dumps(trust))
+        role_arn = role["Role"]["Arn"]
+        code = io.BytesIO()
+        with zipfile.ZipFile(code, "w") as archive:
+            archive.writestr("handler.py", "def handler(event, context):\n    return event\n")
+        lambdas = boto3.client("lambda")
+        arns = {}
+        for worker in region_workers:
+            if f"{worker.logical_id}Arn" not in arns:
+                arns[f"{worker.logical_id}Arn"] = lambdas.create_function(
+                    FunctionName=worker.function,
+                    Runtime="python3.12",
+                    Role=role_arn,
+                    Handler="handler.handler",
+                    Code={"ZipFile": code.getvalue()},
+                )["FunctionArn"]
+        substituted = re.sub(r"\$\{(\w+)\}", lambda m: arns[m.group(1)], definition)
+        sfn = boto3.client("stepfunctions")
+        machine = sfn.create_state_machine(name="iterations", definition=substituted, roleArn=role_arn)
+
+        def run(document: dict[str, int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            execution = sfn.start_execution(
+                stateMachineArn=machine["stateMachineArn"],
+                name=f"run-{len(document)}-{document.get('start')}",
+                input=json.dumps(document),
+            )
+            deadline = time.monotonic() + 30
+            while (described := sfn.describe_execution(executionArn=execution["executionArn"]))["status"] == "RUNNING":
+                assert time.monotonic() < deadline, "execution did not finish"
+                time.sleep(0.05)
+            assert described["status"] == "SUCCEEDED", described
+            history = sfn.get_execution_history(executionArn=execution["executionArn"], maxResults=1000)["events"]
+            return json.loads(described["output"]), history
+
+        output, history = run({"start": 0, "stop": 2})
+        assert output == {"iteration": 2, "stop": 2}
+        invoked = [
+            json.loads(e["taskScheduledEventDetails"]["parameters"]) for e in history if e["type"] == "TaskScheduled"
+        ]
+        assert sorted(
+            (p["FunctionName"], p["Payload"]["iteration"], p["Payload"]["replica"]) for p in invoked
+        ) == sorted((arns[f"{w.logical_id}Arn"], i, w.replica) for w in region_workers for i in range(2))
+        # the history budget behind iterations_per_execution holds
+        assert len(history) <= 2 * (10 * len(region_workers) + 12)
+
+        output, _ = run({"stop": 1})  # start defaults to 0
+        assert output == {"iteration": 1, "stop": 1}
+        output, history = run({"start": 3, "stop": 3})  # nothing to do
+        assert output == {"iteration": 3, "stop": 3}
+        assert not any(e["type"] == "TaskScheduled" for e in history)
+
+
+def test_definition_over_1_mb(build: Path) -> None:
+    path = build / "regions" / EAST / "statemachine.asl.json"
+    definition = json.loads(path.read_text())
+    definition["Comment"] = "x" * (1024 * 1024)
+    path.write_text(json.dumps(definition))
+    message = failure(build)
+    assert message.startswith(f"regions/{EAST}/statemachine.asl.json: key (top level): about"), message

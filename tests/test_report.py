@@ -1,0 +1,243 @@
+"""The build's report: report.md's content, the two SVGs, and that the same inputs give the same bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from cloudless.codegen.report import (
+    COMPARISON_SVG,
+    REPORT_MD,
+    SCHEDULE_SVG,
+    group_of,
+    render_report,
+    replicas_shown,
+    schedule_bars,
+    schedule_rows,
+    stage_rows,
+)
+from cloudless.compiler.baselines import baselines
+from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, Problem, StageChoice
+from cloudless.compiler.plan import PlanOptions, PlanResult, plan_document
+from cloudless.compiler.planner import Solution
+from cloudless.compiler.simulate import Timeline, simulate
+from cloudless.ir import Block, BlockChain
+from cloudless.ir.schema import validate
+
+from .planning_cases import random_problem
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def make_case(
+    seed: int,
+    stages: int,
+    replicas: int,
+    micro_batches: int,
+    schedule: str = "gpipe",
+) -> tuple[dict, Timeline]:
+    """A schema-valid plan document with real baselines, for `stages` equal stages of `replicas`
+    replicas each, and the plan's simulated timeline."""
+    rng = random.Random(seed)
+    base = random_problem(seed)
+    n_blocks = stages + 1
+    blocks = []
+    previous = rng.randint(10**4, 10**6)
+    for _ in range(n_blocks):
+        out = rng.randint(10**4, 10**6)
+        blocks.append(
+            BlockCost(
+                forward_s=rng.uniform(0.01, 0.2),
+                backward_s=rng.uniform(0.02, 0.4),
+                param_bytes=rng.randint(10**5, 10**7),
+                buffer_bytes=0,
+                saved_bytes=rng.randint(10**5, 10**7),
+                input_bytes=previous,
+                output_bytes=out,
+            )
+        )
+        previous = out
+    problem: Problem = dataclasses.replace(
+        base,
+        blocks=tuple(blocks),
+        shared_bytes={},
+        profile_batch=1,
+        global_batch=micro_batches,
+        micro_batches=(1,),
+        replicas=(1, replicas),
+        max_stages=stages,
+        max_functions=None,
+        schedule=schedule,
+    )
+    cuts = [round(i * n_blocks / stages) for i in range(stages + 1)]
+    tier = max(problem.region.tiers_mb)
+    plan = Plan(1, tuple(StageChoice(a, b - 1, tier, replicas) for a, b in zip(cuts, cuts[1:], strict=False)))
+    evaluation = CostModel(problem).evaluate(plan)
+    solution = Solution(plan, evaluation, evaluation.cost_usd, "optimal", 0.0, 0.25, "HiGHS")
+    chain = BlockChain(
+        model="toy-mlp",
+        batch_size=1,
+        blocks=[
+            Block(
+                index=i,
+                first=i,
+                last=i,
+                nodes=[],
+                # Some blocks hold many modules, to exercise the shortened module list.
+                modules=[f"layers.{i}.{k}" for k in range(1 + 3 * (i % 2))],
+                flops=0,
+                param_bytes=b.param_bytes,
+                buffer_bytes=0,
+                saved_bytes=b.saved_bytes,
+                input_bytes=b.input_bytes,
+                output_bytes=b.output_bytes,
+            )
+            for i, b in enumerate(blocks)
+        ],
+        shared_params={},
+    )
+    result = PlanResult(problem.region, problem, solution, baselines(problem, "cost"))
+    document = plan_document(result, chain, PlanOptions(objective="cost", schedule=schedule))
+    validate(document, "plan")
+    return document, simulate(problem, plan)
+
+
+def with_infeasible_baseline(document: dict) -> dict:
+    reason = "its largest stage needs 123456 MB even on the 10240 MB tier with 8 replicas at micro-batch 1"
+    extra = {
+        "name": "too-big",
+        "description": "a baseline that cannot fit",
+        "feasible": False,
+        "reason": reason,
+        "micro_batch": None,
+        "stages": [],
+        "predicted": None,
+        "time_ratio": None,
+        "cost_ratio": None,
+    }
+    document = {**document, "baselines": [*document["baselines"], extra]}
+    validate(document, "plan")
+    return document
+
+
+def workflow_for(document: dict) -> dict:
+    """Just the part of workflow.yaml the report reads."""
+    functions = [
+        {
+            "name": f"toy-s{s['index']}",
+            "stage": s["index"],
+            "blocks": s["blocks"],
+            "memory_mb": s["tier_mb"],
+            "replicas": s["replicas"],
+        }
+        for s in document["stages"]
+    ]
+    return {"regions": [{"name": document["region"], "provider": "aws", "samples": None, "functions": functions}]}
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[dict, Timeline]:
+    document, timeline = make_case(3, stages=3, replicas=2, micro_batches=8)
+    return with_infeasible_baseline(document), timeline
+
+
+def drawn_groups(svg: bytes) -> dict[str, int]:
+    """Rectangles per span group: each group (gid spans-<group>) is one path with a subpath per bar."""
+    root = ET.fromstring(svg)
+    return {
+        g.get("id"): sum(p.get("d").count("M") for p in g.iter(f"{SVG}path"))
+        for g in root.iter(f"{SVG}g")
+        if (g.get("id") or "").startswith("spans-")
+    }
+
+
+def texts(svg: bytes) -> list[str]:
+    return ["".join(t.itertext()) for t in ET.fromstring(svg).iter(f"{SVG}text")]
+
+
+def test_report_has_three_files_and_is_byte_identical(small) -> None:
+    document, timeline = small
+    files = render_report(document, timeline, workflow_for(document))
+    assert set(files) == {REPORT_MD, SCHEDULE_SVG, COMPARISON_SVG}
+    again = render_report(document, timeline, workflow_for(document))
+    assert files == again
+    for name in (SCHEDULE_SVG, COMPARISON_SVG):
+        svg = files[name].decode()
+        assert "<dc:date>" not in svg and "Matplotlib v" not in svg
+
+
+def test_markdown_lists_stages_figures_baselines_and_deployment(small) -> None:
+    document, timeline = small
+    text = render_report(document, timeline, workflow_for(document))[REPORT_MD].decode()
+    assert text.startswith("# Training plan for toy-mlp")
+    for row in stage_rows(document["stages"]):
+        assert "| " + " | ".join(row) + " |" in text
+    assert "(4 modules)" in text  # a long module list is shortened
+    for baseline in document["baselines"]:
+        assert f"**{baseline['name']}**" in text
+    assert "no: its largest stage needs 123456 MB" in text
+    assert "![" in text and "](report/comparison.svg)" in text and "](report/schedule.svg)" in text
+    region = document["region"]
+    assert f"faas-cli up -f regions/{region}/stack.yaml" in text
+    assert f"sam build --config-env {region} && sam deploy --config-env {region}" in text
+    assert "`toy-s2`" in text
+    assert "## Deployment" not in render_report(document, timeline)[REPORT_MD].decode()
+    assert "Per epoch" not in text
+    epoch = {"iterations": 12, "time_s": 34.5, "cost_usd": 0.0123}
+    with_epoch = {**document, "predicted": {**document["predicted"], "per_epoch": epoch}}
+    assert (
+        "- Per epoch (12 iterations): 34.50 s, 0.01230 USD" in render_report(with_epoch, timeline)[REPORT_MD].decode()
+    )
+
+
+def test_schedule_draws_every_span_and_a_legend(small) -> None:
+    document, timeline = small
+    svg = render_report(document, timeline)[SCHEDULE_SVG]
+    bars = schedule_bars(document, timeline)
+    groups = drawn_groups(svg)
+    assert sum(groups.values()) == len(bars)
+    # Every replica is shown here, and every span lies in a bar of its row and group (touching spans
+    # merge only when too thin to tell apart, or when they are pieces of one gradient sync).
+    rows = schedule_rows(document)
+    assert len(rows) == 3 * sum(s["replicas"] for s in document["stages"])
+    for span in timeline.spans:
+        row = rows.index((span.stage, span.replica, span.lane))
+        assert any(
+            b.row == row and b.group == group_of(span.kind) and b.start <= span.start and span.end <= b.end
+            for b in bars
+        ), span
+    wide = [s for s in timeline.spans if s.kind in ("forward", "backward")]
+    assert len([b for b in bars if b.group in ("forward", "backward")]) == len(wide)
+    labels = set(texts(svg))
+    for label in ("forward", "backward", "activation transfer", "gradient transfer", "optimizer update"):
+        assert label in labels
+        assert f"spans-{label.replace(' ', '-')}" in groups
+    assert "sync scatter-reduce" in labels  # two replicas per stage sync their gradients
+
+
+def test_comparison_shows_plan_and_feasible_baselines(small) -> None:
+    document, timeline = small
+    svg = render_report(document, timeline)[COMPARISON_SVG]
+    feasible = [b["name"] for b in document["baselines"] if b["feasible"]]
+    root = ET.fromstring(svg)
+    ids = [g.get("id") or "" for g in root.iter(f"{SVG}g")]
+    for unit in ("s", "usd"):
+        assert len([i for i in ids if i.startswith(f"bar-{unit}-")]) == 1 + len(feasible)
+    labels = " ".join(texts(svg))
+    assert "this plan" in labels and all(name in labels for name in feasible)
+    assert "too-big" in labels  # named as not shown
+
+
+def test_large_plan_caps_rows_and_stays_small() -> None:
+    document, timeline = make_case(5, stages=16, replicas=8, micro_batches=64, schedule="1f1b")
+    files = render_report(document, timeline)
+    cap = replicas_shown(document)
+    assert cap < 8
+    assert len(schedule_rows(document)) == 16 * cap * 3
+    svg = files[SCHEDULE_SVG]
+    assert len(svg) < 300_000, len(svg)
+    assert f"first {cap} replicas of each stage shown" in " ".join(texts(svg))
+    assert sum(drawn_groups(svg).values()) == len(schedule_bars(document, timeline))
