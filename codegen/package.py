@@ -20,7 +20,9 @@ from safetensors.torch import save
 PYTHON_VERSION = "3.11"
 RUNTIME_FOLDER = "cloudless_runtime"
 #: the runtime modules a function runs (the controller and local runner stay out of the packages)
-FUNCTION_MODULES = ("__init__", "data", "schedule", "secrets", "storage", "sync", "tensors", "worker")
+FUNCTION_MODULES = (
+    "__init__", "data", "emulation", "schedule", "secrets", "storage", "sync", "tensors", "worker"
+)
 
 
 @cache

@@ -18,7 +18,7 @@ from typing import Literal
 
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import Region
-from cloudless.runtimes.schedule import Schedule, sync_pieces
+from cloudless.runtimes.schedule import SYNC_IN_FLIGHT, Schedule, sync_pieces
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20
@@ -165,7 +165,7 @@ class CostModel:
 
     # --- per-tier coefficients -------------------------------------------------------------
     def vcpus(self, tier_mb: int) -> float:
-        return min(self.region.max_vcpus, tier_mb / self.region.mb_per_vcpu)
+        return self.region.vcpus(tier_mb)
 
     def kappa(self, tier_mb: int) -> float:
         """Measured seconds -> seconds on this tier (compute share)."""
@@ -173,11 +173,7 @@ class CostModel:
 
     def bandwidth(self, tier_mb: int) -> float:
         """Bytes per second each way (uploads and downloads run at once)."""
-        tiers = self.region.tiers_mb
-        low, high = min(tiers), max(tiers)
-        share = 0.0 if high == low else (tier_mb - low) / (high - low)
-        mbps = self.region.min_mbps + share * (self.region.max_mbps - self.region.min_mbps)
-        return mbps * 1e6
+        return self.region.bandwidth_bps(tier_mb)
 
     def update_rate(self, tier_mb: int) -> float:
         """Bytes per second the optimizer step streams."""
@@ -193,16 +189,31 @@ class CostModel:
         number of stages from here to the end under 1F1B."""
         return per_replica if schedule == "gpipe" else min(per_replica, stages_from_here)
 
-    def sync_time(self, param_bytes: float, replicas: int, tier_mb: int) -> float:
-        """Pipelined scatter-reduce among `replicas`: each downlink receives 2(r-1) chunks of P/r
-        bytes (its own chunk from every other replica, then every other reduced chunk) in k pieces,
-        one request each, and starts one piece behind the uplinks in each of the two phases."""
+    def sync_time(
+        self, param_bytes: float, replicas: int, tier_mb: int, in_flight: int = SYNC_IN_FLIGHT
+    ) -> float:
+        """Pipelined scatter-reduce among `replicas` (runtimes/sync.py): each downlink receives 2(r-1)
+        chunks of P/r bytes (its own chunk from every other replica, then every other reduced chunk) in
+        k pieces of x bytes, one request each, while its uplink sends P. A request costs L + x/B, but
+        each direction keeps `in_flight` requests going (runtimes.sync.SYNC_IN_FLIGHT), so latency
+        overlaps the transfers before it and a busy link moves a piece every
+        tau = max(x/B, (L + x/B)/in_flight). The downlink starts once the first piece has been
+        uploaded and fetched, 2(L + x/B) in; the reduced chunks follow its own chunk without a gap,
+        unless (few pieces) the first reduced piece is not uploaded yet: that needs its owner's
+        uplink through the (r-1)k scattered pieces and its owner's first round of r-1 pieces reduced.
+        Polling for a piece that is not there yet is not counted."""
         r = replicas
         if r <= 1:
             return 0.0
         k = sync_pieces(param_bytes, r)
-        piece_s = self.latency + param_bytes / (r * k) / self.bandwidth(tier_mb)
-        return 2 * (r - 1) * k * piece_s + 2 * piece_s
+        transfer = param_bytes / (r * k) / self.bandwidth(tier_mb)
+        request = self.latency + transfer
+        tau = max(transfer, request / in_flight)
+        scattered = (r - 1) * k  # pieces each downlink receives in either phase
+        own_chunk = 2 * request + (scattered - 1) * tau
+        first_round = 2 * request + (r - 2) * tau  # the owner holds piece 0 from every other replica
+        reduced_up = max(request + scattered * tau, first_round + request)
+        return max(own_chunk + tau, reduced_up + request) + (scattered - 1) * tau
 
     # --- one stage -------------------------------------------------------------------------
     def stage_params(self, first: int, last: int) -> int:

@@ -159,6 +159,8 @@ def lower_plan(
                 "blocks": [choice.first, choice.last],
                 "memory_mb": choice.tier_mb,
                 "cpu_millis": cpu_millis(region, choice.tier_mb),
+                # MB/s each way to storage (the catalog's figure for this tier): what --emulate uses.
+                "network_mbps": round(region.bandwidth_bps(choice.tier_mb) / 1e6, 3),
                 "replicas": choice.replicas,
                 "timeout_s": int(region.timeout_s),
                 "package": f"regions/{region.name}/functions/{run_name}-s{stage.index}",
@@ -190,8 +192,22 @@ def lower_plan(
             "inter_region": None,
         },
         "storage": {"bucket": f"cloudless-{run_name}", "prefix": run_name},
-        "data": {"inputs": list(input_names), "targets": target_count, "loss": LOSS_MODULE},
-        "regions": [{"name": region.name, "provider": region.provider, "samples": samples, "functions": functions}],
+        "data": {
+            # The file whose load_shard(region, split) gives the data (as given to the compiler).
+            "model_file": model_file.path.as_posix(),
+            "inputs": list(input_names),
+            "targets": target_count,
+            "loss": LOSS_MODULE,
+        },
+        "regions": [
+            {
+                "name": region.name,
+                "provider": region.provider,
+                "samples": samples,
+                "request_latency_s": region.request_latency_s,
+                "functions": functions,
+            }
+        ],
         "steps": region_steps(region.name, functions, holders, every),
     }
 
@@ -235,4 +251,4 @@ def region_steps(
 
 def cpu_millis(region: Region, memory_mb: int) -> int:
     """The CPU share the platform gives a function of this memory, in thousandths of a vCPU."""
-    return max(1, round(1000 * min(region.max_vcpus, memory_mb / region.mb_per_vcpu)))
+    return max(1, round(1000 * region.vcpus(memory_mb)))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cloudless.compiler.cost_model import CostModel, Plan, Problem, sync_pieces
-from cloudless.runtimes.schedule import compute_order, local_micro_batches, one_f_one_b_windows
+from cloudless.runtimes.schedule import SYNC_IN_FLIGHT, compute_order, local_micro_batches, one_f_one_b_windows
 
 Lane = Literal["compute", "download", "upload"]
 LANES: tuple[Lane, ...] = ("compute", "download", "upload")
@@ -58,6 +58,7 @@ class _Task:
     micro_batch: int | None
     duration: float
     deps: list[int]
+    delay: float = 0.0  # after its dependencies are done, before it can start
     start: float = math.nan
     end: float = math.nan
 
@@ -78,9 +79,10 @@ class _Simulation:
         duration: float,
         deps: list[int | None],
         micro_batch: int | None = None,
+        delay: float = 0.0,
     ) -> int:
         index = len(self.tasks)
-        task = _Task(stage, replica, lane, kind, micro_batch, duration, [d for d in deps if d is not None])
+        task = _Task(stage, replica, lane, kind, micro_batch, duration, [d for d in deps if d is not None], delay)
         self.tasks.append(task)
         self.queues[(stage, replica, lane)].append(index)
         return index
@@ -102,7 +104,7 @@ class _Simulation:
             if pending:
                 waiting_on[pending[0]].append(lane)
                 return
-            task.start = max(now, free_at[lane])
+            task.start = max(now, free_at[lane], max((self.tasks[d].end for d in task.deps), default=0.0) + task.delay)
             task.end = task.start + task.duration
             busy[lane] = True
             heapq.heappush(events, (task.end, index))
@@ -233,29 +235,39 @@ def _add_sync_and_update(
     params, bandwidth = info["params"], info["bandwidth"]
     synced: dict[int, list[int | None]] = {j: [ready[j]] for j in range(r)}
     if r > 1:
+        # Each direction keeps SYNC_IN_FLIGHT requests going: a request's latency overlaps the
+        # transfers before it on its link, which moves a piece every `pace`; a piece is done at the
+        # earliest L + x/B after what it waits for.
         pieces = sync_pieces(params, r)
-        piece_s = latency + params / (r * pieces) / bandwidth
+        transfer = params / (r * pieces) / bandwidth
+        pace = max(transfer, (latency + transfer) / SYNC_IN_FLIGHT)
+        delay = latency + transfer - pace
         scattered: dict[tuple[int, int, int], int] = {}  # (sender, chunk, piece) -> upload task
         for i in range(r):
-            for d in range(1, r):
-                for p in range(pieces):
-                    scattered[(i, (i + d) % r, p)] = sim.add(stage, i, "upload", "sync-scatter", piece_s, [ready[i]])
-        reduced_pieces: dict[int, list[int]] = {}
+            for p in range(pieces):
+                for d in range(1, r):
+                    scattered[(i, (i + d) % r, p)] = sim.add(
+                        stage, i, "upload", "sync-scatter", pace, [ready[i]], delay=delay
+                    )
+        received: dict[tuple[int, int, int], int] = {}  # (owner, sender, piece) -> download task
         for i in range(r):
-            reduced_pieces[i] = [
-                sim.add(stage, i, "download", "sync-scatter", piece_s, [scattered[((i - d) % r, i, p)]])
-                for d in range(1, r)
-                for p in range(pieces)
-            ]
+            for p in range(pieces):
+                for d in range(1, r):
+                    j = (i - d) % r
+                    received[(i, j, p)] = sim.add(
+                        stage, i, "download", "sync-scatter", pace, [scattered[(j, i, p)]], delay=delay
+                    )
         gathered: dict[tuple[int, int], int] = {}
         for i in range(r):
             # Piece p of the reduced chunk is complete once it arrived from every other replica.
             for p in range(pieces):
-                arrived = [reduced_pieces[i][(d - 1) * pieces + p] for d in range(1, r)]
-                gathered[(i, p)] = sim.add(stage, i, "upload", "sync-gather", piece_s, [*arrived, ready[i]])
+                arrived = [received[(i, (i - d) % r, p)] for d in range(1, r)]
+                gathered[(i, p)] = sim.add(
+                    stage, i, "upload", "sync-gather", pace, [*arrived, ready[i]], delay=delay
+                )
         for i in range(r):
             synced[i] = [
-                sim.add(stage, i, "download", "sync-gather", piece_s, [gathered[((i - d) % r, p)]])
+                sim.add(stage, i, "download", "sync-gather", pace, [gathered[((i - d) % r, p)]], delay=delay)
                 for d in range(1, r)
                 for p in range(pieces)
             ] + [gathered[(i, p)] for p in range(pieces)]

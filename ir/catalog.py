@@ -44,6 +44,17 @@ class Region:
     sync_payload_bytes: int = 6 * 2**20
     async_payload_bytes: int = 256 * 2**10
 
+    def vcpus(self, tier_mb: int) -> float:
+        """The CPU share of a function of this memory (the platform ties CPU to memory)."""
+        return min(self.max_vcpus, tier_mb / self.mb_per_vcpu)
+
+    def bandwidth_bps(self, tier_mb: int) -> float:
+        """Bytes per second each way between a function of this memory and storage (uploads and
+        downloads run at once): linear in the tier between the catalog's min and max."""
+        low, high = min(self.tiers_mb), max(self.tiers_mb)
+        share = 0.0 if high == low else (tier_mb - low) / (high - low)
+        return (self.min_mbps + share * (self.max_mbps - self.min_mbps)) * 1e6
+
     @staticmethod
     def from_json(data: dict[str, Any]) -> Region:
         limits = data["limits"]

@@ -72,7 +72,13 @@ def sample_indices(
 ) -> list[int]:
     """The dataset indices of micro-batch `micro_batch` (of `size` samples) of `iteration`."""
     first = iteration * global_batch + micro_batch * size
-    return [int(epoch_permutation(samples, seed, g // samples)[g % samples]) for g in range(first, first + size)]
+    positions = torch.arange(first, first + size)
+    epochs = positions // samples
+    chosen = torch.empty(size, dtype=torch.int64)
+    for epoch in torch.unique(epochs).tolist():
+        here = epochs == epoch
+        chosen[here] = epoch_permutation(samples, seed, epoch)[positions[here] % samples]
+    return chosen.tolist()
 
 
 class SplitReader:
@@ -96,9 +102,19 @@ class SplitReader:
         """The flat `kind` ("input" or "target") tensors of these samples, stacked in order."""
         size = int(self.meta["shard_samples"])
         count = int(self.meta["inputs" if kind == "input" else "targets"])
-        rows: list[list[torch.Tensor]] = [[] for _ in range(count)]
-        for index in indices:
-            shard = self._shard(index // size)
-            for j in range(count):
-                rows[j].append(shard[f"{kind}_{j}"][index % size])
-        return [torch.stack(row) for row in rows]
+        wanted = torch.tensor(indices, dtype=torch.int64)
+        shards = wanted // size
+        parts = torch.unique(shards).tolist()
+        gathered: list[torch.Tensor] = []
+        for j in range(count):
+            name = f"{kind}_{j}"
+            if len(parts) == 1:  # the usual case: one indexing op
+                gathered.append(self._shard(parts[0])[name][wanted % size])
+                continue
+            first = self._shard(parts[0])[name]
+            out = torch.empty((len(indices), *first.shape[1:]), dtype=first.dtype)
+            for shard in parts:
+                here = shards == shard
+                out[here] = self._shard(shard)[name][wanted[here] % size]
+            gathered.append(out)
+        return gathered

@@ -16,6 +16,9 @@ Schedule = Literal["gpipe", "1f1b"]
 # MAX_SYNC_PIECES), so a replica's uplink and downlink stay busy together.
 SYNC_PIECE_BYTES = 4 * 2**20
 MAX_SYNC_PIECES = 16
+# Requests each direction of a replica keeps going at once in the scatter-reduce, so that a request's
+# latency overlaps the transfers before it.
+SYNC_IN_FLIGHT = 3
 
 
 def sync_pieces(

@@ -28,15 +28,18 @@ import torch
 from safetensors.torch import load_file
 
 from .data import SplitReader, sample_indices
+from .emulation import CpuShare, EmulatedChannel, Resources
 from .schedule import compute_order, local_micro_batches, one_f_one_b_windows
 from .storage import Channel, open_channel
 from .sync import scatter_reduce
 from .tensors import pack, unpack
 
 STORAGE_ENV = "CLOUDLESS_STORAGE"
+# Set only by `cloudless-run --emulate`: the function's link and CPU share, as Resources JSON.
+EMULATE_ENV = "CLOUDLESS_EMULATE"
 
 
-def _load_module(path: Path, name: str) -> ModuleType:
+def load_module(path: Path, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
@@ -53,9 +56,13 @@ def _receive(value: Any) -> Any:
 
 
 class StageWorker:
-    def __init__(self, package: Path, channel: Channel, *, pipelined_sync: bool = True) -> None:
+    def __init__(
+        self, package: Path, channel: Channel, *, pipelined_sync: bool = True, resources: Resources | None = None
+    ) -> None:
         self.package = Path(package)
-        self.channel = channel
+        # Every request goes through the function's (possibly emulated) link, which also counts them.
+        self.channel: Channel = EmulatedChannel(channel, resources)
+        self.cpu = CpuShare(resources.vcpus if resources else None)
         self.pipelined_sync = pipelined_sync
         spec = json.loads((self.package / "function.json").read_text())
         workflow = spec["workflow"]
@@ -80,24 +87,29 @@ class StageWorker:
             name: [f["stage"] for f in functions if name in f["shared_parameters"]]
             for name in self.function["shared_parameters"]
         }
-        stage_module = _load_module(self.package / "stage.py", f"cloudless_stage_{self.stage}")
+        stage_module = load_module(self.package / "stage.py", f"cloudless_stage_{self.stage}")
         self.inputs, self.outputs = list(stage_module.INPUTS), list(stage_module.OUTPUTS)
         self.module: torch.nn.Module = stage_module.Stage()
         self.loss: torch.nn.Module | None = None
         if self.last:
-            self.loss = _load_module(self.package / f"{workflow['data']['loss']}.py", "cloudless_loss").Stage()
+            self.loss = load_module(self.package / f"{workflow['data']['loss']}.py", "cloudless_loss").Stage()
         self.optimizer = getattr(torch.optim, self.optimizer_spec["class"])(
             list(self.module.parameters()), **self.optimizer_spec["options"]
         )
         self._reader: SplitReader | None = None
         self._ready: tuple[int, int] | None = None  # (replica, iteration) the state in memory is before
+        self.namespace = self.region  # keys of one run: "<run>/<region>"
+        self.replica = 0
 
     # -- keys --------------------------------------------------------------------------------------
     def _key(self, iteration: int, *parts: object) -> str:
-        return "/".join([self.region, f"it{iteration}", *map(str, parts)])
+        return "/".join([self.namespace, f"it{iteration}", *map(str, parts)])
 
     def state_key(self, iteration: int) -> str:
-        return f"{self.region}/state/s{self.stage}/it{iteration}"
+        return f"{self.namespace}/state/s{self.stage}/it{iteration}"
+
+    def _invocation_key(self, kind: str, replica: int, start: int) -> str:
+        return f"{self.namespace}/{kind}/{self.function['name']}/r{replica}/from{start}"
 
     # -- state -------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -127,47 +139,124 @@ class StageWorker:
                 name, field = key.removeprefix("optimizer/").rsplit("/", 1)
                 self.optimizer.state[params[name]][field] = value
 
+    def _resume_point(self, start: int, stop: int) -> int:
+        """The latest checkpoint of this stage in start..stop-1: where a retried invocation resumes."""
+        at, every = start, self.checkpoint_every
+        for iteration in range(start - start % every + every, stop, every):
+            if not self.channel.exists(self.state_key(iteration)):
+                break
+            at = iteration
+        return at
+
+    # -- the time limit --------------------------------------------------------------------------
+    def _stop_before(self, start: int, iteration: int, stop: int, over_time: bool) -> int:
+        """Where the invocation that began at `start` ends: every function of the region must agree,
+        or one would wait for a micro-batch another never sends. Stage 0's replica 0 decides, at the
+        start of an iteration, to end after it; nobody can finish that iteration before the decision
+        is written (each needs a micro-batch or a sync piece that descends from it), so each function
+        reads it at the start of the next one."""
+        key = f"{self.namespace}/stop/from{start}"
+        if self.first and self.replica == 0 and over_time and iteration + 1 < stop:
+            self.channel.claim(key, str(iteration + 1).encode())  # a retry finds the first decision
+        found = self.channel.try_get(key)
+        return min(stop, int(found)) if found is not None else stop
+
     # -- one invocation ----------------------------------------------------------------------------
-    def run(self, start: int, stop: int, replica: int, timeout: float = 600.0) -> dict[str, Any]:
+    def run(
+        self,
+        start: int,
+        stop: int,
+        replica: int,
+        *,
+        timeout: float = 600.0,
+        time_limit_s: float | None = None,
+        run: str = "",
+        attempt: int | None = None,
+    ) -> dict[str, Any]:
+        """Iterations start..stop-1 as `replica`, ending early (at the iteration every function of the
+        region agrees on) when `time_limit_s` would be passed. The result says where it stopped."""
         if not 0 <= replica < self.replicas:
             raise ValueError(f"replica {replica}: {self.function['name']} has replicas 0..{self.replicas - 1}")
         if not 0 <= start < stop:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
-        began = time.monotonic()
-        if self._ready != (replica, start):
-            self.load_state(start, timeout)
+        began, wall = time.monotonic(), time.time()
+        self.namespace = f"{run}/{self.region}" if run else self.region
+        self.replica = replica
+        done_key = self._invocation_key("done", replica, start)
+        done = self.channel.try_get(done_key)
+        if done is not None:
+            return {**json.loads(done), "duplicate": True}  # it already ran: change nothing
+        if attempt is not None and not self.channel.claim(
+            f"{self._invocation_key('claim', replica, start)}/a{attempt}", str(wall).encode()
+        ):
+            return {"status": "duplicate", "function": self.function["name"], "replica": replica, "start": start}
+        spans: list[list[Any]] = []
+        resume = self._resume_point(start, stop)
+        if self._ready != (replica, resume):
+            with self._span(spans, "load state"):
+                self.load_state(resume, timeout)
         losses: list[float] = []
-        for iteration in range(start, stop):
-            losses.extend(self.iteration(iteration, replica, timeout))
-            self._ready = (replica, iteration + 1)
-            if replica == 0 and ((iteration + 1) % self.checkpoint_every == 0 or iteration + 1 == stop):
-                self.save_state(iteration + 1)
-        return {
+        longest = 0.0
+        reached = resume
+        for iteration in range(resume, stop):
+            elapsed = time.monotonic() - began
+            over_time = time_limit_s is not None and elapsed + 2 * longest > time_limit_s
+            if time_limit_s is not None and self._stop_before(start, iteration, stop, over_time) <= iteration:
+                break
+            tick = time.monotonic()
+            losses.extend(self.iteration(iteration, replica, timeout, spans))
+            longest = max(longest, time.monotonic() - tick)
+            reached = iteration + 1
+            self._ready = (replica, reached)
+            if replica == 0 and reached % self.checkpoint_every == 0:
+                with self._span(spans, "checkpoint"):
+                    self.save_state(reached)
+        if replica == 0 and reached % self.checkpoint_every != 0:
+            with self._span(spans, "checkpoint"):
+                self.save_state(reached)  # where the next invocation starts
+        result = {
             "status": "done",
             "function": self.function["name"],
             "stage": self.stage,
             "replica": replica,
             "start": start,
-            "stop": stop,
+            "resumed": resume,
+            "stop": reached,
             "losses": losses,
             "seconds": round(time.monotonic() - began, 6),
+            "storage": dict(getattr(self.channel, "counts", {})),
+            "spans": spans,
         }
+        self.channel.put(done_key, json.dumps(result, sort_keys=True).encode())
+        return result
 
-    def iteration(self, iteration: int, replica: int, timeout: float) -> list[float]:
+    @staticmethod
+    def _span(spans: list[list[Any]], name: str) -> _Span:
+        return _Span(spans, name)
+
+    def iteration(self, iteration: int, replica: int, timeout: float, spans: list[list[Any]]) -> list[float]:
         """Forward and backward of this replica's micro-batches, sync, step; the last stage's losses."""
         local = local_micro_batches(self.micro_batches, self.replicas, replica)
         received: dict[int, dict[str, Any]] = {}
         produced: dict[int, tuple[Any, ...]] = {}
         losses: dict[int, torch.Tensor] = {}
         for kind, m in compute_order(self.schedule, local, self.window):
-            if kind == "forward":
-                received[m], produced[m] = self._forward(iteration, m, timeout, losses)
-            else:
-                self._backward(iteration, m, timeout, received.pop(m), produced.pop(m), losses)
-        self._synchronise(iteration, replica, timeout)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return [float(losses[m]) for m in sorted(losses)]
+            with self._span(spans, f"{kind} {m}"):
+                if kind == "forward":
+                    received[m], produced[m] = self._forward(iteration, m, timeout, losses)
+                else:
+                    self._backward(iteration, m, timeout, received.pop(m), produced.pop(m), losses)
+        with self._span(spans, "sync"):
+            self._synchronise(iteration, replica, timeout)
+        with self._span(spans, "step"), self.cpu.compute():
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        values = [float(losses[m]) for m in sorted(losses)]
+        if self.last:
+            # Progress for the controller: this replica's losses and when the iteration ended.
+            record = {"losses": values, "time": time.time()}
+            self.channel.put(self._key(iteration, "metrics", f"r{replica}"), json.dumps(record).encode())
+        return values
 
     def _indices(self, iteration: int, m: int) -> list[int]:
         if self._reader is None:
@@ -186,12 +275,15 @@ class StageWorker:
             taken = {name: _receive(values[name]) for name in self.inputs}
         # Ops that draw random numbers (dropout) draw the same ones on a retry.
         torch.manual_seed((((self.seed * 1_000_003 + iteration) * 1_000_003 + self.stage) * 1_000_003 + m) % 2**63)
-        outputs = tuple(self.module(*[taken[name] for name in self.inputs]))
+        with self.cpu.compute():
+            outputs = tuple(self.module(*[taken[name] for name in self.inputs]))
         if self.last:
             assert self.loss is not None
             indices = self._indices(iteration, m)
             assert self._reader is not None
-            (losses[m],) = self.loss(*outputs, *self._reader.gather(indices, "target"))
+            targets = self._reader.gather(indices, "target")
+            with self.cpu.compute():
+                (losses[m],) = self.loss(*outputs, *targets)
         else:
             self.channel.put(
                 self._key(iteration, "act", f"s{self.stage}", f"mb{m}"),
@@ -210,7 +302,8 @@ class StageWorker:
     ) -> None:
         if self.last:
             # The global batch's loss is the mean of its micro-batches' (equal-sized) mean losses.
-            (losses[m] / self.micro_batches).backward()
+            with self.cpu.compute():
+                (losses[m] / self.micro_batches).backward()
             losses[m] = losses[m].detach()
         else:
             grads = unpack(self.channel.get(self._key(iteration, "grad", f"s{self.stage + 1}", f"mb{m}"), timeout))
@@ -220,7 +313,8 @@ class StageWorker:
                 if name in grads and isinstance(value, torch.Tensor) and value.requires_grad
             ]
             if pairs:
-                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                with self.cpu.compute():
+                    torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
         if not self.first:
             sent = {
                 name: value.grad
@@ -280,11 +374,29 @@ class StageWorker:
                 by_name[name].grad = total_grad
 
 
+class _Span:
+    """Times a piece of work for the timeline: [name, wall-clock start, end] in seconds."""
+
+    def __init__(self, spans: list[list[Any]], name: str) -> None:
+        self.spans, self.name = spans, name
+
+    def __enter__(self) -> None:
+        self.began = time.time()
+
+    def __exit__(self, *exc: object) -> None:
+        self.spans.append([self.name, round(self.began, 6), round(time.time(), 6)])
+
+
 _WORKERS: dict[tuple[str, str], StageWorker] = {}
 
 
 def handle_request(package: Path, event: Any, storage: str | None = None) -> dict[str, Any]:
-    """Run the invocation `event` on the function in `package`; a warm process reuses its worker."""
+    """Run the invocation `event` on the function in `package`; a warm process reuses its worker.
+
+    The event: {"start": a, "stop": b} (or {"iteration": i}), "replica" (default 0), and optionally
+    "run" (namespaces the keys), "attempt" (a duplicate of the same attempt does nothing),
+    "time_limit_s" (end early, where every function agrees, before this many seconds) and "timeout"
+    (how long to wait for any one key)."""
     if not isinstance(event, dict):
         raise ValueError(f'expected a JSON object like {{"iteration": 0, "replica": 0}}, got {type(event).__name__}')
     location = storage or os.environ.get(STORAGE_ENV)
@@ -294,12 +406,33 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
         fields = {"start": event["iteration"], "replica": event.get("replica", 0)}
     else:
         fields = {"start": event.get("start"), "stop": event.get("stop"), "replica": event.get("replica", 0)}
+    if event.get("attempt") is not None:
+        fields["attempt"] = event["attempt"]
     for name, value in fields.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name}: expected an integer, got {value!r}")
+    run = event.get("run", "")
+    if not isinstance(run, str) or "/" in run or ".." in run:
+        raise ValueError(f"run: expected a name without '/', got {run!r}")
+    numbers = {}
+    for name in ("time_limit_s", "timeout"):
+        value = event.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+        numbers[name] = value
     start, replica = fields["start"], fields["replica"]
     stop = fields.get("stop", start + 1)
     cache_key = (str(package), location)
     if cache_key not in _WORKERS:
-        _WORKERS[cache_key] = StageWorker(package, open_channel(location))
-    return _WORKERS[cache_key].run(start, stop, replica, timeout=float(event.get("timeout", 600.0)))
+        emulate = os.environ.get(EMULATE_ENV)
+        resources = Resources.from_json(json.loads(emulate)) if emulate else None
+        _WORKERS[cache_key] = StageWorker(package, open_channel(location), resources=resources)
+    return _WORKERS[cache_key].run(
+        start,
+        stop,
+        replica,
+        timeout=float(numbers["timeout"] or 600.0),
+        time_limit_s=numbers["time_limit_s"],
+        run=run,
+        attempt=fields.get("attempt"),
+    )

@@ -1,9 +1,17 @@
-"""Shared helpers: write a model file into a temporary folder, run the CLI in-process."""
+"""Shared helpers: write a model file into a temporary folder, run the CLI in-process; storage servers
+(moto's S3 over HTTP, a real redis-server) for the storage channel tests."""
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import socket
+import subprocess
 import textwrap
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,3 +44,107 @@ def compile_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, 
         return code, captured.out, captured.err
 
     return run
+
+
+# --- storage servers ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """URL of a moto server (real HTTP, in a thread on a free port of 127.0.0.1) for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made-up credentials and region for boto3 (moto accepts any); no profile, no default endpoint."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "CLOUDLESS_S3_ENDPOINT"):
+        monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.fixture
+def s3_bucket(moto_endpoint: str, aws_env: None) -> str:
+    """A new, empty bucket on the moto server (one per test, so tests never see each other's keys)."""
+    import boto3
+
+    name = f"cloudless-test-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _start_redis(executable: str, folder: Path) -> tuple[subprocess.Popen[bytes], int] | None:
+    """redis-server on a free port once it answers PING; None if it exited (say, the port was taken)."""
+    import redis
+
+    port = _free_port()
+    command = [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    with (folder / "redis.log").open("wb") as log:
+        process = subprocess.Popen([*command, "--dir", str(folder)], stdout=log, stderr=subprocess.STDOUT)
+    client = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 10
+    try:
+        while process.poll() is None:
+            try:
+                client.ping()
+                return process, port
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    _stop(process)
+                    pytest.fail(f"redis-server did not answer PING within 10 s:\n{(folder / 'redis.log').read_text()}")
+                time.sleep(0.02)
+        return None
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL (db 0) of a real redis-server started for the session on a free port, without persistence."""
+    executable = shutil.which("redis-server")
+    if executable is None:
+        if os.environ.get("CLOUDLESS_SKIP_REDIS") == "1":
+            pytest.skip("redis-server is not installed (CLOUDLESS_SKIP_REDIS=1)")
+        pytest.fail(
+            "redis-server is not on PATH: install it (Debian/Ubuntu: apt-get install redis-server; "
+            "macOS: brew install redis), or set CLOUDLESS_SKIP_REDIS=1 to skip the Redis tests",
+            pytrace=False,
+        )
+    folder = tmp_path_factory.mktemp("redis")
+    for _attempt in range(3):
+        started = _start_redis(executable, folder)
+        if started is not None:
+            break
+    else:
+        pytest.fail(f"redis-server exited at start three times:\n{(folder / 'redis.log').read_text()}")
+    process, port = started
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(process)

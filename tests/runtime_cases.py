@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from cloudless.codegen.package import render_function_package, torch_release
 from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_training, run_front_end
 from cloudless.ir.catalog import load_catalog
-from cloudless.runtimes.data import sample_indices, write_split
+from cloudless.ir.workflow import save_workflow
+from cloudless.runtimes.data import sample_indices
+from cloudless.runtimes.staging import stage_data
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.worker import StageWorker
 
@@ -43,6 +44,8 @@ def write_packages(
     )
     workflow = result.workflow
     assert workflow is not None
+    build.mkdir(parents=True, exist_ok=True)
+    save_workflow(workflow, build / "workflow.yaml")
     for function, stage in zip(workflow["regions"][0]["functions"], result.stages, strict=True):
         files = render_function_package(
             workflow,
@@ -60,11 +63,7 @@ def write_packages(
 
 
 def write_training_data(result: FrontEndResult, channel: DirectoryChannel, region: str) -> int:
-    dataset = result.model_file.load_shard(region, "train")
-    samples = (
-        (pytree.tree_leaves(dataset[i][0]), pytree.tree_leaves(dataset[i][1])) for i in range(len(dataset))
-    )
-    return write_split(channel, region, "train", samples)
+    return int(stage_data(channel, region, result.model_file.path)["train"])
 
 
 def run_workers(build: Path, workflow: dict[str, Any], storage: Path, start: int, stop: int) -> list[dict]:

@@ -18,6 +18,7 @@ import pytest
 
 from .conftest import MODELS, SAMPLES
 
+ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 HASHED = (".safetensors",)
 #: the vendored runtime is a copy of runtimes/: the golden keeps its hash, not a third copy of its text
@@ -47,10 +48,17 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 
 def compile_case(compile_cli, case: str, output: Path) -> None:
+    """Compiles from the repository's root with the model's relative path, as a user would type it
+    (workflow.yaml records the path as given)."""
     model, options = CASES[case]
     golden_profile = GOLDEN / case / "ir" / "blocks.json"
     profile = ["--profile", str(golden_profile)] if golden_profile.exists() else ["--repeats", "1"]
-    code, _, stderr = compile_cli(str(model), "-o", str(output), "-q", *profile, *options)
+    here = Path.cwd()
+    os.chdir(ROOT)
+    try:
+        code, _, stderr = compile_cli(model.relative_to(ROOT).as_posix(), "-o", str(output), "-q", *profile, *options)
+    finally:
+        os.chdir(here)
     assert code == 0, stderr
 
 

@@ -45,6 +45,7 @@ def _function(region: str, stage: int, replicas: int, memory_mb: int) -> dict[st
         "blocks": [2 * stage, 2 * stage + 2],
         "memory_mb": memory_mb,
         "cpu_millis": round(1000 * memory_mb / 1769),
+        "network_mbps": 50.0,
         "replicas": replicas,
         "timeout_s": 900,
         "package": f"regions/{region}/functions/{name}",
@@ -83,9 +84,9 @@ def make_workflow() -> dict[str, Any]:
             "inter_region": "model-average",
         },
         "storage": {"bucket": "cloudless-mlp-digits", "prefix": RUN},
-        "data": {"inputs": ["input_1"], "targets": 1, "loss": "loss"},
+        "data": {"model_file": "model.py", "inputs": ["input_1"], "targets": 1, "loss": "loss"},
         "regions": [
-            {"name": name, "provider": "aws", "samples": 700, "functions": functions}
+            {"name": name, "provider": "aws", "samples": 700, "request_latency_s": 0.02, "functions": functions}
             for name, functions in regions.items()
         ],
         "steps": steps,

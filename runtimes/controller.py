@@ -1,0 +1,429 @@
+"""The control plane: walks workflow.yaml, invokes every function replica through an invoker, waits on
+their completion, retries failed invocations, and follows progress through storage.
+
+One region's iteration loop is the workflow's steps: each stage's `compute`, its `scatter-reduce`
+among replicas, the `optimizer-step` (after tied-parameter partners) and the periodic `checkpoint`.
+The stage workers run these steps themselves, for a range of iterations per invocation, meeting
+through storage; the controller invokes every replica of every function at once with the same
+range. A worker ends early at its time limit, at an iteration all of them agree on, and the
+controller invokes the rest of the range again from there. A failed or killed invocation is
+retried (a new attempt) and resumes from its stage's last checkpoint; it recomputes the same bytes,
+so the run ends with the same parameters as one without failures.
+
+Invokers: local processes (each invocation runs the package's own handler.py in a fresh Python
+process, the way a cold function would), the OpenFaaS gateway's async endpoint, and Lambda's
+asynchronous invoke. The asynchronous ones report completion through the marker each worker writes
+to storage (`<run>/<region>/done/<function>/r<replica>/from<start>`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .emulation import Resources
+from .storage import Channel
+
+#: step kinds the stage workers run inside their invocations
+FUNCTION_STEPS = {"compute", "scatter-reduce", "optimizer-step", "checkpoint"}
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (an invocation failed more often than allowed, or bad settings)."""
+
+
+@dataclass
+class Invocation:
+    """One call of one replica of one function over a range of iterations."""
+
+    function: dict[str, Any]
+    replica: int
+    event: dict[str, Any]
+    attempt: int
+    launched: float = 0.0
+    log: Path | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.function['name']} replica {self.replica} from iteration {self.event['start']}"
+
+
+class Handle(ABC):
+    """An invocation under way."""
+
+    @abstractmethod
+    def poll(self) -> dict[str, Any] | None:
+        """Its result once it succeeded; None while running. Raises InvocationFailed."""
+
+    def kill(self) -> bool:
+        """Stop it now (fault injection); False where the invoker cannot."""
+        return False
+
+
+class InvocationFailed(RuntimeError):
+    pass
+
+
+class Invoker(ABC):
+    name = "invoker"
+    can_kill = False
+
+    @abstractmethod
+    def start(self, invocation: Invocation) -> Handle: ...
+
+
+# --- local processes -----------------------------------------------------------------------------
+
+
+class _ProcessHandle(Handle):
+    def __init__(self, process: subprocess.Popen[bytes], invocation: Invocation, output: Path, deadline: float):
+        self.process, self.invocation, self.output, self.deadline = process, invocation, output, deadline
+        self.killed = False
+
+    def poll(self) -> dict[str, Any] | None:
+        code = self.process.poll()
+        if code is None:
+            if time.monotonic() > self.deadline:  # the platform's timeout
+                self.process.kill()
+                self.process.wait()
+                raise InvocationFailed(f"{self.invocation.label}: ran past the function timeout; killed")
+            return None
+        if code != 0:
+            why = "killed (injected fault)" if self.killed else f"exit status {code}"
+            raise InvocationFailed(f"{self.invocation.label}: {why}; its log: {self.invocation.log}")
+        lines = [line for line in self.output.read_text().splitlines() if line.strip()]
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, ValueError) as exc:
+            why = f"{self.invocation.label}: no result in {self.output}; its log: {self.invocation.log}"
+            raise InvocationFailed(why) from exc
+
+    def kill(self) -> bool:
+        if self.process.poll() is None:
+            self.killed = True
+            self.process.kill()
+            self.process.wait()
+            return True
+        return False
+
+
+class LocalProcessInvoker(Invoker):
+    """Each invocation is `python <package>/handler.py EVENT` in a new process: the deployed code,
+    cold. Its stderr goes to a log file; `threads` caps its torch threads (the machine is shared)."""
+
+    name = "local processes"
+    can_kill = True
+
+    def __init__(
+        self,
+        build: Path,
+        storage: str,
+        logs: Path,
+        *,
+        resources: Callable[[dict[str, Any]], Resources | None] = lambda f: None,
+        threads: int = 1,
+    ) -> None:
+        self.build, self.storage, self.logs = build, storage, logs
+        self.resources, self.threads = resources, threads
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, invocation: Invocation) -> Handle:
+        function = invocation.function
+        env = {
+            **os.environ,
+            "CLOUDLESS_STORAGE": self.storage,
+            "OMP_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads),
+        }
+        env.pop("CLOUDLESS_EMULATE", None)
+        resources = self.resources(function)
+        if resources is not None:
+            env["CLOUDLESS_EMULATE"] = json.dumps(resources.to_json())
+        stem = f"{function['name']}-r{invocation.replica}-from{invocation.event['start']}-a{invocation.attempt}"
+        invocation.log = self.logs / f"{stem}.log"
+        output = self.logs / f"{stem}.json"  # a file, not a pipe: a large result must not block the child
+        with invocation.log.open("wb") as log, output.open("wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, str(self.build / function["package"] / "handler.py"), json.dumps(invocation.event)],
+                stdout=out,
+                stderr=log,
+                env=env,
+                cwd=self.build / function["package"],
+            )
+        return _ProcessHandle(process, invocation, output, time.monotonic() + function["timeout_s"])
+
+
+# --- asynchronous remote invokers ----------------------------------------------------------------
+
+
+class _MarkerHandle(Handle):
+    """Done when the worker's completion marker appears in storage; failed past the timeout."""
+
+    def __init__(self, channel: Channel, key: str, invocation: Invocation, deadline: float) -> None:
+        self.channel, self.key, self.invocation, self.deadline = channel, key, invocation, deadline
+
+    def poll(self) -> dict[str, Any] | None:
+        data = self.channel.try_get(self.key)
+        if data is not None:
+            return json.loads(data)
+        if time.monotonic() > self.deadline:
+            raise InvocationFailed(f"{self.invocation.label}: no completion marker {self.key} within its timeout")
+        return None
+
+
+def done_key(namespace: str, function: str, replica: int, start: int) -> str:
+    return f"{namespace}/done/{function}/r{replica}/from{start}"
+
+
+class OpenFaaSInvoker(Invoker):
+    """POSTs the event to the gateway's /async-function/<name> (202 Accepted: queued)."""
+
+    name = "OpenFaaS async"
+
+    def __init__(self, gateway: str, channel: Channel, namespace: str, names: dict[str, str] | None = None) -> None:
+        self.gateway, self.channel, self.namespace = gateway.rstrip("/"), channel, namespace
+        self.names = names or {}
+
+    def start(self, invocation: Invocation) -> Handle:
+        name = self.names.get(invocation.function["name"], invocation.function["name"])
+        request = urllib.request.Request(
+            f"{self.gateway}/async-function/{name}",
+            data=json.dumps(invocation.event).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                if response.status != 202:
+                    raise InvocationFailed(f"{invocation.label}: gateway answered {response.status}, expected 202")
+        except urllib.error.URLError as exc:
+            raise InvocationFailed(f"{invocation.label}: {self.gateway}: {exc}") from exc
+        key = done_key(self.namespace, invocation.function["name"], invocation.replica, invocation.event["start"])
+        return _MarkerHandle(self.channel, key, invocation, time.monotonic() + invocation.function["timeout_s"] + 60)
+
+
+class LambdaInvoker(Invoker):
+    """Lambda's asynchronous invoke (InvocationType Event: 202, queued) through boto3."""
+
+    name = "AWS Lambda"
+
+    def __init__(self, channel: Channel, namespace: str, names: dict[str, str] | None = None, client: Any = None):
+        import boto3  # only this invoker needs it
+
+        self.client = client or boto3.client("lambda")
+        self.channel, self.namespace, self.names = channel, namespace, names or {}
+
+    def start(self, invocation: Invocation) -> Handle:
+        name = self.names.get(invocation.function["name"], invocation.function["name"])
+        reply = self.client.invoke(FunctionName=name, InvocationType="Event", Payload=json.dumps(invocation.event))
+        if reply.get("StatusCode") != 202:
+            raise InvocationFailed(f"{invocation.label}: Lambda answered {reply.get('StatusCode')}, expected 202")
+        key = done_key(self.namespace, invocation.function["name"], invocation.replica, invocation.event["start"])
+        return _MarkerHandle(self.channel, key, invocation, time.monotonic() + invocation.function["timeout_s"] + 60)
+
+
+# --- the controller ------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """One finished iteration as the last stage reported it."""
+
+    iteration: int
+    loss: float
+    time: float
+
+
+@dataclass
+class RunSettings:
+    iterations: int
+    run_id: str
+    time_limit_s: float | None = None  # a worker's time limit per invocation (default: its timeout)
+    key_timeout_s: float = 600.0
+    retries: int = 3
+    fault_rate: float = 0.0
+    fault_seed: int = 0
+    poll_s: float = 0.05
+
+
+@dataclass
+class RegionRun:
+    """What happened: progress per iteration, every invocation's result, the faults injected."""
+
+    progress: list[Progress] = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
+    invocations: list[dict[str, Any]] = field(default_factory=list)
+    faults: int = 0
+    retries: int = 0
+
+
+class Controller:
+    def __init__(
+        self,
+        workflow: dict[str, Any],
+        channel: Channel,
+        invoker: Invoker,
+        settings: RunSettings,
+        on_progress: Callable[[Progress], None] = lambda p: None,
+    ) -> None:
+        self.workflow, self.channel, self.invoker, self.settings = workflow, channel, invoker, settings
+        self.on_progress = on_progress
+        if settings.fault_rate and not invoker.can_kill:
+            raise RunError(f"--inject-faults needs an invoker that can kill invocations; {invoker.name} cannot")
+        unknown = sorted({s["kind"] for s in workflow["steps"]} - FUNCTION_STEPS)
+        if unknown:
+            raise RunError(f"workflow.yaml: step kinds {unknown} are not run by this controller yet")
+        if len(workflow["regions"]) != 1:
+            raise RunError("workflow.yaml: more than one region; this controller runs single-region workflows")
+        self.random = random.Random(settings.fault_seed)
+
+    def namespace(self, region: str) -> str:
+        return f"{self.settings.run_id}/{region}"
+
+    def run(self) -> RegionRun:
+        region = self.workflow["regions"][0]
+        record = RegionRun()
+        at = 0
+        while at < self.settings.iterations:
+            at = self._invoke_range(region, at, self.settings.iterations, record)
+        return record
+
+    def _event(self, function: dict[str, Any], replica: int, start: int, stop: int, attempt: int) -> dict[str, Any]:
+        limit = self.settings.time_limit_s or max(1.0, function["timeout_s"] - 30.0)
+        return {
+            "run": self.settings.run_id,
+            "start": start,
+            "stop": stop,
+            "replica": replica,
+            "attempt": attempt,
+            "time_limit_s": limit,
+            "timeout": self.settings.key_timeout_s,
+        }
+
+    def _launch(self, function: dict[str, Any], replica: int, start: int, stop: int, attempt: int) -> tuple:
+        invocation = Invocation(function, replica, self._event(function, replica, start, stop, attempt), attempt)
+        invocation.launched = time.time()
+        try:
+            handle = self.invoker.start(invocation)
+        except InvocationFailed:
+            handle = None
+        return invocation, handle
+
+    def _invoke_range(self, region: dict[str, Any], start: int, stop: int, record: RegionRun) -> int:
+        """Invoke every replica of every function for start..stop-1; returns where they stopped."""
+        namespace = self.namespace(region["name"])
+        pending = {
+            (f["name"], r): self._launch(f, r, start, stop, 0)
+            for f in region["functions"]
+            for r in range(f["replicas"])
+        }
+        kills = self._plan_faults(list(pending), start, stop)
+        range_began = time.time()
+        last = max(region["functions"], key=lambda f: f["stage"])
+        stopped: list[int] = []
+        next_iteration = start
+        while pending:
+            for key, (invocation, handle) in list(pending.items()):
+                try:
+                    if handle is None:
+                        raise InvocationFailed(f"{invocation.label}: could not be started")
+                    result = handle.poll()
+                except InvocationFailed as exc:
+                    record.invocations.append(self._summary(invocation, "failed", str(exc)))
+                    if invocation.attempt >= self.settings.retries:
+                        for _, other in pending.values():
+                            if other is not None:
+                                other.kill()
+                        attempts = f"attempt {invocation.attempt + 1} of {self.settings.retries + 1}"
+                        raise RunError(f"{exc} ({attempts})") from exc
+                    record.retries += 1
+                    pending[key] = self._launch(
+                        invocation.function, invocation.replica, start, stop, invocation.attempt + 1
+                    )
+                    continue
+                if result is None:
+                    continue
+                del pending[key]
+                record.results.append(result)
+                record.invocations.append(self._summary(invocation, "done", ""))
+                stopped.append(int(result["stop"]))
+            next_iteration = self._follow(namespace, last, next_iteration, stop, record)
+            now = time.time()
+            for key, when in list(kills.items()):
+                handle = pending[key][1] if key in pending else None
+                if handle is not None and self._due(when, next_iteration, now, record, range_began):
+                    if handle.kill():
+                        record.faults += 1
+                    del kills[key]
+            if pending:
+                time.sleep(self.settings.poll_s)
+        if len(set(stopped)) != 1:
+            raise RunError(f"the functions stopped at different iterations {sorted(set(stopped))}; expected one")
+        # Progress of the last iterations may land just before the results: read it all.
+        self._follow(namespace, last, next_iteration, stopped[0], record, wait=True)
+        return stopped[0]
+
+    def _follow(
+        self, namespace: str, last: dict[str, Any], iteration: int, stop: int, record: RegionRun, wait: bool = False
+    ) -> int:
+        """Read the last stage's per-iteration reports from `iteration` on; returns the next unread."""
+        while iteration < stop:
+            reports = []
+            for replica in range(last["replicas"]):
+                key = f"{namespace}/it{iteration}/metrics/r{replica}"
+                data = self.channel.get(key, timeout=60) if wait else self.channel.try_get(key)
+                if data is None:
+                    return iteration
+                reports.append(json.loads(data))
+            losses = [x for r in reports for x in r["losses"]]
+            progress = Progress(iteration, sum(losses) / len(losses), max(r["time"] for r in reports))
+            record.progress.append(progress)
+            self.on_progress(progress)
+            iteration += 1
+        return iteration
+
+    def _plan_faults(self, keys: list[tuple[str, int]], start: int, stop: int) -> dict[tuple[str, int], tuple]:
+        """Which invocations of this range to kill, and when: at a random iteration of the range,
+        a random fraction of an iteration into it (seeded, so a run's faults can be replayed)."""
+        kills = {}
+        for key in keys:
+            if self.settings.fault_rate and self.random.random() < self.settings.fault_rate:
+                kills[key] = (self.random.randrange(start, stop), self.random.random())
+        return kills
+
+    @staticmethod
+    def _due(when: tuple[int, float], next_iteration: int, now: float, record: RegionRun, range_began: float) -> bool:
+        """Due once the run is `fraction` of an iteration into iteration `iteration` (the first
+        iteration of a range also covers the cold start)."""
+        iteration, fraction = when
+        if next_iteration < iteration:
+            return False
+        times = [p.time for p in record.progress]
+        step = statistics.median([b - a for a, b in zip(times[:-1], times[1:], strict=True)]) if len(times) > 2 else 1.0
+        began = times[-1] if times and times[-1] > range_began else range_began
+        return now >= began + fraction * step
+
+    @staticmethod
+    def _summary(invocation: Invocation, status: str, error: str) -> dict[str, Any]:
+        return {
+            "function": invocation.function["name"],
+            "replica": invocation.replica,
+            "start": invocation.event["start"],
+            "attempt": invocation.attempt,
+            "launched": invocation.launched,
+            "ended": time.time(),
+            "status": status,
+            "error": error,
+        }

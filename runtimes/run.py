@@ -1,0 +1,290 @@
+"""`cloudless-run BUILD/`: train a compiled workflow on this machine (or drive deployed functions).
+
+Each function invocation is a local process running its package's handler; storage is a folder
+(or Redis/S3 when named). It prints progress, and writes into the output folder (default
+BUILD/run/): `metrics.json` (loss per iteration, throughput, storage requests, invocations, test
+loss and accuracy), `trace.json` (the timeline, Chrome trace format: open it in chrome://tracing or
+ui.perfetto.dev), `model.safetensors` (the trained parameters under the model's own names), and
+`logs/` (each invocation's stderr). Bad input is one line on stderr and exit status 2; a run that
+fails is exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from cloudless.ir.schema import SchemaError
+from cloudless.ir.workflow import load_workflow
+
+from .controller import (
+    Controller,
+    Invoker,
+    LambdaInvoker,
+    LocalProcessInvoker,
+    OpenFaaSInvoker,
+    Progress,
+    RegionRun,
+    RunError,
+    RunSettings,
+)
+from .emulation import Resources
+from .staging import DataError, evaluate, stage_data, trained_state
+from .storage import open_channel
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cloudless-run", description="Run a compiled Cloudless workflow: train it for real on this machine."
+    )
+    parser.add_argument("build", type=Path, help="a build folder written by cloudless-compile")
+    parser.add_argument("--iterations", type=int, help="iterations to train (default: the workflow's)")
+    parser.add_argument(
+        "--storage",
+        help="where functions exchange tensors: a folder (default OUT/storage), s3://bucket/prefix or redis://host:port/db",
+    )
+    parser.add_argument("--out", type=Path, help="output folder (default BUILD/run)")
+    parser.add_argument(
+        "--model", type=Path, help="the model file whose load_shard gives the data (default: the one compiled)"
+    )
+    parser.add_argument(
+        "--invoker",
+        choices=["local", "openfaas", "lambda"],
+        default="local",
+        help="how functions are invoked: local processes (default), an OpenFaaS gateway, AWS Lambda",
+    )
+    parser.add_argument("--gateway", default="http://127.0.0.1:8080", help="OpenFaaS gateway URL (--invoker openfaas)")
+    parser.add_argument(
+        "--emulate",
+        action="store_true",
+        help="give each function its tier's resources: bandwidth and request latency to storage, CPU share",
+    )
+    parser.add_argument("--bandwidth", type=float, metavar="MBPS", help="emulate this bandwidth (MB/s each way)")
+    parser.add_argument("--latency-ms", type=float, help="emulate this latency per storage request")
+    parser.add_argument(
+        "--inject-faults",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="kill this share (0-1) of invocations at random points; they are retried",
+    )
+    parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
+    parser.add_argument(
+        "--time-limit", type=float, metavar="S", help="end each invocation before S seconds (default: timeout - 30 s)"
+    )
+    parser.add_argument("--retries", type=int, default=3, help="retries per failed invocation (default 3)")
+    parser.add_argument("--run-id", help="names this run's keys in storage (default: from the time)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per function process (default 1)")
+    parser.add_argument("--log-every", type=int, help="print progress every N iterations (default: about 20 lines)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    return parser
+
+
+def fail(message: str) -> int:
+    print(f"cloudless-run: {message}", file=sys.stderr)
+    return 2
+
+
+def resources_of(workflow: dict[str, Any], args: argparse.Namespace) -> Any:
+    """Per function, what --emulate / --bandwidth / --latency-ms give it (None: the machine's own)."""
+    if not (args.emulate or args.bandwidth or args.latency_ms):
+        return lambda function: None
+    latency = workflow["regions"][0]["request_latency_s"]
+
+    def resources(function: dict[str, Any]) -> Resources:
+        mbps = args.bandwidth or (function["network_mbps"] if args.emulate else None)
+        return Resources(
+            bytes_per_s=mbps * 1e6 if mbps else None,
+            latency_s=args.latency_ms / 1000 if args.latency_ms is not None else (latency if args.emulate else 0.0),
+            vcpus=function["cpu_millis"] / 1000 if args.emulate else None,
+        )
+
+    return resources
+
+
+def chrome_trace(record: RegionRun, workflow: dict[str, Any], origin: float) -> dict[str, Any]:
+    """The timeline: one process row per function, one thread row per replica; each invocation with
+    the forward/backward of each micro-batch, sync, step and checkpoint inside it."""
+    functions = {f["name"]: f for r in workflow["regions"] for f in r["functions"]}
+    events: list[dict[str, Any]] = []
+    for name, function in sorted(functions.items(), key=lambda kv: kv[1]["stage"]):
+        pid = function["stage"]
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"stage {pid}: {name}"}})
+        for replica in range(function["replicas"]):
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": replica, "args": {"name": f"replica {replica}"}}
+            )
+
+    def span(name: str, pid: int, tid: int, began: float, ended: float, cat: str, **args: Any) -> dict[str, Any]:
+        return {
+            "ph": "X",
+            "name": name,
+            "cat": cat,
+            "pid": pid,
+            "tid": tid,
+            "ts": round((began - origin) * 1e6),
+            "dur": max(1, round((ended - began) * 1e6)),
+            "args": args,
+        }
+
+    for inv in record.invocations:
+        pid = functions[inv["function"]]["stage"]
+        events.append(
+            span(
+                f"invocation from {inv['start']} (attempt {inv['attempt']}, {inv['status']})",
+                pid,
+                inv["replica"],
+                inv["launched"],
+                inv["ended"],
+                "invocation",
+                error=inv["error"],
+            )
+        )
+    for result in record.results:
+        pid = functions[result["function"]]["stage"]
+        for name, began, ended in result.get("spans", []):
+            cat = name.split()[0]
+            events.append(span(name, pid, result["replica"], began, ended, cat))
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def summarise(
+    record: RegionRun, workflow: dict[str, Any], settings: RunSettings, seconds: float, test: dict | None
+) -> dict[str, Any]:
+    times = [p.time for p in record.progress]
+    steps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+    iteration_s = statistics.median(steps) if steps else None
+    storage: dict[str, dict[str, int]] = {}
+    for result in record.results:
+        counts = storage.setdefault(result["function"], {})
+        for k, v in result.get("storage", {}).items():
+            counts[k] = counts.get(k, 0) + v
+    batch = workflow["run"]["global_batch"]
+    return {
+        "run_id": settings.run_id,
+        "iterations": settings.iterations,
+        "global_batch": batch,
+        "seconds": round(seconds, 3),
+        "median_iteration_s": round(iteration_s, 6) if iteration_s else None,
+        "samples_per_s": round(batch / iteration_s, 3) if iteration_s else None,
+        "final_loss": record.progress[-1].loss if record.progress else None,
+        "test": test,
+        "invocations": len(record.invocations),
+        "retries": record.retries,
+        "faults_injected": record.faults,
+        "storage_requests": storage,
+        "progress": [{"iteration": p.iteration, "loss": p.loss, "time": round(p.time, 6)} for p in record.progress],
+        "invocation_log": record.invocations,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    build: Path = args.build
+    try:
+        workflow = load_workflow(build / "workflow.yaml")
+    except FileNotFoundError:
+        return fail(f"{build}/workflow.yaml: not found; expected a build folder written by cloudless-compile")
+    except SchemaError as exc:
+        return fail(str(exc))
+    iterations = args.iterations or workflow["run"]["iterations"]
+    if iterations < 1:
+        return fail(f"--iterations {iterations}: expected at least 1")
+    if not 0 <= args.inject_faults < 1:
+        return fail(f"--inject-faults {args.inject_faults}: expected a share in [0, 1)")
+    for function in (f for r in workflow["regions"] for f in r["functions"]):
+        if not (build / function["package"] / "handler.py").is_file():
+            return fail(f"{build / function['package']}: no handler.py; was the build written with --target?")
+    out = args.out or build / "run"
+    out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or str((out / "storage").resolve())
+    run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    region = workflow["regions"][0]["name"]
+    try:
+        channel = open_channel(storage)
+        model = args.model or Path(workflow["data"]["model_file"])
+        staged = stage_data(channel, region, model)
+    except (DataError, ValueError) as exc:
+        return fail(str(exc))
+    settings = RunSettings(
+        iterations=iterations,
+        run_id=run_id,
+        time_limit_s=args.time_limit,
+        retries=args.retries,
+        fault_rate=args.inject_faults,
+        fault_seed=args.fault_seed,
+    )
+    namespace = f"{run_id}/{region}"
+    invoker: Invoker
+    if args.invoker == "local":
+        invoker = LocalProcessInvoker(
+            build.resolve(), storage, out / "logs", resources=resources_of(workflow, args), threads=args.threads
+        )
+    elif args.invoker == "openfaas":
+        invoker = OpenFaaSInvoker(args.gateway, channel, namespace)
+    else:
+        invoker = LambdaInvoker(channel, namespace)
+    every = args.log_every or max(1, iterations // 20)
+    began = time.time()
+    last_print: list[float] = []  # (time, iterations done) of the last line; the rate excludes start-up
+
+    def report(progress: Progress) -> None:
+        done = progress.iteration + 1
+        if not last_print:
+            last_print[:] = [progress.time, done]
+        if args.quiet or (done % every and done != iterations):
+            return
+        rate = ""
+        if done > last_print[1]:
+            per_s = (done - last_print[1]) * workflow["run"]["global_batch"] / max(progress.time - last_print[0], 1e-9)
+            rate = f"  {per_s:,.0f} samples/s"
+        print(f"iteration {done:>6}/{iterations}  loss {progress.loss:.4f}{rate}", flush=True)
+        last_print[:] = [progress.time, done]
+
+    if not args.quiet:
+        functions = workflow["regions"][0]["functions"]
+        shape = " + ".join(f"{f['replicas']}" for f in functions)
+        print(
+            f"run {run_id}: {len(functions)} stage(s), replicas {shape}, {iterations} iterations of "
+            f"{workflow['run']['global_batch']} samples; data {staged}; storage {storage}",
+            flush=True,
+        )
+    try:
+        controller = Controller(workflow, channel, invoker, settings, on_progress=report)
+        record = controller.run()
+    except RunError as exc:
+        print(f"cloudless-run: the run failed: {exc}", file=sys.stderr)
+        return 1
+    seconds = time.time() - began
+    stages = len(workflow["regions"][0]["functions"])
+    state = trained_state(channel, namespace, stages, iterations)
+    save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(out / "model.safetensors"))
+    test = evaluate(build, workflow, region, channel, state)
+    metrics = summarise(record, workflow, settings, seconds, test)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+    (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began)) + "\n")
+    line = f"trained {iterations} iterations in {seconds:.1f} s"
+    if metrics["samples_per_s"]:
+        line += f" ({metrics['samples_per_s']:,.0f} samples/s, {metrics['median_iteration_s'] * 1000:.1f} ms/iteration)"
+    if record.faults or record.retries:
+        line += f"; {record.faults} injected fault(s), {record.retries} retried invocation(s)"
+    print(line)
+    if test:
+        figures = f"test loss {test['loss']:.4f}"
+        if "accuracy" in test:
+            figures += f", accuracy {test['accuracy']:.1%}"
+        print(f"{figures} on {test['samples']} samples")
+    print(f"wrote {out}/: metrics.json, trace.json, model.safetensors, logs/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Putting a region's training data into storage, and evaluating a trained run on its test split.
+
+The data comes from the user's model file: `load_shard(region, split)` returns a torch Dataset whose
+items are (inputs, target), each a tensor or a nested structure of tensors. It is written once per
+storage (`data/<region>/<split>/...`, see data.py) and shared by the runs that use that storage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .data import SplitReader, data_key, write_split
+from .storage import Channel
+from .tensors import unpack
+from .worker import load_module
+
+
+class DataError(ValueError):
+    """The model file cannot give the data a run needs."""
+
+
+def load_model_module(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise DataError(f"{path}: no such model file (pass --model MODEL.py, the file the build was compiled from)")
+    spec = importlib.util.spec_from_file_location(f"cloudless_data_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise DataError(f"{path}: cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent.resolve()))  # the model file may import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
+        raise DataError(f"{path}: importing it failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    if not callable(getattr(module, "load_shard", None)):
+        raise DataError(f"{path}: defines no load_shard(region, split); a run needs it to read its training data")
+    return module
+
+
+def _samples(module: ModuleType, path: Path, region: str, split: str) -> Any:
+    try:
+        dataset = module.load_shard(region, split)
+        for i in range(len(dataset)):
+            inputs, target = dataset[i]
+            yield pytree.tree_leaves(inputs), pytree.tree_leaves(target)
+    except Exception as exc:  # noqa: BLE001 - reported with the file and the call
+        raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
+
+
+def stage_data(channel: Channel, region: str, model_path: Path, *, force: bool = False) -> dict[str, int | str]:
+    """Write the region's train split (required) and test split (if load_shard gives one) unless
+    storage has them already; returns samples per split, or why a split is missing."""
+    staged: dict[str, int | str] = {}
+    module: ModuleType | None = None
+    for split in ("train", "test"):
+        meta = channel.try_get(data_key(region, split, "meta"))
+        if meta is not None and not force:
+            staged[split] = int(json.loads(meta)["samples"])
+            continue
+        module = module or load_model_module(model_path)
+        try:
+            staged[split] = write_split(channel, region, split, _samples(module, model_path, region, split))
+        except (DataError, ValueError) as exc:
+            if split == "train":
+                raise DataError(str(exc)) from exc
+            staged[split] = str(exc)  # no test split: the run trains but reports no test figures
+    return staged
+
+
+def load_stages(build: Path, workflow: dict[str, Any], region: str) -> tuple[list[Any], torch.nn.Module]:
+    """The region's stage modules, in order, and its loss module (as the packages hold them)."""
+    entry = next(r for r in workflow["regions"] if r["name"] == region)
+    functions = sorted(entry["functions"], key=lambda f: f["stage"])
+    stages = [load_module(build / f["package"] / "stage.py", f"cloudless_eval_{f['stage']}") for f in functions]
+    loss = load_module(build / functions[-1]["package"] / f"{workflow['data']['loss']}.py", "cloudless_eval_loss")
+    return stages, loss.Stage()
+
+
+def trained_state(channel: Channel, namespace: str, stages: int, iteration: int) -> dict[str, torch.Tensor]:
+    """The whole model's parameters and buffers after `iteration` iterations (original names)."""
+    state: dict[str, torch.Tensor] = {}
+    for s in range(stages):
+        values = unpack(channel.get(f"{namespace}/state/s{s}/it{iteration}", timeout=60))
+        state.update({k.removeprefix("module/"): v for k, v in values.items() if k.startswith("module/")})
+    return state
+
+
+@torch.no_grad()
+def evaluate(
+    build: Path, workflow: dict[str, Any], region: str, channel: Channel, state: dict[str, torch.Tensor]
+) -> dict[str, Any] | None:
+    """Mean loss on the region's test split, and accuracy when the model's one output is class
+    scores (batch x classes) for one integer target; None without a test split. It runs the stages
+    chained in whole micro-batches, the shapes the stages were generated for."""
+    if channel.try_get(data_key(region, "test", "meta")) is None:
+        return None
+    modules, loss_module = load_stages(build, workflow, region)
+    stages = []
+    for module in modules:
+        stage = module.Stage()
+        names = set(stage.state_dict())
+        stage.load_state_dict({k: v for k, v in state.items() if k in names}, strict=True)
+        stages.append((stage.eval(), list(module.INPUTS), list(module.OUTPUTS)))
+    reader = SplitReader(channel, region, "test")
+    size = workflow["run"]["micro_batch"]
+    total_loss, correct, counted, batches = 0.0, 0, 0, 0
+    for first in range(0, reader.samples - size + 1, size):
+        indices = list(range(first, first + size))
+        values = dict(zip(workflow["data"]["inputs"], reader.gather(indices, "input"), strict=True))
+        outputs: tuple[Any, ...] = ()
+        for stage, inputs, names in stages:
+            outputs = tuple(stage(*[values[n] for n in inputs]))
+            values.update(zip(names, outputs, strict=True))
+        targets = reader.gather(indices, "target")
+        (loss,) = loss_module(*outputs, *targets)
+        total_loss += float(loss)
+        batches += 1
+        if len(outputs) == 1 and len(targets) == 1 and outputs[0].dim() == 2 and not targets[0].is_floating_point():
+            correct += int((outputs[0].argmax(dim=1) == targets[0]).sum())
+            counted += size
+    if batches == 0:
+        return None
+    result: dict[str, Any] = {"samples": batches * size, "loss": total_loss / batches}
+    if counted:
+        result["accuracy"] = correct / counted
+    return result

@@ -1,0 +1,139 @@
+"""`cloudless-run`: the controller invokes the generated packages as local processes, and training is
+exactly what plain PyTorch computes — with invocations cut short by a time limit, with injected
+faults, and with duplicate invocations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.worker import StageWorker
+from tests.runtime_cases import MLP, front_end, reference_training, write_packages, write_training_data
+
+ITERATIONS = 6
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """A 3-stage build of the MLP with replicas (2, 3, 1), and what plain PyTorch trains."""
+    result = front_end()
+    n_blocks = len(result.chain.blocks)
+    stages = [(0, 0, 2), (1, n_blocks - 2, 3), (n_blocks - 1, n_blocks - 1, 1)]
+    build = tmp_path_factory.mktemp("pipelined") / "build"
+    workflow = write_packages(
+        result, build, stages, micro_batch=8, global_batch=64, iterations=ITERATIONS, schedule="1f1b"
+    )
+    return build, workflow, reference_training(result, workflow, workflow["regions"][0]["name"])
+
+
+def cloudless_run(build: Path, out: Path, *options: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    code = run_main([str(build), "--out", str(out), "--model", str(MLP), "-q", *options])
+    assert code == 0
+    return json.loads((out / "metrics.json").read_text()), load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def baseline(pipelined, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    build, _, _ = pipelined
+    return cloudless_run(build, tmp_path_factory.mktemp("baseline"))
+
+
+def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_pipelined_replicated_run_matches_plain_pytorch(pipelined, baseline) -> None:
+    build, workflow, expected = pipelined
+    metrics, params = baseline
+    assert set(params) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert [p["iteration"] for p in metrics["progress"]] == list(range(ITERATIONS))
+    assert all(0 < p["loss"] < 5 for p in metrics["progress"])
+    assert metrics["invocations"] == 2 + 3 + 1 and metrics["retries"] == 0
+    # Every replica of the middle stage fetched activations and gradients and joined the sync.
+    assert metrics["storage_requests"]["mlp-digits-s1"]["gets"] > 3 * ITERATIONS * 2
+    assert not (build / "run").exists()  # --out was given: nothing written into the build
+
+
+def test_time_limit_ends_invocations_early_and_changes_nothing(pipelined, baseline, tmp_path: Path) -> None:
+    build, _, _ = pipelined
+    metrics, params = cloudless_run(build, tmp_path, "--time-limit", "0.2")
+    # The workers stopped where they all agreed, and the controller invoked the rest again.
+    assert metrics["invocations"] > 6 and metrics["retries"] == 0
+    starts = sorted({i["start"] for i in metrics["invocation_log"]})
+    assert starts[0] == 0 and len(starts) > 1
+    assert_same(params, baseline[1])
+
+
+def test_injected_faults_change_nothing(pipelined, baseline, tmp_path: Path) -> None:
+    build, _, _ = pipelined
+    metrics, params = cloudless_run(build, tmp_path, "--inject-faults", "0.5", "--fault-seed", "3")
+    assert metrics["faults_injected"] >= 1 and metrics["retries"] >= metrics["faults_injected"]
+    assert any(i["status"] == "failed" for i in metrics["invocation_log"])
+    assert_same(params, baseline[1])
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"]}
+    assert {"sync", "step", "forward 0", "backward 0"} <= names
+    assert any("failed" in n for n in names)
+
+
+def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
+    result = front_end()
+    n_blocks = len(result.chain.blocks)
+    workflow = write_packages(
+        result, tmp_path / "build", [(0, n_blocks - 1, 1)], micro_batch=8, global_batch=16, iterations=2
+    )
+    region = workflow["regions"][0]
+    storage = tmp_path / "storage"
+    write_training_data(result, DirectoryChannel(storage), region["name"])
+    package = tmp_path / "build" / region["functions"][0]["package"]
+
+    first = StageWorker(package, DirectoryChannel(storage)).run(0, 2, 0, run="r", attempt=0)
+    state = (storage / "r" / region["name"] / "state" / "s0" / "it2").read_bytes()
+    # The same attempt delivered again (a platform's at-least-once delivery) while it ran: claimed.
+    again = StageWorker(package, DirectoryChannel(storage))
+    (storage / "r" / region["name"] / "done" / "mlp-digits-s0" / "r0" / "from0").unlink()
+    assert again.run(0, 2, 0, run="r", attempt=0)["status"] == "duplicate"
+    # A retry (a new attempt): it resumes from the last checkpoint and recomputes the same bytes.
+    retried = again.run(0, 2, 0, run="r", attempt=1)
+    assert retried["stop"] == 2 and retried["resumed"] == 1
+    assert retried["losses"] == first["losses"][-len(retried["losses"]) :]
+    assert (storage / "r" / region["name"] / "state" / "s0" / "it2").read_bytes() == state
+    # After it finished, any further copy returns the recorded result and runs nothing.
+    repeat = StageWorker(package, DirectoryChannel(storage)).run(0, 2, 0, run="r", attempt=2)
+    assert repeat["duplicate"] is True and repeat["losses"] == retried["losses"]
+
+
+def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], pipelined) -> None:
+    assert run_main([str(tmp_path)]) == 2
+    assert f"{tmp_path}/workflow.yaml: not found" in capsys.readouterr().err
+    build, _, _ = pipelined
+    missing = tmp_path / "nowhere.py"
+    assert run_main([str(build), "--out", str(tmp_path / "out"), "--model", str(missing)]) == 2
+    assert f"{missing}: no such model file" in capsys.readouterr().err
+    assert run_main([str(build), "--out", str(tmp_path / "out"), "--inject-faults", "1.5"]) == 2
+    assert "--inject-faults 1.5: expected a share in [0, 1)" in capsys.readouterr().err
+
+
+def test_compiled_sample_trains_to_90_percent(compile_cli, tmp_path: Path, capsys) -> None:
+    """The README's main command: compile the digits sample, run it, read the test accuracy."""
+    build = tmp_path / "build"
+    code, _, err = compile_cli(str(MLP), "-o", str(build), "-q", "--repeats", "1")
+    assert code == 0, err
+    assert run_main([str(build), "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["iterations"] == 200
+    assert metrics["test"]["accuracy"] >= 0.90, out
+    assert f"accuracy {metrics['test']['accuracy']:.1%}" in out
+    assert metrics["progress"][-1]["loss"] < metrics["progress"][0]["loss"]
