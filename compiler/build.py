@@ -36,8 +36,24 @@ def build_files(result: FrontEndResult, targets: frozenset[str] = TARGETS) -> di
     validate(plan, "plan", "plan.json")
     files["plan.json"] = dumps(plan).encode()
     workflow = result.workflow
+    files.update(package_files(result))
+    for region in workflow["regions"]:
+        for path, text in render_region(workflow, region["name"], set(targets)).items():
+            files[path] = text.encode()
+    if "sam" in targets:
+        files["samconfig.toml"] = render_samconfig(workflow).encode()
+    timeline = simulate(result.plan.problem, result.plan.solution.plan)
+    files.update(render_report(plan, timeline, workflow))
+    return dict(sorted(files.items()))
+
+
+def package_files(result: FrontEndResult) -> dict[str, bytes]:
+    """workflow.yaml and every function package: what `cloudless-run` needs of a build."""
+    workflow = result.workflow
+    if workflow is None:
+        raise ValueError("no workflow: lower the plan first (lower_training)")
     check_workflow(workflow)
-    files["workflow.yaml"] = dump_yaml(workflow).encode()
+    files = {"workflow.yaml": dump_yaml(workflow).encode()}
     for region in workflow["regions"]:
         for function, stage in zip(region["functions"], result.stages, strict=True):
             files.update(
@@ -51,13 +67,7 @@ def build_files(result: FrontEndResult, targets: frozenset[str] = TARGETS) -> di
                     torch_version=torch_release(),
                 )
             )
-        for path, text in render_region(workflow, region["name"], set(targets)).items():
-            files[path] = text.encode()
-    if "sam" in targets:
-        files["samconfig.toml"] = render_samconfig(workflow).encode()
-    timeline = simulate(result.plan.problem, result.plan.solution.plan)
-    files.update(render_report(plan, timeline, workflow))
-    return dict(sorted(files.items()))
+    return files
 
 
 def write_build(files: dict[str, bytes], output: Path, check: Callable[[Path], None] | None = None) -> None:

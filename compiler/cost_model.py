@@ -18,7 +18,7 @@ from typing import Literal
 
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import Region
-from cloudless.runtimes.schedule import SYNC_IN_FLIGHT, Schedule, sync_pieces
+from cloudless.runtimes.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20
@@ -195,13 +195,14 @@ class CostModel:
         """Pipelined scatter-reduce among `replicas` (runtimes/sync.py): each downlink receives 2(r-1)
         chunks of P/r bytes (its own chunk from every other replica, then every other reduced chunk) in
         k pieces of x bytes, one request each, while its uplink sends P. A request costs L + x/B, but
-        each direction keeps `in_flight` requests going (runtimes.sync.SYNC_IN_FLIGHT), so latency
+        each direction keeps `in_flight` requests going (runtimes.schedule.SYNC_IN_FLIGHT), so latency
         overlaps the transfers before it and a busy link moves a piece every
         tau = max(x/B, (L + x/B)/in_flight). The downlink starts once the first piece has been
         uploaded and fetched, 2(L + x/B) in; the reduced chunks follow its own chunk without a gap,
         unless (few pieces) the first reduced piece is not uploaded yet: that needs its owner's
         uplink through the (r-1)k scattered pieces and its owner's first round of r-1 pieces reduced.
-        Polling for a piece that is not there yet is not counted."""
+        A piece a downlink waits for is found (L + p)/2 after it is written on average (it polls at
+        most p = SYNC_MAX_POLL_S apart, each poll a request): charged once in each phase."""
         r = replicas
         if r <= 1:
             return 0.0
@@ -209,11 +210,12 @@ class CostModel:
         transfer = param_bytes / (r * k) / self.bandwidth(tier_mb)
         request = self.latency + transfer
         tau = max(transfer, request / in_flight)
+        detect = (self.latency + SYNC_MAX_POLL_S) / 2
         scattered = (r - 1) * k  # pieces each downlink receives in either phase
-        own_chunk = 2 * request + (scattered - 1) * tau
-        first_round = 2 * request + (r - 2) * tau  # the owner holds piece 0 from every other replica
+        own_chunk = 2 * request + detect + (scattered - 1) * tau
+        first_round = 2 * request + detect + (r - 2) * tau  # the owner holds piece 0 from every other replica
         reduced_up = max(request + scattered * tau, first_round + request)
-        return max(own_chunk + tau, reduced_up + request) + (scattered - 1) * tau
+        return max(own_chunk + tau, reduced_up + request + detect) + (scattered - 1) * tau
 
     # --- one stage -------------------------------------------------------------------------
     def stage_params(self, first: int, last: int) -> int:
@@ -250,12 +252,11 @@ class CostModel:
         )
         r = choice.replicas
         pieces = sync_pieces(params, r)
-        puts = (2 * micro_batches if not last else 0) + (r * r * pieces if r > 1 else 0)
-        gets = (
-            (micro_batches if first else 0)
-            + (2 * micro_batches if not first else 0)
-            + (2 * r * (r - 1) * pieces if r > 1 else 0)
-        )
+        # Besides tensors (counts over the stage's r replicas): each last-stage replica reports its
+        # losses (a put), every replica reads whether its invocation ends here (a get), and a first
+        # stage reads a data shard.
+        puts = (2 * micro_batches if not last else r) + (r * r * pieces if r > 1 else 0)
+        gets = r + (1 if first else 2 * micro_batches) + (2 * r * (r - 1) * pieces if r > 1 else 0)
 
         def transfer(size: float) -> float:
             return size / bandwidth + self.latency if size else 0.0
@@ -263,7 +264,10 @@ class CostModel:
         return StageTerms(
             forward_compute_s=kappa * scale * sum(b.forward_s for b in blocks),
             backward_compute_s=kappa * scale * sum(b.backward_s for b in blocks),
-            forward_download_s=transfer(inputs),
+            # A first stage's data comes from a shard it read once (one request per SHARD_SAMPLES).
+            forward_download_s=(
+                inputs / bandwidth + self.latency * micro_batch / SHARD_SAMPLES if first else transfer(inputs)
+            ),
             forward_upload_s=transfer(outputs),
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),

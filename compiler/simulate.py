@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cloudless.compiler.cost_model import CostModel, Plan, Problem, sync_pieces
-from cloudless.runtimes.schedule import SYNC_IN_FLIGHT, compute_order, local_micro_batches, one_f_one_b_windows
+from cloudless.runtimes.schedule import (
+    SHARD_SAMPLES,
+    SYNC_IN_FLIGHT,
+    SYNC_MAX_POLL_S,
+    compute_order,
+    local_micro_batches,
+    one_f_one_b_windows,
+)
 
 Lane = Literal["compute", "download", "upload"]
 LANES: tuple[Lane, ...] = ("compute", "download", "upload")
@@ -182,6 +189,8 @@ def simulate(problem: Problem, plan: Plan) -> Timeline:
             for kind, m in order:
                 if kind == "forward":
                     duration = transfer_s(info["in_bytes"], info["bandwidth"])
+                    if first:  # data from a shard read once: one request per SHARD_SAMPLES samples
+                        duration += model.latency * (plan.micro_batch / SHARD_SAMPLES - 1)
                     task = sim.add(s, j, "download", "recv-activation", duration, [], m)
                     if not first:
                         forward_receives.append((task, s, m))
@@ -230,7 +239,8 @@ def _add_sync_and_update(
 
     Replica i owns chunk i of the gradient. It uploads chunk (i+d) mod r for d = 1..r-1 while
     downloading its own chunk from replica (i-d) mod r, then uploads its reduced chunk and downloads
-    the reduced chunk of every other replica in the same staggered order. Chunks move in pieces."""
+    the reduced chunk of every other replica, also from (i-d) mod r (`gather_sources` order).
+    Chunks move in pieces."""
     r = len(ready)
     params, bandwidth = info["params"], info["bandwidth"]
     synced: dict[int, list[int | None]] = {j: [ready[j]] for j in range(r)}
@@ -242,6 +252,7 @@ def _add_sync_and_update(
         transfer = params / (r * pieces) / bandwidth
         pace = max(transfer, (latency + transfer) / SYNC_IN_FLIGHT)
         delay = latency + transfer - pace
+        found = delay + (latency + SYNC_MAX_POLL_S) / 2  # a download also has to find its piece
         scattered: dict[tuple[int, int, int], int] = {}  # (sender, chunk, piece) -> upload task
         for i in range(r):
             for p in range(pieces):
@@ -255,7 +266,7 @@ def _add_sync_and_update(
                 for d in range(1, r):
                     j = (i - d) % r
                     received[(i, j, p)] = sim.add(
-                        stage, i, "download", "sync-scatter", pace, [scattered[(j, i, p)]], delay=delay
+                        stage, i, "download", "sync-scatter", pace, [scattered[(j, i, p)]], delay=found
                     )
         gathered: dict[tuple[int, int], int] = {}
         for i in range(r):
@@ -267,7 +278,7 @@ def _add_sync_and_update(
                 )
         for i in range(r):
             synced[i] = [
-                sim.add(stage, i, "download", "sync-gather", pace, [gathered[((i - d) % r, p)]], delay=delay)
+                sim.add(stage, i, "download", "sync-gather", pace, [gathered[((i - d) % r, p)]], delay=found)
                 for d in range(1, r)
                 for p in range(pieces)
             ] + [gathered[(i, p)] for p in range(pieces)]

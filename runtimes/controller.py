@@ -19,6 +19,7 @@ to storage (`<run>/<region>/done/<function>/r<replica>/from<start>`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import statistics
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from .emulation import Resources
-from .storage import Channel
+from .schedule import local_micro_batches
+from .storage import Channel, KeyTimeout
 
 #: step kinds the stage workers run inside their invocations
 FUNCTION_STEPS = {"compute", "scatter-reduce", "optimizer-step", "checkpoint"}
@@ -74,6 +76,16 @@ class Handle(ABC):
 
 class InvocationFailed(RuntimeError):
     pass
+
+
+class _Failed(Handle):
+    """An invocation that could not even be started: its first poll reports why."""
+
+    def __init__(self, error: InvocationFailed) -> None:
+        self.error = error
+
+    def poll(self) -> dict[str, Any] | None:
+        raise self.error
 
 
 class Invoker(ABC):
@@ -227,7 +239,10 @@ class LambdaInvoker(Invoker):
 
     def start(self, invocation: Invocation) -> Handle:
         name = self.names.get(invocation.function["name"], invocation.function["name"])
-        reply = self.client.invoke(FunctionName=name, InvocationType="Event", Payload=json.dumps(invocation.event))
+        try:
+            reply = self.client.invoke(FunctionName=name, InvocationType="Event", Payload=json.dumps(invocation.event))
+        except Exception as exc:  # noqa: BLE001 - botocore's errors (throttling, network) are retried
+            raise InvocationFailed(f"{invocation.label}: Lambda {name}: {exc}") from exc
         if reply.get("StatusCode") != 202:
             raise InvocationFailed(f"{invocation.label}: Lambda answered {reply.get('StatusCode')}, expected 202")
         key = done_key(self.namespace, invocation.function["name"], invocation.replica, invocation.event["start"])
@@ -267,6 +282,7 @@ class RegionRun:
     invocations: list[dict[str, Any]] = field(default_factory=list)
     faults: int = 0
     retries: int = 0
+    lost_reports: int = 0
 
 
 class Controller:
@@ -316,9 +332,9 @@ class Controller:
         invocation = Invocation(function, replica, self._event(function, replica, start, stop, attempt), attempt)
         invocation.launched = time.time()
         try:
-            handle = self.invoker.start(invocation)
-        except InvocationFailed:
-            handle = None
+            handle: Handle = self.invoker.start(invocation)
+        except InvocationFailed as exc:
+            handle = _Failed(exc)
         return invocation, handle
 
     def _invoke_range(self, region: dict[str, Any], start: int, stop: int, record: RegionRun) -> int:
@@ -337,15 +353,12 @@ class Controller:
         while pending:
             for key, (invocation, handle) in list(pending.items()):
                 try:
-                    if handle is None:
-                        raise InvocationFailed(f"{invocation.label}: could not be started")
                     result = handle.poll()
                 except InvocationFailed as exc:
                     record.invocations.append(self._summary(invocation, "failed", str(exc)))
                     if invocation.attempt >= self.settings.retries:
                         for _, other in pending.values():
-                            if other is not None:
-                                other.kill()
+                            other.kill()
                         attempts = f"attempt {invocation.attempt + 1} of {self.settings.retries + 1}"
                         raise RunError(f"{exc} ({attempts})") from exc
                     record.retries += 1
@@ -378,21 +391,44 @@ class Controller:
     def _follow(
         self, namespace: str, last: dict[str, Any], iteration: int, stop: int, record: RegionRun, wait: bool = False
     ) -> int:
-        """Read the last stage's per-iteration reports from `iteration` on; returns the next unread."""
+        """Read the last stage's per-iteration reports from `iteration` on; returns the next unread.
+        With `wait` (every invocation is done), a report a killed invocation never sent is rebuilt
+        from the losses its retry returned."""
         while iteration < stop:
             reports = []
             for replica in range(last["replicas"]):
                 key = f"{namespace}/it{iteration}/metrics/r{replica}"
-                data = self.channel.get(key, timeout=60) if wait else self.channel.try_get(key)
+                data = self.channel.try_get(key)
+                if data is None and wait:
+                    try:
+                        data = self.channel.get(key, timeout=2.0)
+                    except KeyTimeout:
+                        data = self._report_from_results(last, replica, iteration, record)
                 if data is None:
                     return iteration
                 reports.append(json.loads(data))
             losses = [x for r in reports for x in r["losses"]]
-            progress = Progress(iteration, sum(losses) / len(losses), max(r["time"] for r in reports))
+            loss = sum(losses) / len(losses) if losses else math.nan
+            progress = Progress(iteration, loss, max(r["time"] for r in reports))
             record.progress.append(progress)
             self.on_progress(progress)
             iteration += 1
         return iteration
+
+    def _report_from_results(
+        self, last: dict[str, Any], replica: int, iteration: int, record: RegionRun
+    ) -> bytes:
+        per_iteration = len(local_micro_batches(self.workflow["run"]["micro_batches"], last["replicas"], replica))
+        for result in reversed(record.results):
+            if result["function"] == last["name"] and result["replica"] == replica:
+                if result["resumed"] <= iteration < result["stop"]:
+                    at = (iteration - result["resumed"]) * per_iteration
+                    when = record.progress[-1].time if record.progress else time.time()
+                    return json.dumps({"losses": result["losses"][at : at + per_iteration], "time": when}).encode()
+        # Its invocation was killed after the report's iteration and its retry resumed from a later
+        # checkpoint: training is whole, only this progress report is gone.
+        record.lost_reports += 1
+        return json.dumps({"losses": [], "time": record.progress[-1].time if record.progress else time.time()}).encode()
 
     def _plan_faults(self, keys: list[tuple[str, int]], start: int, stop: int) -> dict[tuple[str, int], tuple]:
         """Which invocations of this range to kill, and when: at a random iteration of the range,

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
+from .schedule import SHARD_SAMPLES
 from .storage import Channel
 from .tensors import pack, unpack
-
-SHARD_SAMPLES = 4096
 
 
 def data_key(region: str, split: str, name: str) -> str:
@@ -102,19 +101,18 @@ class SplitReader:
         """The flat `kind` ("input" or "target") tensors of these samples, stacked in order."""
         size = int(self.meta["shard_samples"])
         count = int(self.meta["inputs" if kind == "input" else "targets"])
-        wanted = torch.tensor(indices, dtype=torch.int64)
-        shards = wanted // size
-        parts = torch.unique(shards).tolist()
+        shards = sorted({i // size for i in indices})
+        if len(shards) == 1:  # the usual case: one indexing op per tensor
+            rows = torch.tensor([i - shards[0] * size for i in indices])
+            return [self._shard(shards[0])[f"{kind}_{j}"][rows] for j in range(count)]
+        wanted = torch.tensor(indices)
+        of_shard = wanted // size
         gathered: list[torch.Tensor] = []
         for j in range(count):
-            name = f"{kind}_{j}"
-            if len(parts) == 1:  # the usual case: one indexing op
-                gathered.append(self._shard(parts[0])[name][wanted % size])
-                continue
-            first = self._shard(parts[0])[name]
+            first = self._shard(shards[0])[f"{kind}_{j}"]
             out = torch.empty((len(indices), *first.shape[1:]), dtype=first.dtype)
-            for shard in parts:
-                here = shards == shard
-                out[here] = self._shard(shard)[name][wanted[here] % size]
+            for shard in shards:
+                here = of_shard == shard
+                out[here] = self._shard(shard)[f"{kind}_{j}"][wanted[here] % size]
             gathered.append(out)
         return gathered

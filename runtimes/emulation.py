@@ -4,8 +4,8 @@ A function's link has an uplink and a downlink of `bytes_per_s` each (they run a
 model assumes), and every request costs `latency_s` on top. Requests in the same direction queue
 behind each other on their link, so two concurrent uploads take twice as long, as on a real NIC.
 
-The CPU share is emulated as a CFS quota would enforce it: after running `t` seconds on one core, a
-function of `share` < 1 vCPU is held back `t * (1/share - 1)` more.
+The CPU share is emulated as a CFS quota enforces it: a function of `share` < 1 vCPU may use
+`share * 0.1` s of CPU per 0.1 s period, and is throttled once it has spent that.
 """
 
 from __future__ import annotations
@@ -99,23 +99,40 @@ class EmulatedChannel(Channel):
 
 
 class CpuShare:
-    """Holds a function back to its CPU share: `with share.compute(): ...` around each compute step."""
+    """Holds a function to its CPU share, as the CFS quota of its container does: it may run
+    `share * PERIOD_S` seconds of CPU per period, and once that is spent it is throttled until the
+    quota is back. (Sleeping after every small step instead would leave the core's caches cold for
+    each step, slowing the compute itself.) `with share.compute(): ...` around each compute step."""
+
+    PERIOD_S = 0.1
 
     def __init__(self, vcpus: float | None) -> None:
-        self.stretch = (1.0 / vcpus - 1.0) if vcpus and vcpus < 1.0 else 0.0
+        self.share = vcpus if vcpus and vcpus < 1.0 else None
+        self.capacity = (self.share or 0.0) * self.PERIOD_S
+        self.budget = self.capacity
+        self.refilled = time.monotonic()
 
-    def compute(self) -> _Stretched:
-        return _Stretched(self.stretch)
+    def compute(self) -> _Charged:
+        return _Charged(self)
+
+    def charge(self, cpu_s: float) -> None:
+        if self.share is None:
+            return
+        now = time.monotonic()
+        self.budget = min(self.capacity, self.budget + (now - self.refilled) * self.share) - cpu_s
+        self.refilled = now
+        if self.budget < 0:  # throttled until the quota is whole again
+            time.sleep((self.capacity - self.budget) / self.share)
+            self.budget, self.refilled = self.capacity, time.monotonic()
 
 
-class _Stretched:
-    def __init__(self, stretch: float) -> None:
-        self.stretch = stretch
+class _Charged:
+    def __init__(self, share: CpuShare) -> None:
+        self.share = share
         self.began = 0.0
 
     def __enter__(self) -> None:
         self.began = time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
-        if self.stretch:
-            time.sleep((time.thread_time() - self.began) * self.stretch)
+        self.share.charge(time.thread_time() - self.began)

@@ -1,11 +1,12 @@
 """`cloudless-run BUILD/`: train a compiled workflow on this machine (or drive deployed functions).
 
-Each function invocation is a local process running its package's handler; storage is a folder
-(or Redis/S3 when named). It prints progress, and writes into the output folder (default
-BUILD/run/): `metrics.json` (loss per iteration, throughput, storage requests, invocations, test
-loss and accuracy), `trace.json` (the timeline, Chrome trace format: open it in chrome://tracing or
-ui.perfetto.dev), `model.safetensors` (the trained parameters under the model's own names), and
-`logs/` (each invocation's stderr). Bad input is one line on stderr and exit status 2; a run that
+By default each function invocation is a local process running its package's handler (or an
+OpenFaaS or Lambda call with --invoker); storage is a folder (or Redis/S3 when named). It prints
+progress, and writes into the output folder (default BUILD/run/): `metrics.json` (loss per
+iteration, throughput, storage requests, invocations, test loss and accuracy), `trace.json` (the
+timeline, Chrome trace format: open it in chrome://tracing or ui.perfetto.dev), `model.safetensors`
+(the trained parameters and buffers under the model's own names), and `logs/` (local invoker: each
+invocation's stderr and stdout). Bad input is one line on stderr and exit status 2; a run that
 fails is exit status 1.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -175,13 +177,17 @@ def summarise(
         "seconds": round(seconds, 3),
         "median_iteration_s": round(iteration_s, 6) if iteration_s else None,
         "samples_per_s": round(batch / iteration_s, 3) if iteration_s else None,
-        "final_loss": record.progress[-1].loss if record.progress else None,
+        "final_loss": next((p.loss for p in reversed(record.progress) if not math.isnan(p.loss)), None),
         "test": test,
         "invocations": len(record.invocations),
         "retries": record.retries,
         "faults_injected": record.faults,
         "storage_requests": storage,
-        "progress": [{"iteration": p.iteration, "loss": p.loss, "time": round(p.time, 6)} for p in record.progress],
+        "lost_reports": record.lost_reports,
+        "progress": [
+            {"iteration": p.iteration, "loss": None if math.isnan(p.loss) else p.loss, "time": round(p.time, 6)}
+            for p in record.progress
+        ],
         "invocation_log": record.invocations,
     }
 

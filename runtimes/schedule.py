@@ -16,9 +16,15 @@ Schedule = Literal["gpipe", "1f1b"]
 # MAX_SYNC_PIECES), so a replica's uplink and downlink stay busy together.
 SYNC_PIECE_BYTES = 4 * 2**20
 MAX_SYNC_PIECES = 16
+# Training data is stored in shards of this many samples; a first stage reads a shard once and
+# keeps it, so reading a micro-batch of data costs a request only once per shard.
+SHARD_SAMPLES = 4096
 # Requests each direction of a replica keeps going at once in the scatter-reduce, so that a request's
 # latency overlaps the transfers before it.
 SYNC_IN_FLIGHT = 3
+# The scatter-reduce polls for a piece at most this long apart: finding a piece that was just
+# written takes (request latency + this) / 2 on average, which the cost model charges each phase.
+SYNC_MAX_POLL_S = 0.01
 
 
 def sync_pieces(
@@ -58,8 +64,9 @@ def compute_order(schedule: Schedule, local: list[int], window: int) -> list[tup
 
 
 def scatter_order(replica: int, replicas: int) -> list[int]:
-    """The staggered order in which a replica sends chunks (and receives the reduced ones):
-    (i + d) mod r for d = 1..r-1, so that no two replicas send to the same owner at once."""
+    """The staggered order in which a replica sends the pieces of other replicas' chunks:
+    (i + d) mod r for d = 1..r-1, so that no two replicas send to the same owner at once. (It
+    receives its own chunk's pieces, and then the reduced chunks, in `gather_sources` order.)"""
     return [(replica + d) % replicas for d in range(1, replicas)]
 
 

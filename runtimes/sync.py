@@ -27,13 +27,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .schedule import SYNC_IN_FLIGHT, gather_sources, scatter_order, sync_pieces
+from .schedule import SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, gather_sources, scatter_order, sync_pieces
 from .storage import Channel, KeyTimeout
 from .tensors import pack, unpack
-
-#: requests kept in flight per direction (uploads, and downloads prefetched ahead of their use)
-#: a piece is due within about a piece's transfer time: poll for it at least this often
-SYNC_MAX_POLL_S = 0.01
 
 
 class _Cancelled(Exception):

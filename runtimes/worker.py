@@ -9,9 +9,9 @@ tied parameters' gradients with the other stages holding them, and the optimizer
 
 State between invocations: the parameters, buffers and optimizer state before iteration i are at
 `state/s<stage>/it<i>` (replica 0 writes them at each checkpoint and when the invocation returns);
-a warm process keeps them in memory. Every key and every value is a function of the iteration,
-stage, replica and micro-batch, and the computation is deterministic, so a duplicate or retried
-invocation writes the same bytes and changes nothing.
+a warm process keeps them in memory. Every tensor written is a function of the iteration, stage,
+replica and micro-batch, and the computation is deterministic, so a duplicate or retried invocation
+writes the same tensors and changes nothing (only reports, with their times, differ).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -97,7 +99,11 @@ class StageWorker:
             list(self.module.parameters()), **self.optimizer_spec["options"]
         )
         self._reader: SplitReader | None = None
-        self._ready: tuple[int, int] | None = None  # (replica, iteration) the state in memory is before
+        self._batch: tuple[int, list[int]] = (-1, [])  # (iteration, its samples in order)
+        self._pool: ThreadPoolExecutor | None = None  # control requests off the critical path
+        self._reports: list[Future[None]] = []
+        self._link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._ready: tuple[str, int, int] | None = None  # (namespace, replica, iteration) memory is before
         self.namespace = self.region  # keys of one run: "<run>/<region>"
         self.replica = 0
 
@@ -149,17 +155,20 @@ class StageWorker:
         return at
 
     # -- the time limit --------------------------------------------------------------------------
-    def _stop_before(self, start: int, iteration: int, stop: int, over_time: bool) -> int:
-        """Where the invocation that began at `start` ends: every function of the region must agree,
-        or one would wait for a micro-batch another never sends. Stage 0's replica 0 decides, at the
-        start of an iteration, to end after it; nobody can finish that iteration before the decision
-        is written (each needs a micro-batch or a sync piece that descends from it), so each function
-        reads it at the start of the next one."""
-        key = f"{self.namespace}/stop/from{start}"
-        if self.first and self.replica == 0 and over_time and iteration + 1 < stop:
-            self.channel.claim(key, str(iteration + 1).encode())  # a retry finds the first decision
-        found = self.channel.try_get(key)
-        return min(stop, int(found)) if found is not None else stop
+    # Every function of the region must end an invocation at the same iteration, or one would wait
+    # for a micro-batch another never sends. Stage 0's replica 0 decides, at the start of iteration
+    # i, to end after iteration i + 1, and writes that under the invocation's stop key (claimed: a
+    # retry finds the first decision). No function can finish iteration i before the decision is
+    # written (each needs a micro-batch or a sync piece descending from stage 0 replica 0's work on
+    # i), so a read issued once a function finished iteration i sees it; it runs in the background
+    # during iteration i + 1 and is looked at before iteration i + 2: no request on the critical path.
+    def _stop_key(self, start: int) -> str:
+        return f"{self.namespace}/stop/from{start}"
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="control")
+        return self._pool
 
     # -- one invocation ----------------------------------------------------------------------------
     def run(
@@ -192,28 +201,47 @@ class StageWorker:
             return {"status": "duplicate", "function": self.function["name"], "replica": replica, "start": start}
         spans: list[list[Any]] = []
         resume = self._resume_point(start, stop)
-        if self._ready != (replica, resume):
+        if self._ready != (self.namespace, replica, resume):
             with self._span(spans, "load state"):
                 self.load_state(resume, timeout)
         losses: list[float] = []
         longest = 0.0
         reached = resume
-        for iteration in range(resume, stop):
-            elapsed = time.monotonic() - began
-            over_time = time_limit_s is not None and elapsed + 2 * longest > time_limit_s
-            if time_limit_s is not None and self._stop_before(start, iteration, stop, over_time) <= iteration:
-                break
-            tick = time.monotonic()
-            losses.extend(self.iteration(iteration, replica, timeout, spans))
-            longest = max(longest, time.monotonic() - tick)
-            reached = iteration + 1
-            self._ready = (replica, reached)
-            if replica == 0 and reached % self.checkpoint_every == 0:
+        counted = dict(getattr(self.channel, "counts", {}))
+        stop_key, decided = self._stop_key(start), False
+        lookups: dict[int, Future[bytes | None]] = {}  # iteration -> read of the stop key for it
+        self._ready = None  # until an iteration completes, memory holds no state to reuse
+        try:
+            for iteration in range(resume, stop):
+                if time_limit_s is not None:
+                    elapsed = time.monotonic() - began
+                    if self.first and replica == 0 and not decided and iteration + 2 < stop:
+                        if elapsed + 3 * longest > time_limit_s:
+                            self.channel.claim(stop_key, str(iteration + 2).encode())
+                            decided = True
+                    lookup = lookups.pop(iteration, None)
+                    found = lookup.result() if lookup is not None else self.channel.try_get(stop_key)
+                    if found is not None and int(found) <= iteration:
+                        break
+                tick = time.monotonic()
+                losses.extend(self.iteration(iteration, replica, timeout, spans))
+                longest = max(longest, time.monotonic() - tick)
+                reached = iteration + 1
+                if time_limit_s is not None and iteration + 2 < stop:
+                    lookups[iteration + 2] = self._background().submit(self.channel.try_get, stop_key)
+                if replica == 0 and reached % self.checkpoint_every == 0:
+                    with self._span(spans, "checkpoint"):
+                        self.save_state(reached)
+            if replica == 0 and reached % self.checkpoint_every != 0:
                 with self._span(spans, "checkpoint"):
-                    self.save_state(reached)
-        if replica == 0 and reached % self.checkpoint_every != 0:
-            with self._span(spans, "checkpoint"):
-                self.save_state(reached)  # where the next invocation starts
+                    self.save_state(reached)  # where the next invocation starts
+            for future in self._reports:
+                future.result()
+        finally:
+            for future in lookups.values():
+                future.cancel()
+            self._reports.clear()
+        self._ready = (self.namespace, replica, reached)
         result = {
             "status": "done",
             "function": self.function["name"],
@@ -224,7 +252,7 @@ class StageWorker:
             "stop": reached,
             "losses": losses,
             "seconds": round(time.monotonic() - began, 6),
-            "storage": dict(getattr(self.channel, "counts", {})),
+            "storage": {k: v - counted.get(k, 0) for k, v in getattr(self.channel, "counts", {}).items()},
             "spans": spans,
         }
         self.channel.put(done_key, json.dumps(result, sort_keys=True).encode())
@@ -235,46 +263,98 @@ class StageWorker:
         return _Span(spans, name)
 
     def iteration(self, iteration: int, replica: int, timeout: float, spans: list[list[Any]]) -> list[float]:
-        """Forward and backward of this replica's micro-batches, sync, step; the last stage's losses."""
+        """Forward and backward of this replica's micro-batches, sync, step; the last stage's losses.
+
+        Transfers overlap compute, as the planner's model has them: a downlink thread fetches the
+        micro-batches' activations and gradients in the order compute needs them, and an uplink
+        thread sends results in the order they are computed."""
         local = local_micro_batches(self.micro_batches, self.replicas, replica)
+        order = compute_order(self.schedule, local, self.window)
+        uplink, downlink = self._links()
+        cancelled = threading.Event()
+        arriving: dict[tuple[str, int], Future[bytes]] = {}
+        for kind, m in order:
+            if kind == "forward" and not self.first:
+                key = self._key(iteration, "act", f"s{self.stage - 1}", f"mb{m}")
+            elif kind == "backward" and not self.last:
+                key = self._key(iteration, "grad", f"s{self.stage + 1}", f"mb{m}")
+            else:
+                continue
+            arriving[(kind, m)] = downlink.submit(self.channel.get, key, timeout, cancelled)
+        sending: list[Future[None]] = []
         received: dict[int, dict[str, Any]] = {}
         produced: dict[int, tuple[Any, ...]] = {}
         losses: dict[int, torch.Tensor] = {}
-        for kind, m in compute_order(self.schedule, local, self.window):
-            with self._span(spans, f"{kind} {m}"):
-                if kind == "forward":
-                    received[m], produced[m] = self._forward(iteration, m, timeout, losses)
-                else:
-                    self._backward(iteration, m, timeout, received.pop(m), produced.pop(m), losses)
+        try:
+            for kind, m in order:
+                with self._span(spans, f"{kind} {m}"):
+                    incoming = arriving.pop((kind, m), None)
+                    data = incoming.result() if incoming is not None else None
+                    if kind == "forward":
+                        received[m], produced[m] = self._forward(iteration, m, data, losses, uplink, sending)
+                    else:
+                        self._backward(iteration, m, data, received.pop(m), produced.pop(m), losses, uplink, sending)
+            for future in sending:
+                future.result()
+        finally:
+            cancelled.set()  # on an error, stop the fetches still waiting
+        values = [float(losses[m]) for m in sorted(losses)]
+        if self.last:
+            # Progress for the controller: this replica's losses and when its micro-batches were
+            # done, sent in the background (a crash may lose the last few; the controller copes).
+            while len(self._reports) > 2:
+                self._reports.pop(0).result()
+            record = json.dumps({"losses": values, "time": time.time()}).encode()
+            key = self._key(iteration, "metrics", f"r{replica}")
+            self._reports.append(self._background().submit(self.channel.put, key, record))
         with self._span(spans, "sync"):
             self._synchronise(iteration, replica, timeout)
         with self._span(spans, "step"), self.cpu.compute():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        values = [float(losses[m]) for m in sorted(losses)]
-        if self.last:
-            # Progress for the controller: this replica's losses and when the iteration ended.
-            record = {"losses": values, "time": time.time()}
-            self.channel.put(self._key(iteration, "metrics", f"r{replica}"), json.dumps(record).encode())
         return values
 
     def _indices(self, iteration: int, m: int) -> list[int]:
         if self._reader is None:
             self._reader = SplitReader(self.channel, self.region)
-        return sample_indices(iteration, m, self.micro_batch, self.global_batch, self._reader.samples, self.seed)
+        if self._batch[0] != iteration:  # the whole iteration's samples at once, then its slices
+            self._batch = (
+                iteration,
+                sample_indices(iteration, 0, self.global_batch, self.global_batch, self._reader.samples, self.seed),
+            )
+        return self._batch[1][m * self.micro_batch : (m + 1) * self.micro_batch]
+
+    def _links(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The function's uplink and downlink: one thread each, so each keeps its order."""
+        if self._link_threads is None:
+            self._link_threads = (
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="uplink"),
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="downlink"),
+            )
+        return self._link_threads
 
     def _forward(
-        self, iteration: int, m: int, timeout: float, losses: dict[int, torch.Tensor]
+        self,
+        iteration: int,
+        m: int,
+        data: bytes | None,
+        losses: dict[int, torch.Tensor],
+        uplink: ThreadPoolExecutor,
+        sending: list[Future[None]],
     ) -> tuple[dict[str, Any], tuple[Any, ...]]:
         if self.first:
             indices = self._indices(iteration, m)
             assert self._reader is not None
             taken = dict(zip(self.inputs, self._reader.gather(indices, "input"), strict=True))
         else:
-            values = unpack(self.channel.get(self._key(iteration, "act", f"s{self.stage - 1}", f"mb{m}"), timeout))
+            assert data is not None
+            values = unpack(data)
             taken = {name: _receive(values[name]) for name in self.inputs}
-        # Ops that draw random numbers (dropout) draw the same ones on a retry.
-        torch.manual_seed((((self.seed * 1_000_003 + iteration) * 1_000_003 + self.stage) * 1_000_003 + m) % 2**63)
+        # Ops that draw random numbers (dropout) draw the same ones on a retry. (The CPU generator
+        # alone: torch.manual_seed also queues seeding of every accelerator, at a millisecond a call.)
+        torch.default_generator.manual_seed(
+            (((self.seed * 1_000_003 + iteration) * 1_000_003 + self.stage) * 1_000_003 + m) % 2**63
+        )
         with self.cpu.compute():
             outputs = tuple(self.module(*[taken[name] for name in self.inputs]))
         if self.last:
@@ -285,20 +365,20 @@ class StageWorker:
             with self.cpu.compute():
                 (losses[m],) = self.loss(*outputs, *targets)
         else:
-            self.channel.put(
-                self._key(iteration, "act", f"s{self.stage}", f"mb{m}"),
-                pack(dict(zip(self.outputs, outputs, strict=True))),
-            )
+            key = self._key(iteration, "act", f"s{self.stage}", f"mb{m}")
+            sending.append(uplink.submit(self.channel.put, key, pack(dict(zip(self.outputs, outputs, strict=True)))))
         return taken, outputs
 
     def _backward(
         self,
         iteration: int,
         m: int,
-        timeout: float,
+        data: bytes | None,
         taken: dict[str, Any],
         outputs: tuple[Any, ...],
         losses: dict[int, torch.Tensor],
+        uplink: ThreadPoolExecutor,
+        sending: list[Future[None]],
     ) -> None:
         if self.last:
             # The global batch's loss is the mean of its micro-batches' (equal-sized) mean losses.
@@ -306,7 +386,8 @@ class StageWorker:
                 (losses[m] / self.micro_batches).backward()
             losses[m] = losses[m].detach()
         else:
-            grads = unpack(self.channel.get(self._key(iteration, "grad", f"s{self.stage + 1}", f"mb{m}"), timeout))
+            assert data is not None
+            grads = unpack(data)
             pairs = [
                 (value, grads[name])
                 for name, value in zip(self.outputs, outputs, strict=True)
@@ -321,7 +402,8 @@ class StageWorker:
                 for name, value in taken.items()
                 if isinstance(value, torch.Tensor) and value.grad is not None
             }
-            self.channel.put(self._key(iteration, "grad", f"s{self.stage}", f"mb{m}"), pack(sent))
+            key = self._key(iteration, "grad", f"s{self.stage}", f"mb{m}")
+            sending.append(uplink.submit(self.channel.put, key, pack(sent)))
 
     def _synchronise(self, iteration: int, replica: int, timeout: float) -> None:
         """Sum gradients over the stage's replicas (and average float buffers), then tied parameters'
@@ -387,7 +469,10 @@ class _Span:
         self.spans.append([self.name, round(self.began, 6), round(time.time(), 6)])
 
 
-_WORKERS: dict[tuple[str, str], StageWorker] = {}
+# Idle workers per (package, storage): a warm process reuses one; invocations running at once in one
+# process (several replicas sent to one instance) each get their own, never one shared worker.
+_IDLE: dict[tuple[str, str], list[StageWorker]] = {}
+_IDLE_LOCK = threading.Lock()
 
 
 def handle_request(package: Path, event: Any, storage: str | None = None) -> dict[str, Any]:
@@ -423,16 +508,26 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
     start, replica = fields["start"], fields["replica"]
     stop = fields.get("stop", start + 1)
     cache_key = (str(package), location)
-    if cache_key not in _WORKERS:
+    with _IDLE_LOCK:
+        idle = _IDLE.setdefault(cache_key, [])
+        # Prefer the one warm for this replica (its state in memory is that replica's).
+        worker = next((w for w in idle if w._ready and w._ready[1] == replica), idle[-1] if idle else None)
+        if worker is not None:
+            idle.remove(worker)
+    if worker is None:
         emulate = os.environ.get(EMULATE_ENV)
         resources = Resources.from_json(json.loads(emulate)) if emulate else None
-        _WORKERS[cache_key] = StageWorker(package, open_channel(location), resources=resources)
-    return _WORKERS[cache_key].run(
-        start,
-        stop,
-        replica,
-        timeout=float(numbers["timeout"] or 600.0),
-        time_limit_s=numbers["time_limit_s"],
-        run=run,
-        attempt=fields.get("attempt"),
-    )
+        worker = StageWorker(package, open_channel(location), resources=resources)
+    try:
+        return worker.run(
+            start,
+            stop,
+            replica,
+            timeout=float(numbers["timeout"] or 600.0),
+            time_limit_s=numbers["time_limit_s"],
+            run=run,
+            attempt=fields.get("attempt"),
+        )
+    finally:
+        with _IDLE_LOCK:
+            idle.append(worker)

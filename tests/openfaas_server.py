@@ -1,18 +1,30 @@
-"""A real HTTP server shaped like OpenFaaS's python3-http template (its index.py, with Flask).
+"""A real HTTP server shaped like OpenFaaS's python3-http template (its index.py, with Flask), and a
+small gateway shaped like the OpenFaaS gateway's asynchronous endpoint.
 
 The template imports `handler` from the function folder, calls `handle(event, context)` with an
 event carrying the request's body, headers, method, query and path, and turns the returned
 {"statusCode", "body", "headers"} into the HTTP response.
+
+The gateway answers `POST /async-function/<name>` with 202 Accepted and an X-Call-Id at once, and
+runs the function later (OpenFaaS queues the request and a queue worker invokes the function): here
+each request gets its own background thread that calls the function's `handle(event, context)`.
+Concurrent requests to one function run in concurrent threads, the way a function with several
+replicas runs several invocations at once. The reply only goes to the gateway's record of calls
+(OpenFaaS would post it to an X-Callback-Url, if the caller gave one).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import threading
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from flask import Flask, request
 from werkzeug.serving import make_server
@@ -59,6 +71,82 @@ def serve(handler: ModuleType) -> Iterator[str]:
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_port}/"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+# --- the gateway's asynchronous endpoint ---------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """One queued invocation: what the function replied once it ran (None while it runs)."""
+
+    function: str
+    call_id: str
+    body: bytes
+    status: int | None = None
+    reply: Any = None
+
+
+@dataclass
+class Gateway:
+    """The running gateway: its URL and every call it accepted, in order."""
+
+    url: str
+    calls: list[Call] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds in all for the queued calls to end; True if they all did."""
+        deadline = time.monotonic() + timeout
+        for thread in list(self.threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self.threads)
+
+
+def make_gateway_app(functions: Mapping[str, Any], gateway: Gateway) -> Flask:
+    """`functions`: the handler module (anything with `handle(event, context)`) of each name served."""
+    app = Flask("openfaas-gateway")
+    lock = threading.Lock()
+
+    @app.post("/async-function/<name>")
+    def queue(name: str):  # noqa: ANN202 - a Flask view
+        if name not in functions:
+            return f"error finding function {name}: not found", 404, {"Content-Type": "text/plain"}
+        event = Event()  # read in the request; the function runs after the reply
+        call = Call(name, str(uuid.uuid4()), event.body)
+
+        def invoke() -> None:
+            try:
+                response = functions[name].handle(event, Context())
+                call.status, call.reply = response.get("statusCode", 200), response.get("body", "")
+            except Exception as exc:  # noqa: BLE001 - the template would answer 500
+                call.status, call.reply = 500, f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=invoke, name=f"{name} {call.call_id}", daemon=True)
+        with lock:
+            gateway.calls.append(call)
+            gateway.threads.append(thread)
+        thread.start()
+        return "", 202, {"X-Call-Id": call.call_id}
+
+    return app
+
+
+@contextmanager
+def serve_gateway(functions: Mapping[str, Any]) -> Iterator[Gateway]:
+    """Serve the gateway for these functions on a free loopback port. Calls still running on exit are
+    left to end on their own (daemon threads): a function waiting for a stage that never ran would
+    otherwise hold the test up until its key timeout."""
+    gateway = Gateway("")
+    server = make_server("127.0.0.1", 0, make_gateway_app(functions, gateway), threaded=True)
+    gateway.url = f"http://127.0.0.1:{server.server_port}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield gateway
     finally:
         server.shutdown()
         thread.join()

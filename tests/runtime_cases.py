@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-from cloudless.codegen.package import render_function_package, torch_release
+from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_training, run_front_end
 from cloudless.ir.catalog import load_catalog
-from cloudless.ir.workflow import save_workflow
 from cloudless.runtimes.data import sample_indices
 from cloudless.runtimes.staging import stage_data
 from cloudless.runtimes.storage import DirectoryChannel
@@ -42,24 +41,9 @@ def write_packages(
     lower_training(
         result, plan, region, iterations=iterations, global_batch=global_batch, schedule=schedule, samples=None
     )
-    workflow = result.workflow
-    assert workflow is not None
-    build.mkdir(parents=True, exist_ok=True)
-    save_workflow(workflow, build / "workflow.yaml")
-    for function, stage in zip(workflow["regions"][0]["functions"], result.stages, strict=True):
-        files = render_function_package(
-            workflow,
-            region.name,
-            function,
-            stage_source=stage.source,
-            weights=stage.state,
-            loss_source=result.loss_source,
-            torch_version=torch_release(),
-        )
-        for path, data in files.items():
-            (build / path).parent.mkdir(parents=True, exist_ok=True)
-            (build / path).write_bytes(data)
-    return workflow
+    write_build(package_files(result), build)
+    assert result.workflow is not None
+    return result.workflow
 
 
 def write_training_data(result: FrontEndResult, channel: DirectoryChannel, region: str) -> int:

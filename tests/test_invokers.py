@@ -1,0 +1,129 @@
+"""`cloudless-run --invoker openfaas` over real HTTP: a gateway shaped like OpenFaaS's asynchronous
+endpoint (202 at once, the function run in the background) runs the generated handlers, the
+controller follows them through their completion markers in storage, and training is exactly what
+plain PyTorch computes. A function the gateway does not serve fails the run with its name."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.storage import DirectoryChannel
+from tests.openfaas_server import load_handler, serve_gateway
+from tests.runtime_cases import MLP, front_end, reference_training, write_packages, write_training_data
+
+ITERATIONS = 3
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], Any]:
+    """A 2-stage build of the MLP with replicas (2, 1), and the front end's result."""
+    torch.set_num_threads(1)  # the functions run as threads of this process
+    result = front_end()
+    n = len(result.chain.blocks)
+    build = tmp_path_factory.mktemp("openfaas") / "build"
+    workflow = write_packages(
+        result, build, [(0, 1, 2), (2, n - 1, 1)], micro_batch=8, global_batch=32, iterations=ITERATIONS
+    )
+    return build, workflow, result
+
+
+def handlers(build: Path, workflow: dict[str, Any]) -> dict[str, Any]:
+    """Each function's handler.py, loaded once (one warm instance per function).
+
+    Every handler puts its own package folder on sys.path and imports the top-level package
+    `cloudless_runtime` from it; in one process the first import wins and the other packages share
+    it. That is fine: each package vendors an identical copy of the runtime."""
+    return {
+        f["name"]: load_handler(build / f["package"], f"handler_{f['name'].replace('-', '_')}")
+        for f in workflow["regions"][0]["functions"]
+    }
+
+
+def test_openfaas_runs_over_http_match_plain_pytorch(two_stages, tmp_path: Path, monkeypatch) -> None:
+    """Two runs through one gateway: cold handlers, then the same handlers warm (as deployed functions
+    stay between runs). Each trains exactly what plain PyTorch does."""
+    build, workflow, result = two_stages
+    region = workflow["regions"][0]["name"]
+    storage = tmp_path / "storage"
+    write_training_data(result, DirectoryChannel(storage), region)
+    monkeypatch.setenv("CLOUDLESS_STORAGE", str(storage))  # what the functions' deployment sets
+    expected = reference_training(result, workflow, region)
+    began = time.monotonic()
+    with serve_gateway(handlers(build, workflow)) as gateway:
+        for run_id in ("cold", "warm"):
+            out = tmp_path / run_id
+            code = run_main(
+                [
+                    *(str(build), "--invoker", "openfaas", "--gateway", gateway.url, "--run-id", run_id),
+                    *("--storage", str(storage), "--out", str(out), "--model", str(MLP), "-q"),
+                ]
+            )
+            assert gateway.wait(timeout=30), f"{run_id}: calls still running after the run ended"
+            calls = [c for c in gateway.calls if json.loads(c.body)["run"] == run_id]
+            replies = [(c.function, c.status, c.reply) for c in calls]
+            assert code == 0, replies
+            # Every replica of every function was invoked once through the gateway, and each succeeded.
+            assert sorted((c.function, json.loads(c.body)["replica"]) for c in calls) == [
+                ("mlp-digits-s0", 0),
+                ("mlp-digits-s0", 1),
+                ("mlp-digits-s1", 0),
+            ]
+            assert all(c.status == 200 and json.loads(c.reply)["status"] == "done" for c in calls), replies
+
+            params = load_file(out / "model.safetensors")
+            assert set(params) == set(expected)
+            for name, value in expected.items():
+                torch.testing.assert_close(
+                    params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=f"{run_id}: {name}": f"{n}: {m}"
+                )
+            metrics = json.loads((out / "metrics.json").read_text())
+            assert metrics["invocations"] == 3 and metrics["retries"] == 0
+            assert [p["iteration"] for p in metrics["progress"]] == list(range(ITERATIONS))
+            assert all(0 < p["loss"] < 5 for p in metrics["progress"])
+    assert time.monotonic() - began < 60
+
+
+def test_a_function_the_gateway_does_not_serve_fails_the_run(
+    two_stages, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    build, workflow, _ = two_stages
+    first, last = workflow["regions"][0]["functions"]
+    # Stage 0 is served by a stub that returns at once (a real one would wait for stage 1's
+    # gradients until its key timeout); stage 1 is not served at all.
+    stub = SimpleNamespace(handle=lambda event, context: {"statusCode": 200, "body": "{}"})
+    began = time.monotonic()
+    with serve_gateway({first["name"]: stub}) as gateway:
+        # The gateway's shape: 202 and a call id at once for a function it serves, 404 otherwise.
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{gateway.url}/async-function/{first['name']}", data=b"{}", method="POST")
+        ) as response:
+            assert response.status == 202 and response.headers["X-Call-Id"]
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(
+                urllib.request.Request(f"{gateway.url}/async-function/{last['name']}", data=b"{}", method="POST")
+            )
+        assert missing.value.code == 404
+        code = run_main(
+            [
+                *(str(build), "--invoker", "openfaas", "--gateway", gateway.url, "--retries", "0"),
+                *("--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q"),
+            ]
+        )
+        assert gateway.wait(timeout=5)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"the run failed: {last['name']} replica 0 from iteration 0" in err
+    assert [c.function for c in gateway.calls] == [first["name"]] * (1 + first["replicas"])
+    assert not (tmp_path / "out" / "metrics.json").exists()
+    assert time.monotonic() - began < 20
