@@ -25,7 +25,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +34,8 @@ from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import CostModel, Plan, StageChoice
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_training, run_front_end
 from cloudless.compiler.plan import PlanOptions, build_problem
+from cloudless.compiler.reference import plain_training
 from cloudless.compiler.simulate import simulate
-from cloudless.runtimes.data import sample_indices
 from cloudless.runtimes.run import main as cloudless_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,23 +90,14 @@ def measured_run(build: Path, model: str, *options: str) -> dict:
 def plain_loop(result: FrontEndResult, workflow: dict, iterations: int) -> float:
     """The same training in one process, data in memory: median seconds per iteration."""
     torch.set_num_threads(1)
-    model_file = result.model_file
-    model = model_file.build_model()
-    optimizer = model_file.make_optimizer(model.parameters())
-    dataset = model_file.load_shard(workflow["regions"][0]["name"], "train")
-    inputs = torch.stack([dataset[i][0][0] for i in range(len(dataset))])
-    targets = torch.stack([torch.as_tensor(dataset[i][1]) for i in range(len(dataset))])
-    run = workflow["run"]
-    times = []
-    for iteration in range(iterations):
-        began = time.perf_counter()
-        for m in range(run["micro_batches"]):
-            idx = sample_indices(iteration, m, run["micro_batch"], run["global_batch"], len(dataset), run["seed"])
-            loss = model_file.loss_fn(model(inputs[idx]), targets[idx]) / run["micro_batches"]
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - began)
+    times: list[float] = []
+    plain_training(
+        result.model_file,
+        workflow,
+        workflow["regions"][0]["name"],
+        iterations,
+        lambda _, seconds: times.append(seconds),
+    )
     return statistics.median(times[1:])
 
 
@@ -121,7 +111,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; one thread per function; {iterations} iterations")
 
     print("\n1. Runtime overhead: 1 stage, 1 replica, against a plain PyTorch loop")
-    print("   (median s per iteration; median of 3 alternated rounds)")
+    print(f"   (median s per iteration; median of {1 if args.quick else 3} alternated round(s))")
     print(f"{'model':<12}{'plain s':>10}{'cloudless s':>13}{'ratio':>8}  target <= 1.30")
     misses = 0
     for model in ("mid_mlp", "mlp_digits"):

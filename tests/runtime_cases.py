@@ -11,8 +11,8 @@ import torch
 from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_training, run_front_end
+from cloudless.compiler.reference import plain_training
 from cloudless.ir.catalog import load_catalog
-from cloudless.runtimes.data import sample_indices
 from cloudless.runtimes.staging import stage_data
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.worker import StageWorker
@@ -63,9 +63,7 @@ def run_workers(build: Path, workflow: dict[str, Any], storage: Path, start: int
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
-    threads = [
-        threading.Thread(target=work, args=(f, r)) for f in region["functions"] for r in range(f["replicas"])
-    ]
+    threads = [threading.Thread(target=work, args=(f, r)) for f in region["functions"] for r in range(f["replicas"])]
     for t in threads:
         t.start()
     for t in threads:
@@ -77,18 +75,4 @@ def run_workers(build: Path, workflow: dict[str, Any], storage: Path, start: int
 
 def reference_training(result: FrontEndResult, workflow: dict[str, Any], region: str) -> dict[str, torch.Tensor]:
     """Plain single-process PyTorch on the same samples in the same order: the expected parameters."""
-    model_file = result.model_file
-    model = model_file.build_model()
-    optimizer = model_file.make_optimizer(model.parameters())
-    dataset = model_file.load_shard(region, "train")
-    run = workflow["run"]
-    for iteration in range(run["iterations"]):
-        for m in range(run["micro_batches"]):
-            idx = sample_indices(iteration, m, run["micro_batch"], run["global_batch"], len(dataset), run["seed"])
-            inputs = tuple(torch.stack([dataset[i][0][j] for i in idx]) for j in range(len(dataset[0][0])))
-            targets = torch.stack([torch.as_tensor(dataset[i][1]) for i in idx])
-            loss = model_file.loss_fn(model(*inputs), targets) / run["micro_batches"]
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    return plain_training(result.model_file, workflow, region)
