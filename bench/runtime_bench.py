@@ -33,7 +33,8 @@ import torch
 
 from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import CostModel, Plan, StageChoice
-from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_training, run_front_end
+from cloudless.compiler.lower import RegionTraining
+from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_trainings, run_front_end
 from cloudless.compiler.plan import PlanOptions, build_problem
 from cloudless.compiler.reference import plain_training
 from cloudless.compiler.simulate import simulate
@@ -66,14 +67,13 @@ def lower(result: FrontEndResult, case: Case, iterations: int, build: Path) -> t
     plan = Plan(min(problem.micro_batches), choices)
     predicted = CostModel(problem).evaluate(plan).iteration_s
     simulated = simulate(problem, plan).iteration_s
-    lower_training(
+    lower_trainings(
         result,
-        plan,
-        region,
+        [RegionTraining(region, plan, iterations, None)],
+        None,
         iterations=iterations,
         global_batch=problem.global_batch,
         schedule=case.schedule,  # type: ignore[arg-type]
-        samples=None,
     )
     write_build(package_files(result), build)
     assert result.workflow is not None

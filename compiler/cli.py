@@ -23,6 +23,7 @@ from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, run_fro
 from cloudless.compiler.plan import PlanOptions
 from cloudless.compiler.simulate import simulate
 from cloudless.compiler.verify import TOLERANCE
+from cloudless.ir.catalog import load_catalog
 from cloudless.ir.schema import SchemaError
 
 SLOW_STEPS = {
@@ -98,6 +99,26 @@ def build_parser() -> argparse.ArgumentParser:
     planning.add_argument("-c", "--catalog", type=Path, help="region catalog YAML (default: the built-in catalog)")
     planning.add_argument("--region", help="region to plan for (default: the catalog's first)")
     planning.add_argument(
+        "--regions",
+        metavar="A,B,...",
+        help="train across these catalog regions ('all': every one): where data lies (load_shard), what "
+        "moves, which regions train and with which plan are chosen jointly",
+    )
+    planning.add_argument(
+        "--sync",
+        choices=["asgd-ga", "model-average"],
+        default="asgd-ga",
+        help="between regions: asynchronous SGD with gradient accumulation through a server region, or "
+        "model averaging at a barrier (default asgd-ga)",
+    )
+    planning.add_argument(
+        "--sync-every",
+        type=int,
+        default=10,
+        metavar="ITERATIONS",
+        help="regions meet every this many iterations of the whole training (default 10)",
+    )
+    planning.add_argument(
         "--objective",
         choices=["cost", "time", "cost-under-deadline", "time-under-budget"],
         default="cost",
@@ -152,6 +173,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         console.print("cloudless-compile: error: --replicas takes positive integers like 1,2,4,8", markup=False)
         return 2
+    regions: tuple[str, ...] = ()
+    if args.regions:
+        if args.region:
+            console.print("cloudless-compile: error: give --region or --regions, not both", markup=False)
+            return 2
+        if args.regions == "all":
+            try:
+                regions = tuple(r.name for r in load_catalog(args.catalog).regions)
+            except SchemaError as exc:
+                console.print(f"cloudless-compile: error: {exc}", markup=False)
+                return 2
+        else:
+            regions = tuple(name.strip() for name in args.regions.split(",") if name.strip())
+    if args.sync_every < 1:
+        console.print("cloudless-compile: error: --sync-every must be at least 1", markup=False)
+        return 2
     objective = args.objective
     if objective == "cost" and args.deadline is not None:
         objective = "cost-under-deadline"
@@ -168,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_stages=args.max_stages,
         replicas=replicas,
         time_limit=args.solver_time_limit,
+        regions=regions,
+        sync=args.sync,
+        sync_every=args.sync_every,
     )
     options = FrontEndOptions(
         model_path=args.model,
@@ -252,6 +292,40 @@ def print_plan(out: Console, result: FrontEndResult) -> None:
             )
 
 
+def print_regions(out: Console, result: FrontEndResult) -> None:
+    """Several regions: who trains on what, the sync, the figures against each restriction."""
+    geo = result.plan.geo
+    if geo is None:
+        return
+    problem, solution = geo.problem, geo.solution
+    ev = solution.evaluation
+    server = solution.plan.server
+    out.print(
+        f"  regions     {problem.sync}, {problem.rounds} rounds"
+        + (f", server {problem.sites[server].name}" if server is not None and problem.sync == "asgd-ga" else "")
+        + f": {solution.status} (gap {solution.gap:.2%}, {solution.solve_s:.1f} s)"
+    )
+    for site, figures in zip(problem.sites, ev.regions, strict=True):
+        if figures is None:
+            out.print(f"              {site.name}: does not train ({site.data} samples held)")
+            continue
+        out.print(
+            f"              {site.name}: {site.data} samples held, trains on {figures.data:.0f} for "
+            f"{figures.iterations:.0f} iterations: work {figures.work_s:.1f} s, sync {figures.sync_s:.1f} s, "
+            f"moves in {figures.move_in_s:.1f} s"
+        )
+    out.print(f"  predicted   training {ev.training_s:.1f} s, {ev.cost_usd:.4f} USD across regions")
+    for b in geo.baselines:
+        if b.solution is None:
+            out.print(f"  baseline    {b.name}: {b.reason}")
+            continue
+        other = b.solution.evaluation
+        out.print(
+            f"  baseline    {b.name}: {other.training_s:.1f} s, {other.cost_usd:.4f} USD "
+            f"(ours: {ev.training_s / other.training_s:.2f}x time, {ev.cost_usd / other.cost_usd:.2f}x cost)"
+        )
+
+
 def human_flops(flops: int) -> str:
     for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
         if flops >= scale:
@@ -291,6 +365,7 @@ def print_summary(
         )
     if result.plan is not None:
         print_plan(out, result)
+        print_regions(out, result)
     out.print("  time        " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
     top = sorted({path.split("/")[0] + ("/" if "/" in path else "") for path in files})
     size = sum(len(data) for data in files.values())

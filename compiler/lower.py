@@ -126,9 +126,32 @@ def checkpoint_interval(iterations: int) -> int:
     return max(1, min(1000, math.ceil(iterations / CHECKPOINTS_PER_RUN)))
 
 
+@dataclass(frozen=True)
+class RegionTraining:
+    """What one region trains: its plan, its iterations and (several regions) its data and rounds."""
+
+    region: Region
+    plan: Plan
+    iterations: int
+    samples: int | None
+    #: (region, first, count): slices of load_shard(region, "train") it trains on (several regions)
+    sources: tuple[tuple[str, int, int], ...] = ()
+    round_iterations: int | None = None
+    weight: float | None = None
+
+
+@dataclass(frozen=True)
+class InterRegion:
+    """How several regions' models meet: the strategy, rounds, ASGD-GA's server, the WAN links."""
+
+    strategy: str
+    rounds: int
+    server: str | None
+    links: tuple[tuple[str, str, float, float], ...]  # (a, b, MB/s, latency s)
+
+
 def lower_plan(
-    chosen: Plan,
-    region: Region,
+    trainings: list[RegionTraining],
     model_file: ModelFile,
     stages: list[StageInterface],
     *,
@@ -138,39 +161,65 @@ def lower_plan(
     input_names: list[str],
     target_count: int,
     optimizer: dict[str, Any],
-    samples: int | None,
+    inter_region: InterRegion | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """workflow.yaml's content for a single-region plan (training `iterations` of `global_batch`)."""
-    if len(stages) != len(chosen.stages):
-        raise ValueError(f"{len(stages)} generated stages for a plan of {len(chosen.stages)}")
+    """workflow.yaml's content: each region trains its plan (the regions share the partition and
+    micro-batch size) for its iterations of `global_batch`; `iterations` is the whole training's."""
+    micro_batch = trainings[0].plan.micro_batch
+    for training in trainings:
+        if len(stages) != len(training.plan.stages) or training.plan.micro_batch != micro_batch:
+            raise ValueError(f"{training.region.name}: its plan does not match the generated stages")
+    if len(trainings) > 1 and inter_region is None:
+        raise ValueError("several regions need an inter-region strategy")
     run_name = slug(model_file.path.stem)
     holders: dict[str, list[int]] = {}
     for stage in stages:
         for name in stage.parameters:
             holders.setdefault(name, []).append(stage.index)
     shared = {name for name, held in holders.items() if len(held) > 1}
-    functions = []
-    for stage, choice in zip(stages, chosen.stages, strict=True):
-        functions.append(
-            {
-                "name": f"{run_name}-s{stage.index}",
-                "stage": stage.index,
-                "blocks": [choice.first, choice.last],
-                "memory_mb": choice.tier_mb,
-                "cpu_millis": cpu_millis(region, choice.tier_mb),
-                # MB/s each way to storage (the catalog's figure for this tier): what --emulate uses.
-                "network_mbps": round(region.bandwidth_bps(choice.tier_mb) / 1e6, 3),
-                "replicas": choice.replicas,
-                "timeout_s": int(region.timeout_s),
-                "package": f"regions/{region.name}/functions/{run_name}-s{stage.index}",
-                "inputs": list(stage.inputs),
-                "outputs": list(stage.outputs),
-                "shared_parameters": sorted(set(stage.parameters) & shared),
-            }
-        )
-    every = checkpoint_interval(iterations)
-    return {
+    every = checkpoint_interval(max(t.iterations for t in trainings))
+    regions = []
+    steps: list[dict[str, Any]] = []
+    for training in trainings:
+        region = training.region
+        functions = []
+        for stage, choice in zip(stages, training.plan.stages, strict=True):
+            functions.append(
+                {
+                    "name": f"{run_name}-s{stage.index}",
+                    "stage": stage.index,
+                    "blocks": [choice.first, choice.last],
+                    "memory_mb": choice.tier_mb,
+                    "cpu_millis": cpu_millis(region, choice.tier_mb),
+                    # MB/s each way to storage (the catalog's figure for this tier): what --emulate uses.
+                    "network_mbps": round(region.bandwidth_bps(choice.tier_mb) / 1e6, 3),
+                    "replicas": choice.replicas,
+                    "timeout_s": int(region.timeout_s),
+                    "package": f"regions/{region.name}/functions/{run_name}-s{stage.index}",
+                    "inputs": list(stage.inputs),
+                    "outputs": list(stage.outputs),
+                    "shared_parameters": sorted(set(stage.parameters) & shared),
+                }
+            )
+        entry: dict[str, Any] = {
+            "name": region.name,
+            "provider": region.provider,
+            "samples": training.samples,
+            "request_latency_s": region.request_latency_s,
+            "iterations": training.iterations,
+        }
+        if inter_region is not None:
+            entry["round_iterations"] = training.round_iterations
+            entry["weight"] = training.weight
+            entry["data_sources"] = [{"region": r, "first": f, "count": c} for r, f, c in training.sources]
+        entry["functions"] = functions
+        regions.append(entry)
+        sync_kind = None
+        if inter_region is not None:
+            sync_kind = "asgd-ga-push" if inter_region.strategy == "asgd-ga" else "model-average"
+        steps.extend(region_steps(region.name, functions, holders, every, sync_kind, training.round_iterations))
+    document: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "Workflow",
         "model": model_file.name,
@@ -178,8 +227,8 @@ def lower_plan(
             "name": run_name,
             "iterations": iterations,
             "global_batch": global_batch,
-            "micro_batch": chosen.micro_batch,
-            "micro_batches": global_batch // chosen.micro_batch,
+            "micro_batch": micro_batch,
+            "micro_batches": global_batch // micro_batch,
             "schedule": schedule,
             "checkpoint_every": every,
             "seed": seed,
@@ -189,7 +238,7 @@ def lower_plan(
             "intra_region": "pipelined-scatter-reduce",
             "piece_bytes": SYNC_PIECE_BYTES,
             "max_pieces": MAX_SYNC_PIECES,
-            "inter_region": None,
+            "inter_region": None if inter_region is None else inter_region.strategy,
         },
         "storage": {"bucket": f"cloudless-{run_name}", "prefix": run_name},
         "data": {
@@ -199,23 +248,30 @@ def lower_plan(
             "targets": target_count,
             "loss": LOSS_MODULE,
         },
-        "regions": [
-            {
-                "name": region.name,
-                "provider": region.provider,
-                "samples": samples,
-                "request_latency_s": region.request_latency_s,
-                "functions": functions,
-            }
-        ],
-        "steps": region_steps(region.name, functions, holders, every),
+        "regions": regions,
     }
+    if inter_region is not None:
+        document["sync"]["rounds"] = inter_region.rounds
+        document["sync"]["server"] = inter_region.server
+        document["wan"] = [
+            {"between": [a, b], "mbps": round(mbps, 3), "latency_s": latency}
+            for a, b, mbps, latency in inter_region.links
+        ]
+    document["steps"] = steps
+    return document
 
 
 def region_steps(
-    region: str, functions: list[dict[str, Any]], holders: dict[str, list[int]], checkpoint_every: int
+    region: str,
+    functions: list[dict[str, Any]],
+    holders: dict[str, list[int]],
+    checkpoint_every: int,
+    sync_kind: str | None = None,
+    round_iterations: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One iteration's DAG in a region: the stages compute at once (they pipeline through storage)."""
+    """One iteration's DAG in a region: the stages compute at once (they pipeline through storage).
+    With several regions, each stage meets its counterparts in the others after its optimizer step
+    every `round_iterations` (`asgd-ga-push` or `model-average`), before its checkpoint."""
 
     def step(function: dict[str, Any], kind: str, depends_on: list[str]) -> dict[str, Any]:
         return {
@@ -239,13 +295,18 @@ def region_steps(
             gradients_ready[function["stage"]] = reduce["id"]
     for function in functions:
         # A tied parameter's gradient is the sum over the stages holding it: wait for all of them.
-        partners = sorted(
-            {s for name in function["shared_parameters"] for s in holders[name]} | {function["stage"]}
-        )
+        partners = sorted({s for name in function["shared_parameters"] for s in holders[name]} | {function["stage"]})
         update = step(function, "optimizer-step", [gradients_ready[s] for s in partners])
-        checkpoint = step(function, "checkpoint", [update["id"]])
+        steps.append(update)
+        last = update["id"]
+        if sync_kind is not None:
+            meet = step(function, sync_kind, [update["id"]])
+            meet["every"] = round_iterations
+            steps.append(meet)
+            last = meet["id"]
+        checkpoint = step(function, "checkpoint", [last])
         checkpoint["every"] = checkpoint_every
-        steps.extend([update, checkpoint])
+        steps.append(checkpoint)
     return steps
 
 

@@ -20,9 +20,16 @@ from torch.utils import _pytree as pytree
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.annotate import annotate, fetch_attr
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen
-from cloudless.compiler.cost_model import Plan
 from cloudless.compiler.errors import ModelFileError
-from cloudless.compiler.lower import StageInterface, describe_optimizer, loss_source, lower_plan
+from cloudless.compiler.geo import region_shares
+from cloudless.compiler.lower import (
+    InterRegion,
+    RegionTraining,
+    StageInterface,
+    describe_optimizer,
+    loss_source,
+    lower_plan,
+)
 from cloudless.compiler.model_file import ModelFile, load_model_file
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.profile import loss_function, profile_blocks, reuse_profile
@@ -31,7 +38,6 @@ from cloudless.compiler.state import preserved_state
 from cloudless.compiler.trace import TracedProgram, trace_model
 from cloudless.compiler.verify import VerifyReport, verify_stages
 from cloudless.ir import BlockChain, OpGraph
-from cloudless.ir.catalog import Region
 from cloudless.runtimes.schedule import Schedule
 
 DEFAULT_BATCH_SIZE = 2
@@ -147,31 +153,35 @@ def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = 
             )
     if result.plan is not None:
         with timed("lower"):
-            problem = result.plan.problem
-            lower_training(
-                result,
-                result.plan.solution.plan,
-                result.plan.region,
-                iterations=problem.iterations,
-                global_batch=problem.global_batch,
-                schedule=problem.schedule,
-                samples=problem.samples_per_epoch,
-            )
+            lower_training(result, result.plan)
     return result
 
 
-def lower_training(
+def lower_training(result: FrontEndResult, planned: PlanResult) -> None:
+    """Lower the planning pass's result (one region or several) into `result`."""
+    problem = planned.problem
+    trainings, inter_region = region_trainings(planned)
+    lower_trainings(
+        result,
+        trainings,
+        inter_region,
+        iterations=problem.iterations,
+        global_batch=problem.global_batch,
+        schedule=problem.schedule,
+    )
+
+
+def lower_trainings(
     result: FrontEndResult,
-    plan: Plan,
-    region: Region,
+    trainings: list[RegionTraining],
+    inter_region: InterRegion | None,
     *,
     iterations: int,
     global_batch: int,
     schedule: Schedule,
-    samples: int | None,
 ) -> None:
-    """Generate the plan's stages (unless done), the loss module and workflow.yaml, into `result`."""
-    ranges = [(s.first, s.last) for s in plan.stages]
+    """Generate the plans' stages (unless done), the loss module and workflow.yaml, into `result`."""
+    ranges = [(s.first, s.last) for s in trainings[0].plan.stages]
     if [(s.first_block, s.last_block) for s in result.stages] != ranges:
         result.stages = generate_stages(result.program, result.graph, result.chain, ranges)
     model_file, program = result.model_file, result.program
@@ -181,8 +191,7 @@ def lower_training(
     result.loss_source = loss_source(model_file, program.out_spec, flat_outputs, targets)
     interfaces = [StageInterface(s.index, tuple(s.inputs), tuple(s.outputs), tuple(s.trainable)) for s in result.stages]
     result.workflow = lower_plan(
-        plan,
-        region,
+        trainings,
         model_file,
         interfaces,
         iterations=iterations,
@@ -191,8 +200,48 @@ def lower_training(
         input_names=program.input_names,
         target_count=len(pytree.tree_leaves(targets)),
         optimizer=describe_optimizer(model_file),
-        samples=samples,
+        inter_region=inter_region,
     )
+
+
+def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRegion | None]:
+    """Per training region, its plan and share of the training (one region: all of it)."""
+    problem = planned.problem
+    geo = planned.geo
+    if geo is None:
+        only = RegionTraining(planned.region, planned.solution.plan, problem.iterations, problem.samples_per_epoch)
+        return [only], None
+    shares = region_shares(geo.problem, geo.solution.plan)
+    trainings = []
+    for share in shares:
+        chosen = geo.regions[share.site]
+        assert chosen is not None
+        trainings.append(
+            RegionTraining(
+                chosen.region,
+                chosen.solution.plan,
+                share.iterations,
+                share.samples,
+                share.sources,
+                share.round_iterations,
+                share.weight,
+            )
+        )
+    names = [t.region.name for t in trainings]
+    server = geo.solution.plan.server
+    links = tuple(
+        (a, b, link.bandwidth_bps / 1e6, link.latency_s)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        for link in [geo.problem.link(a, b)]
+    )
+    inter = InterRegion(
+        geo.problem.sync,
+        geo.problem.rounds,
+        geo.problem.sites[server].name if server is not None and len(trainings) > 1 else None,
+        links,
+    )
+    return trainings, inter if len(trainings) > 1 else None
 
 
 def generate_stages(

@@ -5,6 +5,7 @@ When nothing fits, one error names the tightest bound and what would make the re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +25,20 @@ from cloudless.compiler.cost_model import (
     problem_from_chain,
 )
 from cloudless.compiler.errors import CompileError
+from cloudless.compiler.geo import (
+    GeoInfeasible,
+    GeoProblem,
+    GeoSolution,
+    RegionOption,
+    RegionSite,
+    SyncStrategy,
+    solve_geo,
+)
 from cloudless.compiler.model_file import ModelFile
 from cloudless.compiler.planner import Infeasible, Solution, check_objective, solve, stage_configs
 from cloudless.compiler.simulate import simulate
 from cloudless.ir import BlockChain
-from cloudless.ir.catalog import Catalog, Region, load_catalog
+from cloudless.ir.catalog import Catalog, Link, Region, load_catalog
 from cloudless.ir.schema import SchemaError
 
 
@@ -48,6 +58,10 @@ class PlanOptions:
     max_stages: int = 16
     replicas: tuple[int, ...] = (1, 2, 4, 8)
     time_limit: float = 10.0
+    #: train in these regions (more than one: the inter-region schedule of compiler/geo.py)
+    regions: tuple[str, ...] = ()
+    sync: SyncStrategy = "asgd-ga"
+    sync_every: int = 10
 
 
 @dataclass
@@ -56,6 +70,25 @@ class PlanResult:
     problem: Problem
     solution: Solution
     baselines: list[Baseline] = field(default_factory=list)
+    #: with several regions: the schedule between them (this result is then the partition's source)
+    geo: GeoResult | None = None
+
+
+@dataclass
+class GeoBaseline:
+    name: str
+    description: str
+    solution: GeoSolution | None
+    reason: str = ""
+
+
+@dataclass
+class GeoResult:
+    problem: GeoProblem
+    solution: GeoSolution
+    #: per site of the problem: the level-1 result of the option it trains with (None: it does not)
+    regions: list[PlanResult | None]
+    baselines: list[GeoBaseline]
 
 
 def optimizer_state_factor(model_file: ModelFile) -> int:
@@ -70,10 +103,12 @@ def optimizer_state_factor(model_file: ModelFile) -> int:
     return 1 if momentum else 0
 
 
-def build_problem(chain: BlockChain, model_file: ModelFile, options: PlanOptions) -> tuple[Region, Problem]:
+def build_problem(
+    chain: BlockChain, model_file: ModelFile, options: PlanOptions, region_name: str | None = None
+) -> tuple[Region, Problem]:
     try:
         catalog: Catalog = load_catalog(options.catalog)
-        region = catalog.region(options.region)
+        region = catalog.region(region_name or options.region)
     except SchemaError as exc:
         raise CompileError(str(exc)) from exc
     training = model_file.training
@@ -113,11 +148,13 @@ def _samples_per_epoch(model_file: ModelFile, region: str) -> int | None:
 
 
 def plan_training(chain: BlockChain, model_file: ModelFile, options: PlanOptions) -> PlanResult:
-    region, problem = build_problem(chain, model_file, options)
     try:
         check_objective(options.objective, options.deadline, options.budget)
     except ValueError as exc:
         raise CompileError(str(exc)) from exc
+    if len(options.regions) > 1:
+        return plan_regions(chain, model_file, options)
+    region, problem = build_problem(chain, model_file, options, options.regions[0] if options.regions else None)
     found = baselines(problem, options.objective, deadline=options.deadline, budget=options.budget)
     incumbents = tuple(b.plan for b in found if b.plan is not None)
     try:
@@ -132,6 +169,164 @@ def plan_training(chain: BlockChain, model_file: ModelFile, options: PlanOptions
     except Infeasible as exc:
         raise PlanInfeasible(diagnose(problem, options)) from exc
     return PlanResult(region, problem, solution, found)
+
+
+def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions) -> PlanResult:
+    """Several regions: each region's frontier of pipeline plans, then the schedule between them.
+
+    The regions share the partition and micro-batch size of the plan of the region holding the most
+    data (their stages then map one to one for synchronisation); each region picks its own tiers
+    and replicas from its frontier (its cheapest, its fastest, and a plan between)."""
+    if model_file.load_shard is None:
+        raise CompileError(
+            f"{model_file.name}: --regions needs load_shard(region, split) in the model file: it says how much "
+            "training data lies in each region"
+        )
+    try:
+        catalog = load_catalog(options.catalog)
+        for name in options.regions:
+            catalog.region(name)
+    except SchemaError as exc:
+        raise CompileError(str(exc)) from exc
+    names = list(dict.fromkeys(options.regions))
+    problems = {name: build_problem(chain, model_file, options, name) for name in names}
+    data = {name: problems[name][1].samples_per_epoch or 0 for name in names}
+    if not any(data.values()):
+        raise CompileError(
+            f"{model_file.name}: load_shard(region, 'train') gives no samples in any of {', '.join(names)}"
+        )
+    main = max(names, key=lambda name: (data[name], -names.index(name)))
+    main_region, main_problem = problems[main]
+    level1: Objective = "time" if options.objective.startswith("time") else "cost"
+    found = baselines(main_problem, level1)
+    try:
+        partition_source = solve(
+            main_problem, level1, time_limit=options.time_limit, incumbents=tuple(b.plan for b in found if b.plan)
+        )
+    except Infeasible as exc:
+        raise PlanInfeasible(diagnose(main_problem, options)) from exc
+    ranges = [(c.first, c.last) for c in partition_source.plan.stages]
+    mu = partition_source.plan.micro_batch
+    sites: list[RegionSite] = []
+    frontiers: list[list[Solution]] = []
+    for name in names:
+        region, problem = problems[name]
+        problem = dataclasses.replace(problem, micro_batches=(mu,))
+        problems[name] = (region, problem)
+        frontier = region_frontier(problem, ranges, options.time_limit)
+        frontiers.append(frontier)
+        prices = region.prices
+        sites.append(
+            RegionSite(
+                name=name,
+                data=data[name],
+                options=tuple(_region_option(problem, sol) for sol in frontier),
+                egress_usd_per_gb=prices.egress_per_gb,
+                put_usd=prices.storage_put_per_1000 / 1000,
+                get_usd=prices.storage_get_per_1000 / 1000,
+                local=Link(region.bandwidth_bps(max(region.tiers_mb)), region.request_latency_s),
+            )
+        )
+    geo_problem = GeoProblem(
+        sites=tuple(sites),
+        links={frozenset((a, b)): catalog.link(a, b) for i, a in enumerate(names) for b in names[i + 1 :]},
+        global_batch=main_problem.global_batch,
+        iterations=main_problem.iterations,
+        sync=options.sync,
+        sync_every=options.sync_every,
+        sample_bytes=main_problem.blocks[0].input_bytes / main_problem.profile_batch,
+    )
+    limits = {"deadline": options.deadline, "budget": options.budget, "time_limit": options.time_limit}
+    try:
+        solution = solve_geo(geo_problem, options.objective, **limits)
+    except GeoInfeasible as exc:
+        raise PlanInfeasible(_diagnose_regions(geo_problem, options)) from exc
+    geo_baselines = []
+    restrictions = [("data-local", "every region trains on the data it holds; nothing moves", {"allow_moves": False})]
+    for r, name in enumerate(names):
+        restrictions.append(
+            (f"single-region:{name}", f"all data moved to {name}, trained there alone (FuncPipe)", {"only": [r]})
+        )
+    for label, description, restriction in restrictions:
+        try:
+            found_geo: GeoSolution | None = solve_geo(geo_problem, options.objective, **limits, **restriction)
+            reason = ""
+        except GeoInfeasible:
+            found_geo, reason = None, "no schedule meets the request under this restriction"
+        geo_baselines.append(GeoBaseline(label, description, found_geo, reason))
+    per_region: list[PlanResult | None] = []
+    for r, name in enumerate(names):
+        k = solution.plan.options[r]
+        region, problem = problems[name]
+        per_region.append(None if k is None else PlanResult(region, problem, frontiers[r][k]))
+    chosen_main = per_region[names.index(main)]
+    main_result = chosen_main or PlanResult(main_region, problems[main][1], partition_source)
+    return PlanResult(
+        main_result.region,
+        main_result.problem,
+        main_result.solution,
+        found,
+        GeoResult(geo_problem, solution, per_region, geo_baselines),
+    )
+
+
+def region_frontier(problem: Problem, ranges: list[tuple[int, int]], time_limit: float) -> list[Solution]:
+    """A region's plans over a fixed partition: the cheapest, the fastest and one between (by a
+    deadline at the geometric mean of their times), without the dominated ones."""
+    found: list[Solution] = []
+    try:
+        cheapest = solve(problem, "cost", time_limit=time_limit, fixed_ranges=ranges)
+        fastest = solve(problem, "time", time_limit=time_limit, fixed_ranges=ranges)
+    except Infeasible:
+        return []
+    found = [cheapest, fastest]
+    between = math.sqrt(cheapest.evaluation.iteration_s * fastest.evaluation.iteration_s) * problem.iterations
+    try:
+        found.append(
+            solve(problem, "cost-under-deadline", deadline=between, time_limit=time_limit, fixed_ranges=ranges)
+        )
+    except Infeasible:
+        pass
+    frontier: list[Solution] = []
+    for sol in sorted(found, key=lambda s: (s.evaluation.iteration_s, s.evaluation.cost_usd)):
+        if any(s.plan == sol.plan for s in frontier):
+            continue
+        if frontier and sol.evaluation.cost_usd >= frontier[-1].evaluation.cost_usd:
+            continue  # slower and no cheaper than one already kept
+        frontier.append(sol)
+    return frontier
+
+
+def _region_option(problem: Problem, solution: Solution) -> RegionOption:
+    evaluation = solution.evaluation
+    return RegionOption(
+        plan=solution.plan,
+        iteration_s=evaluation.iteration_s,
+        compute_usd=evaluation.compute_usd,
+        fixed_usd=evaluation.request_usd + evaluation.storage_usd,
+        largest_stage_bytes=max(t.parameter_bytes for t in evaluation.stages),
+        stages=len(solution.plan.stages),
+    )
+
+
+def _diagnose_regions(problem: GeoProblem, options: PlanOptions) -> str:
+    names = ", ".join(s.name for s in problem.sites)
+    if not any(s.options for s in problem.sites):
+        return f"no plan fits in any of {names} with the shared partition"
+    fastest = solve_geo(problem, "time", time_limit=options.time_limit)
+    cheapest = solve_geo(problem, "cost", time_limit=options.time_limit)
+    if options.deadline is not None and fastest.evaluation.training_s > options.deadline:
+        return (
+            f"no schedule of {names} meets the deadline: the fastest takes {fastest.evaluation.training_s:.1f} s, "
+            f"above --deadline {options.deadline:g} s; raise it to at least "
+            f"{math.ceil(fastest.evaluation.training_s)} s"
+        )
+    if options.budget is not None and cheapest.evaluation.cost_usd > options.budget:
+        return (
+            f"no schedule of {names} fits the budget: the cheapest costs {cheapest.evaluation.cost_usd:.4f} USD, "
+            f"above --budget {options.budget:g} USD"
+        )
+    return f"no schedule of {names} meets both the deadline and the budget"
 
 
 def diagnose(problem: Problem, options: PlanOptions) -> str:
@@ -306,4 +501,76 @@ def plan_document(result: PlanResult, chain: BlockChain, options: PlanOptions) -
             "candidates": {str(k): v for k, v in sorted(solution.candidates.items())},
         },
         "baselines": baseline_docs,
+        **({"regions": _regions_document(result.geo, chain, options)} if result.geo is not None else {}),
+    }
+
+
+def _regions_document(geo: GeoResult, chain: BlockChain, options: PlanOptions) -> dict:
+    problem, solution = geo.problem, geo.solution
+    chosen = solution.evaluation
+    sites = []
+    for r, site in enumerate(problem.sites):
+        figures = chosen.regions[r]
+        planned = geo.regions[r]
+        sites.append(
+            {
+                "name": site.name,
+                "data_samples": site.data,
+                "trains": figures is not None,
+                "samples": _round(figures.data if figures else 0.0),
+                "iterations": _round(figures.iterations if figures else 0.0),
+                "stages": _stage_documents(planned.solution.plan, planned.solution.evaluation, chain)
+                if planned is not None
+                else [],
+                "iteration_s": _round(planned.solution.evaluation.iteration_s) if planned is not None else None,
+                "move_in_s": _round(figures.move_in_s if figures else 0.0),
+                "work_s": _round(figures.work_s if figures else 0.0),
+                "sync_s": _round(figures.sync_s if figures else 0.0),
+                "cost_usd": _round(
+                    figures.compute_usd + figures.fixed_usd + figures.sync_usd + figures.move_usd if figures else 0.0
+                ),
+                "frontier": [
+                    {"iteration_s": _round(o.iteration_s), "cost_usd": _round(o.compute_usd + o.fixed_usd)}
+                    for o in site.options
+                ],
+            }
+        )
+    baselines = []
+    for b in geo.baselines:
+        found = b.solution
+        baselines.append(
+            {
+                "name": b.name,
+                "description": b.description,
+                "feasible": found is not None,
+                "reason": b.reason,
+                "training_s": _round(found.evaluation.training_s) if found else None,
+                "cost_usd": _round(found.evaluation.cost_usd) if found else None,
+                "time_ratio": _round(chosen.training_s / found.evaluation.training_s, 6)
+                if found and found.evaluation.training_s > 0
+                else None,
+                "cost_ratio": _round(chosen.cost_usd / found.evaluation.cost_usd, 6)
+                if found and found.evaluation.cost_usd > 0
+                else None,
+            }
+        )
+    server = solution.plan.server
+    return {
+        "sync": problem.sync,
+        "sync_every": problem.sync_every,
+        "rounds": problem.rounds,
+        "server": problem.sites[server].name if server is not None else None,
+        "training_s": _round(chosen.training_s),
+        "cost_usd": _round(chosen.cost_usd),
+        "solver": {"status": solution.status, "gap": _round(solution.gap, 6)},
+        "sites": sites,
+        "moves": [
+            {
+                "from": problem.sites[a].name,
+                "to": problem.sites[b].name,
+                "samples": _round(problem.sites[a].data * parts / problem.parts),
+            }
+            for (a, b), parts in solution.plan.moves
+        ],
+        "baselines": baselines,
     }

@@ -80,9 +80,36 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Link:
+    """A wide-area link between two regions' storage: bytes per second one way, one request's round trip."""
+
+    bandwidth_bps: float
+    latency_s: float
+
+    def transfer_s(self, nbytes: float, requests: int = 1) -> float:
+        return requests * self.latency_s + nbytes / self.bandwidth_bps
+
+
+#: When a catalog has no `wan` section (assumption: a cross-ocean pair of cloud regions, ~80 ms
+#: round trip as public inter-region latency tables show, 100 MB/s for one bulk stream).
+DEFAULT_WAN = Link(100e6, 0.08)
+
+
+@dataclass(frozen=True)
 class Catalog:
     source: str
     regions: tuple[Region, ...]
+    wan_default: Link = DEFAULT_WAN
+    wan_links: tuple[tuple[frozenset[str], Link], ...] = ()
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between regions a and b; within one region, storage is local (no WAN)."""
+        if a == b:
+            raise ValueError(f"no WAN link within region {a}")
+        for pair, link in self.wan_links:
+            if pair == frozenset((a, b)):
+                return link
+        return self.wan_default
 
     def region(self, name: str | None) -> Region:
         if name is None:
@@ -109,7 +136,21 @@ def parse_catalog(data: Any, source: str) -> Catalog:
     names = [r.name for r in regions]
     if len(set(names)) != len(names):
         raise SchemaError(f"{source}: key regions: region names must be unique")
-    return Catalog(source, regions)
+    wan = data.get("wan")
+    if wan is None:
+        return Catalog(source, regions)
+    links = []
+    for i, entry in enumerate(wan.get("links", [])):
+        for name in entry["between"]:
+            if name not in names:
+                raise SchemaError(
+                    f"{source}: key wan/links/{i}/between: no region {name!r}; the catalog has {', '.join(names)}"
+                )
+        if entry["between"][0] == entry["between"][1]:
+            raise SchemaError(f"{source}: key wan/links/{i}/between: a link joins two different regions")
+        links.append((frozenset(entry["between"]), Link(entry["mbps"] * 1e6, entry["latency_s"])))
+    default = Link(wan["default"]["mbps"] * 1e6, wan["default"]["latency_s"])
+    return Catalog(source, regions, default, tuple(links))
 
 
 def load_catalog(path: Path | None = None) -> Catalog:

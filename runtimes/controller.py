@@ -25,6 +25,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,7 +40,8 @@ from .schedule import local_micro_batches
 from .storage import Channel, KeyTimeout
 
 #: step kinds the stage workers run inside their invocations
-FUNCTION_STEPS = {"compute", "scatter-reduce", "optimizer-step", "checkpoint"}
+# Every step runs inside the functions (the sync steps too): the controller invokes ranges of iterations.
+FUNCTION_STEPS = {"compute", "scatter-reduce", "optimizer-step", "checkpoint", "asgd-ga-push", "model-average"}
 
 
 class RunError(RuntimeError):
@@ -163,7 +165,9 @@ class LocalProcessInvoker(Invoker):
         resources = self.resources(function)
         if resources is not None:
             env["CLOUDLESS_EMULATE"] = json.dumps(resources.to_json())
-        stem = f"{function['name']}-r{invocation.replica}-from{invocation.event['start']}-a{invocation.attempt}"
+        region = Path(function["package"]).parts[1]  # regions/<region>/functions/<function>
+        start, attempt = invocation.event["start"], invocation.attempt
+        stem = f"{region}-{function['name']}-r{invocation.replica}-from{start}-a{attempt}"
         invocation.log = self.logs / f"{stem}.log"
         output = self.logs / f"{stem}.json"  # a file, not a pipe: a large result must not block the child
         with invocation.log.open("wb") as log, output.open("wb") as out:
@@ -259,6 +263,7 @@ class Progress:
     iteration: int
     loss: float
     time: float
+    region: str = ""
 
 
 @dataclass
@@ -301,20 +306,42 @@ class Controller:
         unknown = sorted({s["kind"] for s in workflow["steps"]} - FUNCTION_STEPS)
         if unknown:
             raise RunError(f"workflow.yaml: step kinds {unknown} are not run by this controller yet")
-        if len(workflow["regions"]) != 1:
-            raise RunError("workflow.yaml: more than one region; this controller runs single-region workflows")
         self.random = random.Random(settings.fault_seed)
 
     def namespace(self, region: str) -> str:
         return f"{self.settings.run_id}/{region}"
 
-    def run(self) -> RegionRun:
-        region = self.workflow["regions"][0]
-        record = RegionRun()
-        at = 0
-        while at < self.settings.iterations:
-            at = self._invoke_range(region, at, self.settings.iterations, record)
-        return record
+    def region_iterations(self, region: dict[str, Any]) -> int:
+        """Iterations a region runs. One region: the settings'. Several: whole rounds of the region's
+        round length, the same number of rounds in every region (model averaging meets in each),
+        scaled from the workflow's by settings.iterations / run.iterations."""
+        if len(self.workflow["regions"]) == 1:
+            return self.settings.iterations
+        planned = self.workflow["sync"]["rounds"]
+        rounds = max(1, round(planned * self.settings.iterations / self.workflow["run"]["iterations"]))
+        return rounds * int(region["round_iterations"])
+
+    def run(self) -> dict[str, RegionRun]:
+        """Every region's range at once (each its own invocations); what happened, per region."""
+        records = {region["name"]: RegionRun() for region in self.workflow["regions"]}
+        errors: list[BaseException] = []
+
+        def run_region(region: dict[str, Any]) -> None:
+            try:
+                at, stop = 0, self.region_iterations(region)
+                while at < stop:
+                    at = self._invoke_range(region, at, stop, records[region["name"]])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run_region, args=(r,)) for r in self.workflow["regions"]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return records
 
     def _event(self, function: dict[str, Any], replica: int, start: int, stop: int, attempt: int) -> dict[str, Any]:
         limit = self.settings.time_limit_s or max(1.0, function["timeout_s"] - 30.0)
@@ -409,7 +436,7 @@ class Controller:
                 reports.append(json.loads(data))
             losses = [x for r in reports for x in r["losses"]]
             loss = sum(losses) / len(losses) if losses else math.nan
-            progress = Progress(iteration, loss, max(r["time"] for r in reports))
+            progress = Progress(iteration, loss, max(r["time"] for r in reports), namespace.rsplit("/", 1)[-1])
             record.progress.append(progress)
             self.on_progress(progress)
             iteration += 1

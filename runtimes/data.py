@@ -10,6 +10,7 @@ the tests) the same samples in the same order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from functools import lru_cache
@@ -24,6 +25,16 @@ from .tensors import pack, unpack
 
 def data_key(region: str, split: str, name: str) -> str:
     return f"data/{region}/{split}/{name}"
+
+
+def data_name(entry: dict[str, Any]) -> str:
+    """Where a workflow region's training data is kept: under the region's name when it trains on its
+    own shard, else (data moved between regions) under a name that also says which slices."""
+    sources = entry.get("data_sources")
+    if not sources:
+        return str(entry["name"])
+    digest = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{entry['name']}-{digest}"
 
 
 def write_split(

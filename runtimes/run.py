@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 
 from cloudless.ir.schema import SchemaError
@@ -38,9 +39,11 @@ from .controller import (
     RunError,
     RunSettings,
 )
+from .data import data_name
 from .emulation import Resources
 from .staging import DataError, evaluate, stage_data, trained_state
-from .storage import open_channel
+from .storage import Channel, open_channel
+from .tensors import unpack
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +195,30 @@ def summarise(
     }
 
 
+def final_model(
+    channel: Channel, workflow: dict[str, Any], run_id: str, iterations: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """The trained model (original names). Several regions: after model averaging every region
+    holds the same model; under ASGD-GA each stage's newest global version is the model, and the
+    region that wrote it last holds it."""
+    regions = workflow["regions"]
+    stages = len(regions[0]["functions"])
+    if len(regions) == 1 or workflow["sync"]["inter_region"] != "asgd-ga":
+        name = regions[0]["name"]
+        return trained_state(channel, f"{run_id}/{name}", stages, iterations[name])
+    state: dict[str, torch.Tensor] = {}
+    for s in range(stages):
+        newest: tuple[int, dict[str, torch.Tensor]] | None = None
+        for entry in regions:
+            values = unpack(channel.get(f"{run_id}/{entry['name']}/state/s{s}/it{iterations[entry['name']]}", 60))
+            version = int(values.get("meta/base_version", torch.tensor(0)))
+            if newest is None or version > newest[0]:
+                newest = (version, values)
+        assert newest is not None
+        state.update({k.removeprefix("module/"): v for k, v in newest[1].items() if k.startswith("module/")})
+    return state
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     build: Path = args.build
@@ -213,11 +240,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or str((out / "storage").resolve())
     run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
-    region = workflow["regions"][0]["name"]
+    regions = workflow["regions"]
+    region = regions[0]["name"]
+    if len(regions) > 1 and args.invoker != "local":
+        return fail(f"--invoker {args.invoker}: a workflow of several regions runs here with --invoker local")
     try:
         channel = open_channel(storage)
         model = args.model or Path(workflow["data"]["model_file"])
-        staged = stage_data(channel, region, model)
+        staged_by_region = {
+            entry["name"]: stage_data(
+                channel, entry["name"], model, sources=entry.get("data_sources"), name=data_name(entry)
+            )
+            for entry in regions
+        }
+        staged = staged_by_region[region] if len(regions) == 1 else staged_by_region
     except (DataError, ValueError) as exc:
         return fail(str(exc))
     settings = RunSettings(
@@ -240,41 +276,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         invoker = LambdaInvoker(channel, namespace)
     every = args.log_every or max(1, iterations // 20)
     began = time.time()
-    last_print: list[float] = []  # (time, iterations done) of the last line; the rate excludes start-up
+    # Per region: (time, iterations done) of the last line; the rate excludes start-up.
+    last_prints: dict[str, list[float]] = {entry["name"]: [] for entry in regions}
+    totals: dict[str, int] = {}
 
     def report(progress: Progress) -> None:
         done = progress.iteration + 1
+        last_print = last_prints[progress.region]
         if not last_print:
             last_print[:] = [progress.time, done]
-        if args.quiet or (done % every and done != iterations):
+        if args.quiet or (done % every and done != totals[progress.region]):
             return
         rate = ""
         if done > last_print[1]:
             per_s = (done - last_print[1]) * workflow["run"]["global_batch"] / max(progress.time - last_print[0], 1e-9)
             rate = f"  {per_s:,.0f} samples/s"
-        print(f"iteration {done:>6}/{iterations}  loss {progress.loss:.4f}{rate}", flush=True)
+        where = f"{progress.region}  " if len(regions) > 1 else ""
+        print(f"{where}iteration {done:>6}/{totals[progress.region]}  loss {progress.loss:.4f}{rate}", flush=True)
         last_print[:] = [progress.time, done]
 
-    if not args.quiet:
-        functions = workflow["regions"][0]["functions"]
-        shape = " + ".join(f"{f['replicas']}" for f in functions)
-        print(
-            f"run {run_id}: {len(functions)} stage(s), replicas {shape}, {iterations} iterations of "
-            f"{workflow['run']['global_batch']} samples; data {staged}; storage {storage}",
-            flush=True,
-        )
     try:
         controller = Controller(workflow, channel, invoker, settings, on_progress=report)
-        record = controller.run()
+    except RunError as exc:
+        return fail(str(exc))
+    totals.update({entry["name"]: controller.region_iterations(entry) for entry in regions})
+    if not args.quiet:
+        for entry in regions:
+            functions = entry["functions"]
+            shape = " + ".join(f"{f['replicas']}" for f in functions)
+            where = f" in {entry['name']}" if len(regions) > 1 else ""
+            print(
+                f"run {run_id}{where}: {len(functions)} stage(s), replicas {shape}, {totals[entry['name']]} "
+                f"iterations of {workflow['run']['global_batch']} samples; storage {storage}",
+                flush=True,
+            )
+        print(f"data {staged}", flush=True)
+    try:
+        records = controller.run()
     except RunError as exc:
         print(f"cloudless-run: the run failed: {exc}", file=sys.stderr)
         return 1
     seconds = time.time() - began
-    stages = len(workflow["regions"][0]["functions"])
-    state = trained_state(channel, namespace, stages, iterations)
+    state = final_model(channel, workflow, run_id, totals)
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(out / "model.safetensors"))
     test = evaluate(build, workflow, region, channel, state)
+    record = records[region]
     metrics = summarise(record, workflow, settings, seconds, test)
+    if len(regions) > 1:
+        metrics["inter_region"] = workflow["sync"]["inter_region"]
+        metrics["regions"] = {
+            name: {k: v for k, v in summarise(r, workflow, settings, seconds, None).items() if k != "test"}
+            | {"iterations": totals[name]}
+            for name, r in records.items()
+        }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
     (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began)) + "\n")
     line = f"trained {iterations} iterations in {seconds:.1f} s"

@@ -46,29 +46,52 @@ def load_model_module(path: Path) -> ModuleType:
     return module
 
 
-def _samples(module: ModuleType, path: Path, region: str, split: str) -> Any:
+def _samples(
+    module: ModuleType, path: Path, region: str, split: str, first: int = 0, count: int | None = None
+) -> Any:
     try:
         dataset = module.load_shard(region, split)
-        for i in range(len(dataset)):
+        stop = len(dataset) if count is None else first + count
+        if stop > len(dataset):
+            raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(dataset)}")
+        for i in range(first, stop):
             inputs, target = dataset[i]
             yield pytree.tree_leaves(inputs), pytree.tree_leaves(target)
     except Exception as exc:  # noqa: BLE001 - reported with the file and the call
         raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
 
 
-def stage_data(channel: Channel, region: str, model_path: Path, *, force: bool = False) -> dict[str, int | str]:
+def stage_data(
+    channel: Channel,
+    region: str,
+    model_path: Path,
+    *,
+    force: bool = False,
+    sources: list[dict[str, Any]] | None = None,
+    name: str | None = None,
+) -> dict[str, int | str]:
     """Write the region's train split (required) and test split (if load_shard gives one) unless
-    storage has them already; returns samples per split, or why a split is missing."""
+    storage has them already; returns samples per split, or why a split is missing. `sources`
+    (several regions, data moved) are the slices of other regions' train splits it trains on,
+    kept under `name` (data.data_name)."""
     staged: dict[str, int | str] = {}
     module: ModuleType | None = None
     for split in ("train", "test"):
-        meta = channel.try_get(data_key(region, split, "meta"))
+        where = name if name and split == "train" else region
+        meta = channel.try_get(data_key(where, split, "meta"))
         if meta is not None and not force:
             staged[split] = int(json.loads(meta)["samples"])
             continue
         module = module or load_model_module(model_path)
+        if split == "train" and sources:
+            slices = [
+                _samples(module, model_path, s["region"], split, s["first"], s["count"]) for s in sources
+            ]
+            samples: Any = (sample for part in slices for sample in part)
+        else:
+            samples = _samples(module, model_path, region, split)
         try:
-            staged[split] = write_split(channel, region, split, _samples(module, model_path, region, split))
+            staged[split] = write_split(channel, where, split, samples)
         except (DataError, ValueError) as exc:
             if split == "train":
                 raise DataError(str(exc)) from exc

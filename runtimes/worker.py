@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .data import SplitReader, sample_indices
+from .data import SplitReader, data_name, sample_indices
 from .emulation import CpuShare, EmulatedChannel, Resources
 from .schedule import compute_order, local_micro_batches, one_f_one_b_windows
 from .storage import Channel, open_channel
@@ -84,6 +84,13 @@ class StageWorker:
         self.checkpoint_every = run["checkpoint_every"]
         self.window = one_f_one_b_windows([f["replicas"] for f in functions])[self.stage]
         self.sync = workflow["sync"]
+        self.data_name = data_name(region)
+        # Several regions: this stage meets its counterparts every `round_iterations` iterations.
+        self.inter_region: str | None = self.sync.get("inter_region")
+        self.round_iterations: int = region.get("round_iterations") or 0
+        self.peers = [(r["name"], float(r.get("weight") or 0.0)) for r in workflow["regions"]]
+        self.server: str | None = self.sync.get("server")
+        self.base_version = 0  # ASGD-GA: the global version this region's model started its round from
         self.optimizer_spec = workflow["optimizer"]
         self.holders = {
             name: [f["stage"] for f in functions if name in f["shared_parameters"]]
@@ -124,6 +131,8 @@ class StageWorker:
         for param, state in self.optimizer.state.items():
             for key, value in state.items():
                 values[f"optimizer/{names[id(param)]}/{key}"] = value
+        if self.inter_region == "asgd-ga":
+            values["meta/base_version"] = torch.tensor(self.base_version)
         return values
 
     def save_state(self, iteration: int) -> None:
@@ -133,6 +142,7 @@ class StageWorker:
         if iteration == 0:
             self.module.load_state_dict(load_file(self.package / "weights.safetensors"), strict=True)
             self.optimizer.state.clear()
+            self.base_version = 0
             return
         values = unpack(self.channel.get(self.state_key(iteration), timeout))
         self.module.load_state_dict(
@@ -140,6 +150,7 @@ class StageWorker:
         )
         params = dict(self.module.named_parameters())
         self.optimizer.state.clear()
+        self.base_version = int(values["meta/base_version"]) if "meta/base_version" in values else 0
         for key, value in values.items():
             if key.startswith("optimizer/"):
                 name, field = key.removeprefix("optimizer/").rsplit("/", 1)
@@ -312,11 +323,99 @@ class StageWorker:
         with self._span(spans, "step"), self.cpu.compute():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.inter_region and self.round_iterations and (iteration + 1) % self.round_iterations == 0:
+            with self._span(spans, self.inter_region):
+                self._meet((iteration + 1) // self.round_iterations - 1, replica, timeout)
         return values
+
+    # -- between regions ---------------------------------------------------------------------------
+    # Keys of the run (not of a region) are "<run>/<region>/..." of the region that writes them; a
+    # local run keeps every region in one storage, a deployment reads a peer's keys across the WAN.
+    def _run_key(self, region: str, *parts: object) -> str:
+        run = self.namespace.rsplit("/", 1)[0] if "/" in self.namespace else ""
+        return "/".join([p for p in (run, region) if p] + [str(p) for p in parts])
+
+    def _model(self) -> dict[str, torch.Tensor]:
+        """What regions share: parameters and floating-point buffers (optimizer state stays local)."""
+        return {k: v for k, v in self.module.state_dict().items() if v.is_floating_point()}
+
+    def _adopt(self, values: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, tensor in self.module.state_dict().items():
+                if name in values:
+                    tensor.copy_(values[name])
+
+    def _meet(self, round_index: int, replica: int, timeout: float) -> None:
+        """This stage's round-end sync with the other regions. Replica 0 talks across regions and
+        leaves the result in its own region's storage; the other replicas read it there."""
+        local = self._run_key(self.region, self.inter_region, f"s{self.stage}", f"round{round_index}")
+        if replica != 0:
+            result = unpack(self.channel.get(f"{local}/result", timeout))
+            self.base_version = int(result.pop("meta/version", torch.tensor(0)))
+            self._adopt(result)
+            return
+        if self.inter_region == "model-average":
+            merged = self._model_average(round_index, local, timeout)
+        else:
+            merged = self._asgd_push(round_index, timeout)
+        self._adopt(merged)
+        if self.replicas > 1:
+            extra = {"meta/version": torch.tensor(self.base_version)} if self.inter_region == "asgd-ga" else {}
+            self.channel.put(f"{local}/result", pack({**merged, **extra}))
+
+    def _model_average(self, round_index: int, local: str, timeout: float) -> dict[str, torch.Tensor]:
+        """Every region writes its model for the round, reads the others' and takes the mean
+        weighted by the samples of their rounds, in region order (so every region gets the same bits)."""
+        mine = self._model()
+        self.channel.put(f"{local}/model", pack(mine))
+        total: dict[str, torch.Tensor] = {}
+        for region, weight in self.peers:
+            if region == self.region:
+                theirs = mine
+            else:
+                key = self._run_key(region, self.inter_region, f"s{self.stage}", f"round{round_index}", "model")
+                theirs = unpack(self.channel.get(key, timeout))
+            for name, value in theirs.items():
+                total[name] = total[name] + weight * value if name in total else weight * value
+        return {name: value.to(mine[name].dtype) for name, value in total.items()}
+
+    def _global_key(self, version: int, part: str) -> str:
+        assert self.server is not None
+        return self._run_key(self.server, "global", f"s{self.stage}", f"v{version}", part)
+
+    def _global(self, version: int, timeout: float) -> dict[str, torch.Tensor]:
+        if version == 0:  # every region starts from the package's weights
+            initial = load_file(self.package / "weights.safetensors")
+            return {k: v for k, v in initial.items() if k in self._model()}
+        return unpack(self.channel.get(self._global_key(version, "model"), timeout))
+
+    def _asgd_push(self, round_index: int, timeout: float) -> dict[str, torch.Tensor]:
+        """ASGD-GA: add this round's accumulated update (the model now minus the global version it
+        started from) to the newest global version, as the next version, without waiting for any
+        other region. Versions are claimed with create-if-absent; a retried push finds its own claim
+        and rewrites the same bytes, so an update is never applied twice."""
+        me = f"{self.region}/round{round_index}".encode()
+        base = self._global(self.base_version, timeout)
+        mine = self._model()
+        delta = {name: mine[name] - base[name] for name in mine}
+        version = self.base_version + 1
+        while True:
+            owner = self.channel.try_get(self._global_key(version, "owner"))
+            if owner is None and self.channel.claim(self._global_key(version, "owner"), me):
+                owner = me
+            elif owner is None:
+                owner = self.channel.get(self._global_key(version, "owner"), timeout)
+            if owner == me:
+                previous = self._global(version - 1, timeout)
+                merged = {name: previous[name] + delta[name] for name in delta}
+                self.channel.put(self._global_key(version, "model"), pack(merged))
+                self.base_version = version
+                return merged
+            version += 1
 
     def _indices(self, iteration: int, m: int) -> list[int]:
         if self._reader is None:
-            self._reader = SplitReader(self.channel, self.region)
+            self._reader = SplitReader(self.channel, self.data_name)
         if self._batch[0] != iteration:  # the whole iteration's samples at once, then its slices
             self._batch = (
                 iteration,

@@ -10,7 +10,8 @@ import torch
 
 from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import Plan, StageChoice
-from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_training, run_front_end
+from cloudless.compiler.lower import RegionTraining
+from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_trainings, run_front_end
 from cloudless.compiler.reference import plain_training
 from cloudless.ir.catalog import load_catalog
 from cloudless.runtimes.staging import stage_data
@@ -38,8 +39,13 @@ def write_packages(
     """Lower a plan of (first block, last block, replicas) stages and write its packages."""
     region = load_catalog(None).region(None)
     plan = Plan(micro_batch, tuple(StageChoice(first, last, 1024, r) for first, last, r in stages))
-    lower_training(
-        result, plan, region, iterations=iterations, global_batch=global_batch, schedule=schedule, samples=None
+    lower_trainings(
+        result,
+        [RegionTraining(region, plan, iterations, None)],
+        None,
+        iterations=iterations,
+        global_batch=global_batch,
+        schedule=schedule,  # type: ignore[arg-type]
     )
     write_build(package_files(result), build)
     assert result.workflow is not None

@@ -31,6 +31,11 @@ CASES: dict[str, tuple[Path, list[str]]] = {
     "tricky_time": (MODELS / "tricky.py", ["--objective", "time"]),
     # compute-heavy: the fastest plan pipelines over two stages of eight replicas each
     "wide_mlp_time": (MODELS / "wide_mlp.py", ["--objective", "time", "--blocks", "8"]),
+    # data in two regions: both train, some data moves, model averaging between them
+    "mlp_digits_geo": (
+        SAMPLES / "mlp_digits_geo.py",
+        ["--regions", "aws-us-east-1,aws-eu-west-1", "--objective", "time", "--sync", "model-average"],
+    ),
 }
 
 
