@@ -1,5 +1,5 @@
-"""The joint pipeline plan as one MILP (pulp; HiGHS, else CBC): stages, block ranges, memory tier and
-replicas per stage, for each candidate micro-batch size; the best over candidates is the plan.
+"""The joint pipeline plan as one MILP (HiGHS through highspy, else CBC through pulp): stages, block ranges,
+memory tier and replicas per stage, for each candidate micro-batch size; the best over candidates is the plan.
 
 The program chooses among stage configurations (block range x tier x replicas) whose terms come
 straight from cost_model.py, so the MILP and the closed-form model cannot drift apart; the
