@@ -35,13 +35,19 @@ from typing import Literal
 import pulp
 
 from cloudless.compiler.cost_model import Objective, Plan
-from cloudless.compiler.planner import choose_solver
 from cloudless.ir.catalog import Link
 
 SyncStrategy = Literal["asgd-ga", "model-average"]
 SYNC_STRATEGIES: tuple[SyncStrategy, ...] = ("asgd-ga", "model-average")
 #: data moves in parts of 1/PARTS of a region's data
 PARTS = 16
+
+
+def choose_solver(time_limit: float | None) -> tuple[pulp.LpSolver, str]:
+    """HiGHS through pulp where installed, else the CBC that pulp bundles."""
+    if pulp.HiGHS().available():
+        return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-7, threads=1), "HiGHS"
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=1e-7), "CBC"
 
 
 @dataclass(frozen=True)
