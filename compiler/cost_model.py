@@ -162,6 +162,19 @@ class CostModel:
         self.region = problem.region
         per_vcpu = self.region.gflops_per_vcpu or problem.reference_gflops / max(problem.threads, 1)
         self._gflops_per_vcpu = per_vcpu
+        # Running sums over the blocks: a stage's totals in O(1) (the planner asks for ~10^5 stages).
+        self._prefix: dict[str, list[float]] = {}
+        for name in ("forward_s", "backward_s", "saved_bytes", "buffer_bytes"):
+            running = [0.0]
+            for block in problem.blocks:
+                running.append(running[-1] + getattr(block, name))
+            self._prefix[name] = running
+        self._params: dict[tuple[int, int], int] = {}
+        self._sync: dict[tuple[int, int, int], float] = {}
+
+    def _total(self, name: str, first: int, last: int) -> float:
+        prefix = self._prefix[name]
+        return prefix[last + 1] - prefix[first]
 
     # --- per-tier coefficients -------------------------------------------------------------
     def vcpus(self, tier_mb: int) -> float:
@@ -217,11 +230,21 @@ class CostModel:
         reduced_up = max(request + scattered * tau, first_round + request)
         return max(own_chunk + tau, reduced_up + request + detect) + (scattered - 1) * tau
 
+    def _stage_sync(self, param_bytes: int, replicas: int, tier_mb: int) -> float:
+        key = (param_bytes, replicas, tier_mb)
+        if key not in self._sync:
+            self._sync[key] = self.sync_time(param_bytes, replicas, tier_mb)
+        return self._sync[key]
+
     # --- one stage -------------------------------------------------------------------------
     def stage_params(self, first: int, last: int) -> int:
-        blocks = self.problem.blocks[first : last + 1]
-        shared = {name for b in blocks for name in b.shared}
-        return sum(b.param_bytes for b in blocks) + sum(self.problem.shared_bytes[n] for n in shared)
+        found = self._params.get((first, last))
+        if found is None:
+            blocks = self.problem.blocks[first : last + 1]
+            shared = {name for b in blocks for name in b.shared}
+            found = sum(b.param_bytes for b in blocks) + sum(self.problem.shared_bytes[n] for n in shared)
+            self._params[first, last] = found
+        return found
 
     def stage_terms(self, choice: StageChoice, index: int, count: int, micro_batch: int) -> StageTerms:
         """Terms of the stage at `index` of `count` stages."""
@@ -233,23 +256,20 @@ class CostModel:
         """Terms of a stage configuration from what it alone determines: whether it is the first
         and the last stage, and (1F1B memory only) how many stages run from it to the end."""
         p = self.problem
-        blocks = p.blocks[choice.first : choice.last + 1]
         scale = micro_batch / p.profile_batch
         micro_batches = p.global_batch // micro_batch
         per_replica = math.ceil(micro_batches / choice.replicas)
         kappa = self.kappa(choice.tier_mb)
         bandwidth = self.bandwidth(choice.tier_mb)
-        inputs = scale * blocks[0].input_bytes
-        outputs = scale * blocks[-1].output_bytes if not last else 0.0
+        inputs = scale * p.blocks[choice.first].input_bytes
+        outputs = scale * p.blocks[choice.last].output_bytes if not last else 0.0
         grad_in = inputs if not first else 0.0
         params = self.stage_params(choice.first, choice.last)
         state = (2 + p.optimizer_state) * params
-        activations = scale * sum(b.saved_bytes for b in blocks)
+        activations = scale * self._total("saved_bytes", choice.first, choice.last)
         held = self.in_flight(p.schedule, per_replica, stages_from_here)
-        memory = (
-            self.region.runtime_overhead_mb
-            + (state + sum(b.buffer_bytes for b in blocks) + activations * held + 2 * (inputs + outputs)) / MB
-        )
+        buffers = self._total("buffer_bytes", choice.first, choice.last)
+        memory = self.region.runtime_overhead_mb + (state + buffers + activations * held + 2 * (inputs + outputs)) / MB
         r = choice.replicas
         pieces = sync_pieces(params, r)
         # Besides tensors (counts over the stage's r replicas): each last-stage replica reports its
@@ -262,8 +282,8 @@ class CostModel:
             return size / bandwidth + self.latency if size else 0.0
 
         return StageTerms(
-            forward_compute_s=kappa * scale * sum(b.forward_s for b in blocks),
-            backward_compute_s=kappa * scale * sum(b.backward_s for b in blocks),
+            forward_compute_s=kappa * scale * self._total("forward_s", choice.first, choice.last),
+            backward_compute_s=kappa * scale * self._total("backward_s", choice.first, choice.last),
             # A first stage's data comes from a shard it read once (one request per SHARD_SAMPLES).
             forward_download_s=(
                 inputs / bandwidth + self.latency * micro_batch / SHARD_SAMPLES if first else transfer(inputs)
@@ -271,7 +291,7 @@ class CostModel:
             forward_upload_s=transfer(outputs),
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),
-            sync_s=self.sync_time(params, r, choice.tier_mb),
+            sync_s=self._stage_sync(params, r, choice.tier_mb),
             update_s=(2 + p.optimizer_state) * params / self.update_rate(choice.tier_mb),
             memory_mb=memory,
             parameter_bytes=params,
