@@ -4,6 +4,11 @@ memory tier and replicas per stage, for each candidate micro-batch size; the bes
 The program chooses among stage configurations (block range x tier x replicas) whose terms come
 straight from cost_model.py, so the MILP and the closed-form model cannot drift apart; the
 optimum is checked against exhaustive search in the tests.
+
+Per micro-batch size (solve_for_micro_batch), top to bottom: stage_configs -> ConfigTable -> prune
+(path floors against the best known plan) -> heuristic_plan (a cutoff) -> build_program -> on large
+programs price_configurations (the LP relaxation by column generation, then reduced-cost fixing)
+-> run_program (the MILP over what is left).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import pulp
 
 from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice, StageTerms
@@ -27,6 +33,13 @@ class Solution:
     solve_s: float
     solver: str
     candidates: dict[int, str] = field(default_factory=dict)
+
+
+# Reduced-cost fixing (price_configurations) pays off on large programs; it may take this share of the
+# time limit, the MILP the rest.
+PRICE_FROM_CONFIGS = 1500
+PRICE_SHARE = 0.6
+SEEDS_PER_BLOCK = 5  # the restricted LP starts from the heuristic's plan and these per block
 
 
 class Infeasible(Exception):
@@ -98,6 +111,8 @@ def solve(
     best = min(found, key=lambda sol: objective_key(problem, objective, sol.evaluation))
     bound = min(bounds) if bounds else -math.inf
     gap = (best.objective_value - bound) / best.objective_value if best.objective_value > 0 else 0.0
+    if bound <= 0 < best.objective_value:
+        gap = math.inf  # no useful bound (a solver stopped before it had one)
     best.gap = 0.0 if gap < 1e-9 else gap  # below the solver's tolerance: proven optimal
     best.status = "optimal" if best.gap <= 1e-6 else "feasible"
     best.solve_s = time.perf_counter() - start
@@ -167,6 +182,7 @@ class Program:
         self.row_start: list[int] = [0]
         self.row_index: list[int] = []
         self.row_value: list[float] = []
+        self.row_group: list[int] = []  # the configuration a row alone concerns, else -1
 
     def columns(self, count: int, lower: float = 0.0, upper: float = math.inf, integer: bool = False) -> list[int]:
         first = len(self.lower)
@@ -180,7 +196,9 @@ class Program:
     def column(self, lower: float = 0.0, upper: float = math.inf) -> int:
         return self.columns(1, lower, upper)[0]
 
-    def row(self, entries: list[tuple[int, float]], lower: float = -math.inf, upper: float = math.inf) -> None:
+    def row(
+        self, entries: list[tuple[int, float]], lower: float = -math.inf, upper: float = math.inf, group: int = -1
+    ) -> None:
         for index, value in entries:
             if value:
                 self.row_index.append(index)
@@ -188,6 +206,7 @@ class Program:
         self.row_start.append(len(self.row_index))
         self.row_lower.append(lower)
         self.row_upper.append(upper)
+        self.row_group.append(group)
 
 
 @dataclass
@@ -283,11 +302,111 @@ def _run_cbc(program: Program, time_limit: float | None) -> Outcome:
     return Outcome(values, value if optimal else -math.inf, "optimal" if optimal else "time limit", "CBC")
 
 
+
+
+class ConfigTable:
+    """The stage configurations of one micro-batch size as arrays (one entry per configuration),
+    for the vectorised passes: pruning, the heuristic and the pricing of the LP's columns."""
+
+    def __init__(self, problem: Problem, mu: int, configs: list[tuple[StageChoice, StageTerms, int]]) -> None:
+        model = CostModel(problem)
+        n_blocks = len(problem.blocks)
+        per_replica = {r: math.ceil(problem.global_batch // mu / r) for r in problem.replicas}
+        gpipe = problem.schedule == "gpipe"
+        self.configs = configs
+        self.n_blocks = n_blocks
+        self.first = np.array([c.first for c, _, _ in configs], dtype=np.int64)
+        self.end = np.array([c.last + 1 for c, _, _ in configs], dtype=np.int64)  # the boundary after it
+        extra = np.array([per_replica[c.replicas] - 1 for c, _, _ in configs], dtype=float)
+        self.gb = np.array([c.replicas * c.tier_mb / 1024 for c, _, _ in configs])
+        self.fixed = np.array([model.request_usd(c) + model.storage_usd(t) for c, t, _ in configs])
+        self.fill = np.array([t.forward_fill_s + t.backward_fill_s for _, t, _ in configs])
+        self.back_fill = np.array([t.backward_fill_s for _, t, _ in configs])
+        self.tail = np.array([t.tail_s for _, t, _ in configs])
+        self.forward = extra * np.array([t.forward_s for _, t, _ in configs])  # GPipe's steady forwards
+        self.drain = extra * np.array([t.backward_s if gpipe else t.cycle_s for _, t, _ in configs])
+        # The steady term a stage alone imposes: its forwards and backwards (GPipe) or its cycles (1F1B).
+        self.steady = self.forward + self.drain if gpipe else self.drain
+        # A lower bound of the iteration time when the configuration is chosen: its own fill and steady
+        # term, and every other block computed once, at best on the fastest tier (its tail may overlap).
+        fastest = min(model.kappa(m) for m in problem.region.tiers_mb) * mu / problem.profile_batch
+        work = np.array([0.0] + [b.forward_s + b.backward_s for b in problem.blocks]).cumsum()
+        self.low = self.fill + self.steady + fastest * (work[-1] - (work[self.end] - work[self.first]))
+        self.by_end = [np.flatnonzero(self.end == b) for b in range(n_blocks + 1)]
+        self.by_first = [np.flatnonzero(self.first == b) for b in range(n_blocks + 1)]
+
+    def __len__(self) -> int:
+        return len(self.configs)
+
+    def subset(self, keep: np.ndarray) -> ConfigTable:
+        table = ConfigTable.__new__(ConfigTable)
+        index = np.flatnonzero(keep)
+        table.configs = [self.configs[i] for i in index]
+        table.n_blocks = self.n_blocks
+        for name in ("first", "end", "gb", "fixed", "fill", "back_fill", "tail", "forward", "drain", "steady", "low"):
+            setattr(table, name, getattr(self, name)[index])
+        table.by_end = [np.flatnonzero(table.end == b) for b in range(self.n_blocks + 1)]
+        table.by_first = [np.flatnonzero(table.first == b) for b in range(self.n_blocks + 1)]
+        return table
+
+    def least_paths(self, weights: np.ndarray, forward: bool, allowed: np.ndarray | None = None) -> np.ndarray:
+        """Shortest path lengths from boundary 0 to every boundary (forward), or from every boundary to
+        the last (backward), over the configurations as edges weighted by `weights`."""
+        n_blocks = self.n_blocks
+        best = np.full(n_blocks + 1, np.inf)
+        if forward:
+            best[0] = 0.0
+            for b in range(1, n_blocks + 1):
+                edges = self.by_end[b]
+                if allowed is not None:
+                    edges = edges[allowed[edges]]
+                if len(edges):
+                    best[b] = (best[self.first[edges]] + weights[edges]).min()
+        else:
+            best[n_blocks] = 0.0
+            for b in range(n_blocks - 1, -1, -1):
+                edges = self.by_first[b]
+                if allowed is not None:
+                    edges = edges[allowed[edges]]
+                if len(edges):
+                    best[b] = (best[self.end[edges]] + weights[edges]).min()
+        return best
+
+    def cheapest_path(self, weights: np.ndarray, allowed: np.ndarray) -> list[int] | None:
+        """The configurations of a shortest path from boundary 0 to the last (ties: the earliest)."""
+        n_blocks = self.n_blocks
+        best = np.full(n_blocks + 1, np.inf)
+        best[0] = 0.0
+        previous = np.full(n_blocks + 1, -1)
+        for b in range(1, n_blocks + 1):
+            edges = self.by_end[b]
+            edges = edges[allowed[edges]]
+            if len(edges):
+                lengths = best[self.first[edges]] + weights[edges]
+                k = int(np.argmin(lengths))
+                best[b], previous[b] = lengths[k], edges[k]
+        if not math.isfinite(best[n_blocks]):
+            return None
+        path, b = [], n_blocks
+        while b > 0:
+            path.append(int(previous[b]))
+            b = int(self.first[previous[b]])
+        return path[::-1]
+
+
+@dataclass
+class Floors:
+    """Per configuration, the least of a plan containing it: total GB of functions and fixed cost."""
+
+    gb: np.ndarray
+    fixed: np.ndarray
+
+
 def heuristic_plan(
     problem: Problem,
     objective: Objective,
     mu: int,
-    configs: list[tuple[StageChoice, StageTerms, int]],
+    table: ConfigTable,
     deadline: float | None,
     budget: float | None,
 ) -> tuple[Solution, float] | None:
@@ -297,44 +416,23 @@ def heuristic_plan(
     the time objectives), T and G updated from the closed-form model's evaluation of the path found.
     Only a start: the MILP proves (or improves on) it."""
     model = CostModel(problem)
-    n_blocks = len(problem.blocks)
-    per_replica = {r: math.ceil(problem.global_batch // mu / r) for r in problem.replicas}
-    gpipe = problem.schedule == "gpipe"
     price = problem.region.prices.gb_second
     time_objective = objective in ("time", "time-under-budget")
-    steady = [
-        (per_replica[c.replicas] - 1) * (t.forward_s + t.backward_s if gpipe else t.cycle_s) for c, t, _ in configs
-    ]
-    fill = [t.forward_fill_s + t.backward_fill_s for _, t, _ in configs]
-    gb = [c.replicas * c.tier_mb / 1024 for c, _, _ in configs]
-    fixed = [model.request_usd(c) + model.storage_usd(t) for c, t, _ in configs]
-    order = sorted(range(len(configs)), key=lambda i: configs[i][0].first)
-    levels = sorted(set(steady))
-    caps = sorted({levels[min(len(levels) - 1, round(k * (len(levels) - 1) / 15))] for k in range(16)})
+    levels = np.unique(table.steady)
+    picks = sorted({round(k * (len(levels) - 1) / 15) for k in range(16)})
     best: tuple[Solution, float] | None = None
     tried: set[tuple[StageChoice, ...]] = set()
-    for cap in caps:
-        t_guess, gb_guess = cap, 0.0
+    for cap in levels[picks]:
+        allowed = table.steady <= cap
+        t_guess, gb_guess = float(cap), 0.0
         for _ in range(3):
-            weight = [
-                fill[i] if time_objective else price * (gb[i] * t_guess + gb_guess * fill[i]) + fixed[i]
-                for i in range(len(configs))
-            ]
-            value = [math.inf] * (n_blocks + 1)
-            value[0] = 0.0
-            previous = [-1] * (n_blocks + 1)
-            for i in order:
-                c = configs[i][0]
-                if steady[i] <= cap and value[c.first] + weight[i] < value[c.last + 1]:
-                    value[c.last + 1] = value[c.first] + weight[i]
-                    previous[c.last + 1] = i
-            if math.isinf(value[n_blocks]):
+            weight = (
+                table.fill if time_objective else price * (table.gb * t_guess + gb_guess * table.fill) + table.fixed
+            )
+            path = table.cheapest_path(weight, allowed)
+            if path is None:
                 break
-            path, b = [], n_blocks
-            while b > 0:
-                path.append(previous[b])
-                b = configs[previous[b]][0].first
-            stages = tuple(configs[i][0] for i in reversed(path))
+            stages = tuple(table.configs[i][0] for i in path)
             if stages in tried:
                 break
             tried.add(stages)
@@ -344,21 +442,82 @@ def heuristic_plan(
                 primary = objective_key(problem, objective, evaluation)[0]
                 if best is None or primary < best[1]:
                     best = (Solution(plan, evaluation, primary, "feasible", math.inf, 0.0, "heuristic"), primary)
-            t_guess, gb_guess = evaluation.iteration_s, sum(gb[i] for i in path)
+            t_guess, gb_guess = evaluation.iteration_s, float(table.gb[path].sum())
     return best
 
 
-def solve_for_micro_batch(
+def prune(
+    problem: Problem,
+    objective: Objective,
+    table: ConfigTable,
+    *,
+    deadline: float | None,
+    budget: float | None,
+    cutoff: float | None,
+) -> tuple[ConfigTable, Floors]:
+    """Exact reductions: drop every configuration that cannot be in a plan within the deadline and the
+    budget that is better than a known plan (`cutoff`, e.g. the best baseline).
+
+    In a plan, t >= T_s (ConfigTable.low) for each of its stages s, so its cost is at least the sum
+    over its stages of w_s = price * GB_s * T_s + fixed_s, and also price * T_c * GB + fixed for any
+    of its stages c. Over the paths from boundary 0 to c and from c to boundary B (shortest paths over
+    the configurations still in), a plan with c costs at least the larger of
+        w_before + w_c + w_after   and
+        price * T_c * (GB_before + GB_c + GB_after) + fixed_before + fixed_c + fixed_after.
+    Dropping configurations raises these floors, so the pass repeats until nothing changes."""
+    price = problem.region.prices.gb_second
+    slack = 1 + 1e-9
+    time_objective = objective in ("time", "time-under-budget")
+    while True:
+        first, end = table.first, table.end
+        least_gb = table.least_paths(table.gb, True)[first] + table.gb + table.least_paths(table.gb, False)[end]
+        least_fixed = (
+            table.least_paths(table.fixed, True)[first] + table.fixed + table.least_paths(table.fixed, False)[end]
+        )
+        weight = price * table.gb * table.low + table.fixed
+        least_cost = np.maximum(
+            price * table.low * least_gb + least_fixed,
+            table.least_paths(weight, True)[first] + weight + table.least_paths(weight, False)[end],
+        )
+        keep = np.isfinite(least_gb)
+        if deadline is not None:
+            keep &= table.low * problem.iterations <= deadline * slack
+        if budget is not None:
+            keep &= least_cost * problem.iterations <= budget * slack
+        if cutoff is not None:
+            keep &= (table.low if time_objective else least_cost) <= cutoff * slack
+        if keep.all():
+            return table, Floors(least_gb, least_fixed)
+        table = table.subset(keep)
+        if not len(table):
+            return table, Floors(np.zeros(0), np.zeros(0))
+
+
+@dataclass
+class StageProgram:
+    """The MILP of one micro-batch size over a set of configurations, with what the column generation
+    needs to know of it: each configuration's columns (x_c, and g_c = x_c t when the cost is an
+    objective or a constraint) and the bounds T_c <= g_c / x_c <= T^max_c its own two rows impose."""
+
+    program: Program
+    x: list[int]
+    g: list[int]
+    g_low: np.ndarray
+    g_high: np.ndarray
+    scale: float  # objective units per dollar (cost) or per second (time)
+
+
+def build_program(
     problem: Problem,
     objective: Objective,
     mu: int,
+    table: ConfigTable,
+    floors: Floors,
     *,
-    deadline: float | None = None,
-    budget: float | None = None,
-    time_limit: float | None = 60.0,
-    fixed_ranges: list[tuple[int, int]] | None = None,
-    cutoff: float | None = None,
-) -> tuple[Solution | None, float, str, str]:
+    deadline: float | None,
+    budget: float | None,
+    cutoff: float | None,
+) -> StageProgram:
     """One MILP over stage configurations x_c (path-flow formulation), for micro-batch size mu.
 
     x_c = 1 when configuration c = (first block, last block, tier, replicas) is a stage. The chosen
@@ -382,125 +541,23 @@ def solve_for_micro_batch(
     t and is conserved at every boundary, with T_c x_c <= g_c <= T^max_c x_c (T_c, T^max_c: lower
     and upper bounds of t in a plan with c that can matter), so g_c = t on every chosen stage.
     """
-    model = CostModel(problem)
     n_blocks = len(problem.blocks)
-    M = problem.global_batch // mu
-    configs = stage_configs(problem, mu, fixed_ranges)
-    if objective == "time":
-        # Exact reduction: on a larger tier a stage is never slower and holds no less, so for the
-        # pure time objective only the largest fitting tier of each (range, replicas) can be optimal.
-        largest: dict[tuple[int, int, int], tuple[StageChoice, StageTerms, int]] = {}
-        for config in configs:
-            c = config[0]
-            key = (c.first, c.last, c.replicas)
-            if key not in largest or c.tier_mb > largest[key][0].tier_mb:
-                largest[key] = config
-        configs = list(largest.values())
-    per_replica = {r: math.ceil(M / r) for r in problem.replicas}
+    n = len(table)
     gpipe = problem.schedule == "gpipe"
-
-    # The blocks outside a stage still compute once each in the fill, at best on the fastest tier.
-    fastest = min(model.kappa(m) for m in problem.region.tiers_mb) * mu / problem.profile_batch
-    work = [b.forward_s + b.backward_s for b in problem.blocks]
-    total_work = sum(work)
-    prefix_work = [0.0]
-    for w_b in work:
-        prefix_work.append(prefix_work[-1] + w_b)
-
-    def lower_bound(choice: StageChoice, terms: StageTerms) -> float:
-        """Of the iteration time when the configuration is chosen (its tail may overlap others' work)."""
-        steady = terms.forward_s + terms.backward_s if gpipe else terms.cycle_s
-        rest = fastest * (total_work - (prefix_work[choice.last + 1] - prefix_work[choice.first]))
-        return terms.forward_fill_s + terms.backward_fill_s + (per_replica[choice.replicas] - 1) * steady + rest
-
     prices = problem.region.prices
     slack = 1 + 1e-9
-    floor = math.inf if cutoff is None else cutoff  # what the pruned plans are at least worth
     time_objective = objective in ("time", "time-under-budget")
-
-    # Exact reductions: drop every configuration that cannot be in a plan within the deadline and the
-    # budget that is better than a known plan (`cutoff`, e.g. the best baseline). In a plan, t >= T_s
-    # for each of its stages s, so its cost is at least the sum over its stages of
-    # w_s = price * GB_s * T_s + fixed_s, and also price * T_c * GB + fixed for any of its stages c.
-    # Over the paths from boundary 0 to c and from c to boundary B (shortest paths over the
-    # configurations still in), a plan with c costs at least the larger of
-    #   w_before + w_c + w_after   and
-    #   price * T_c * (GB_before + GB_c + GB_after) + fixed_before + fixed_c + fixed_after.
-    # Dropping configurations raises these floors, so the pass repeats until nothing changes.
-    def least_paths(configs: list[tuple[StageChoice, StageTerms, int]], weights: list[float], forward: bool):
-        best = [math.inf] * (n_blocks + 1)
-        best[0 if forward else n_blocks] = 0.0
-        order = sorted(range(len(configs)), key=lambda i: configs[i][0].first if forward else -configs[i][0].last)
-        for i in order:
-            c = configs[i][0]
-            here, there = (c.first, c.last + 1) if forward else (c.last + 1, c.first)
-            best[there] = min(best[there], best[here] + weights[i])
-        return best
-
-    def prune(configs: list[tuple[StageChoice, StageTerms, int]], cutoff: float | None):
-        while configs:
-            gb = [c.replicas * c.tier_mb / 1024 for c, _, _ in configs]
-            fixed = [model.request_usd(c) + model.storage_usd(t) for c, t, _ in configs]
-            lows = [lower_bound(c, t) for c, t, _ in configs]
-            gb_before, gb_after = least_paths(configs, gb, True), least_paths(configs, gb, False)
-            fixed_before, fixed_after = least_paths(configs, fixed, True), least_paths(configs, fixed, False)
-            least_gb = [gb_before[c.first] + gb[i] + gb_after[c.last + 1] for i, (c, _, _) in enumerate(configs)]
-            least_fixed = [
-                fixed_before[c.first] + fixed[i] + fixed_after[c.last + 1] for i, (c, _, _) in enumerate(configs)
-            ]
-            weight = [prices.gb_second * gb[i] * lows[i] + fixed[i] for i in range(len(configs))]
-            w_before, w_after = least_paths(configs, weight, True), least_paths(configs, weight, False)
-            least_cost = [
-                max(
-                    prices.gb_second * lows[i] * least_gb[i] + least_fixed[i],
-                    w_before[c.first] + weight[i] + w_after[c.last + 1],
-                )
-                for i, (c, _, _) in enumerate(configs)
-            ]
-            least = lows if time_objective else least_cost
-            keep = [
-                i
-                for i in range(len(configs))
-                if (deadline is None or lows[i] * problem.iterations <= deadline * slack)
-                and (budget is None or least_cost[i] * problem.iterations <= budget * slack)
-                and (cutoff is None or least[i] <= cutoff * slack)
-                and math.isfinite(least_gb[i])
-            ]
-            if len(keep) == len(configs):
-                return configs, gb, fixed, lows, least_gb, least_fixed
-            configs = [configs[i] for i in keep]
-        return [], [], [], [], [], []
-
-    configs, gb, fixed, lows, least_gb, least_fixed = prune(configs, cutoff)
-    if not configs:
-        return None, floor, "infeasible" if cutoff is None else "pruned", "none"
-    # A good plan first (heuristic_plan), to prune by before the program is built.
-    found = heuristic_plan(problem, objective, mu, configs, deadline, budget)
-    if found is not None and (cutoff is None or found[1] < cutoff):
-        cutoff = floor = found[1]
-        configs, gb, fixed, lows, least_gb, least_fixed = prune(configs, cutoff)
-        if not configs:
-            found[0].status, found[0].gap = "optimal", 0.0
-            return found[0], floor, "optimal", "none"
-
-    n = len(configs)
-    drain = [(per_replica[c.replicas] - 1) * (t.backward_s if gpipe else t.cycle_s) for c, t, _ in configs]
-    starting: list[list[int]] = [[] for _ in range(n_blocks + 1)]
-    ending: list[list[int]] = [[] for _ in range(n_blocks + 1)]  # by the boundary after the last block
-    for i, (c, _, _) in enumerate(configs):
-        starting[c.first].append(i)
-        ending[c.last + 1].append(i)
+    configs = table.configs
+    starting = [list(edges) for edges in table.by_first]
+    ending = [list(edges) for edges in table.by_end]
 
     # An upper bound of any plan's iteration time: at most one stage starts at each block, and each
     # max term is at most its largest configuration value (the overhang at most the largest tail).
     t_max = (
-        sum(
-            max((configs[i][1].forward_fill_s + configs[i][1].backward_fill_s for i in starting[b]), default=0.0)
-            for b in range(n_blocks)
-        )
-        + (max((per_replica[c.replicas] - 1) * t.forward_s for c, t, _ in configs) if gpipe else 0.0)
-        + max(drain)
-        + max(t.tail_s for _, t, _ in configs)
+        sum(float(table.fill[starting[b]].max()) if starting[b] else 0.0 for b in range(n_blocks))
+        + (float(table.forward.max()) if gpipe else 0.0)
+        + float(table.drain.max())
+        + float(table.tail.max())
     )
     if deadline is not None:
         t_max = min(t_max, deadline / problem.iterations * slack)
@@ -515,14 +572,14 @@ def solve_for_micro_batch(
     if problem.function_limit < min(problem.max_stages, n_blocks) * max(problem.replicas):
         program.row([(x[i], float(c.replicas)) for i, (c, _, _) in enumerate(configs)], upper=problem.function_limit)
 
-    def running_sum(enter: list[float], leave: list[float], lower: float = 0.0) -> list[int]:
+    def running_sum(enter: np.ndarray, leave: np.ndarray, lower: float = 0.0) -> list[int]:
         """Columns V_b = sum_{c covers b} enter_c x_c - sum_{c ends before b} (leave_c - enter_c) x_c
         for every block b, one equality per block: V_b = V_{b-1} + (enter at b) - (leave at b-1)."""
         v = program.columns(n_blocks, lower)
         for b in range(n_blocks):
-            entries = [(v[b], 1.0)] + [(x[i], -enter[i]) for i in starting[b]]
+            entries = [(v[b], 1.0)] + [(x[i], -float(enter[i])) for i in starting[b]]
             if b > 0:
-                entries += [(v[b - 1], -1.0)] + [(x[i], leave[i]) for i in ending[b]]
+                entries += [(v[b - 1], -1.0)] + [(x[i], float(leave[i])) for i in ending[b]]
             program.row(entries, 0.0, 0.0)
         return v
 
@@ -544,18 +601,16 @@ def solve_for_micro_batch(
                 program.row([(count[c.last + 1], 1.0), (x[i], float(big))], upper=problem.max_stages)
 
     t_iter = program.column(0.0, t_max)
-    pipeline = [(x[i], -(t.forward_fill_s + t.backward_fill_s)) for i, (_, t, _) in enumerate(configs)]
+    pipeline = [(x[i], -float(table.fill[i])) for i in range(n)]
     if gpipe:
         steady_f = program.column()
-        forward = [(per_replica[c.replicas] - 1) * t.forward_s for c, t, _ in configs]
-        for v in running_sum(forward, forward):
+        for v in running_sum(table.forward, table.forward):
             program.row([(steady_f, 1.0), (v, -1.0)], lower=0.0)
         pipeline.append((steady_f, -1.0))
     # W: the drain plus the overhang, max over stages s <= s' of tail_s - (backward fill before s) + d_s'.
     w = program.column()
-    drains = running_sum(drain, drain)
-    tails = [t.tail_s for _, t, _ in configs]
-    reach = running_sum(tails, [tails[i] + configs[i][1].backward_fill_s for i in range(n)], -math.inf)
+    drains = running_sum(table.drain, table.drain)
+    reach = running_sum(table.tail, table.tail + table.back_fill, -math.inf)
     peak = program.columns(n_blocks)
     for b in range(n_blocks):
         program.row([(peak[b], 1.0), (reach[b], -1.0)], lower=0.0)
@@ -565,10 +620,13 @@ def solve_for_micro_batch(
     pipeline.append((w, -1.0))
     program.row([(t_iter, 1.0)] + pipeline, lower=0.0)
 
+    g: list[int] = []
+    g_low = np.zeros(0)
+    g_high = np.zeros(0)
     cost: list[tuple[int, float]] = []  # micro-dollars (coefficients within a few orders of magnitude)
     if not time_objective or budget is not None:
         # Bounds of t in a plan with c worth considering: its cost must not exceed the cutoff or the
-        # budget, with at least c's floors of GB and fixed cost (above).
+        # budget, with at least c's floors of GB and fixed cost (prune).
         limit = min(
             cutoff * slack if cutoff is not None and not time_objective else math.inf,
             budget / problem.iterations * slack if budget is not None else math.inf,
@@ -577,31 +635,259 @@ def solve_for_micro_batch(
         for b in range(n_blocks + 1):
             rhs = [(t_iter, -1.0)] if b == 0 else [(t_iter, 1.0)] if b == n_blocks else []
             program.row([(g[i], 1.0) for i in starting[b]] + [(g[i], -1.0) for i in ending[b]] + rhs, 0.0, 0.0)
+        g_low = table.low
+        if prices.gb_second <= 0:
+            g_high = np.full(n, t_max)
+        else:
+            with np.errstate(divide="ignore"):
+                g_high = np.minimum(t_max, (limit - floors.fixed) / (prices.gb_second * floors.gb) * slack)
+            g_high = np.maximum(g_high, g_low)
         for i in range(n):
-            high = (
-                t_max if prices.gb_second <= 0 else min(t_max, (limit - fixed[i]) / (prices.gb_second * gb[i]) * slack)
-            )
-            program.row([(g[i], 1.0), (x[i], -max(high, lows[i]))], upper=0.0)
-            program.row([(g[i], 1.0), (x[i], -lows[i])], lower=0.0)
-        cost = [(g[i], 1e6 * prices.gb_second * gb[i]) for i in range(n)] + [(x[i], 1e6 * fixed[i]) for i in range(n)]
+            program.row([(g[i], 1.0), (x[i], -float(g_high[i]))], upper=0.0, group=i)
+            program.row([(g[i], 1.0), (x[i], -float(g_low[i]))], lower=0.0, group=i)
+        cost = [(g[i], 1e6 * prices.gb_second * float(table.gb[i])) for i in range(n)]
+        cost += [(x[i], 1e6 * float(table.fixed[i])) for i in range(n)]
     if budget is not None:
         program.row([(j, v * problem.iterations) for j, v in cost], upper=budget * 1e6)
-    if objective in ("time", "time-under-budget"):
+    if time_objective:
         program.cost[t_iter] = 1.0
-        known = None if cutoff is None else cutoff * slack
     else:
         for j, v in cost:
             program.cost[j] += v
-        known = None if cutoff is None else cutoff * 1e6 * slack
+    return StageProgram(program, x, g, g_low, g_high, 1.0 if time_objective else 1e6)
 
-    outcome = run_program(program, time_limit, known)
-    bound = outcome.bound
-    if objective not in ("time", "time-under-budget"):
-        bound /= 1e6  # micro-dollars
-    bound = min(bound, floor)
+
+@dataclass
+class Pricing:
+    """What the LP relaxation says of every configuration: a lower bound of every plan's objective
+    (the Lagrangian bound at the duals found, program units) and, per configuration, a lower bound of
+    every plan that contains it."""
+
+    bound: float
+    with_config: np.ndarray
+    rounds: int
+    columns: int
+
+
+def price_configurations(stage: StageProgram, initial: list[int], stop_at: float) -> Pricing | None:
+    """The LP relaxation of the program by column generation, for reduced-cost fixing.
+
+    The LP of all configurations takes HiGHS tens of seconds at 64 blocks, though few configurations
+    carry its optimum. So: solve the LP over a few configurations, price all of them against its
+    duals y, add those that could lower it, and repeat (the restricted LP warm-starts). Each
+    configuration's columns (x_c, g_c) with its own two rows span the cone of (1, T_c) and
+    (1, T^max_c), so relaxing only the rows shared by many configurations gives, for any y, the
+    Lagrangian bound
+
+        L(y) = sum_shared y_i rhs_i + sum_core min_bounds d_j z_j + sum_c min(0, q_c),
+        q_c = dx_c + min(T_c dg_c, T^max_c dg_c)       (d = c - A'y, the reduced costs)
+
+    which is the LP's optimum once no q_c < 0. A plan containing c then costs at least
+    L(y) - min(0, q_c) + q_c: the configurations for which that exceeds a known plan can be dropped,
+    exactly. Returns None when HiGHS is missing or the LP cannot be solved this way."""
+    try:
+        import highspy
+    except ImportError:
+        return None
+    program = stage.program
+    n_groups = len(stage.x)
+    n_cols, n_rows = len(program.lower), len(program.row_lower)
+    inf = highspy.kHighsInf
+    lower, upper = np.array(program.lower), np.array(program.upper)
+    cost = np.array(program.cost)
+    row_lower, row_upper = np.array(program.row_lower), np.array(program.row_upper)
+    row_group = np.array(program.row_group)
+    entry_row = np.repeat(np.arange(n_rows), np.diff(program.row_start))
+    entry_col = np.array(program.row_index)
+    entry_value = np.array(program.row_value)
+    column_group = np.full(n_cols, -1)
+    column_group[stage.x] = np.arange(n_groups)
+    if stage.g:
+        column_group[stage.g] = np.arange(n_groups)
+    shared_rows = np.flatnonzero(row_group < 0)
+    core = np.flatnonzero(column_group < 0)
+    # Column-major entries, to add a configuration's columns to the restricted LP.
+    by_column = np.argsort(entry_col, kind="stable")
+    column_start = np.searchsorted(entry_col[by_column], np.arange(n_cols + 1))
+    private_rows: list[list[int]] = [[] for _ in range(n_groups)]
+    for r in np.flatnonzero(row_group >= 0):
+        private_rows[row_group[r]].append(int(r))
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    position = np.full(n_cols, -1)  # column -> its index in the restricted LP
+    row_position = np.full(n_rows, -1)
+    position[core] = np.arange(len(core))
+    h.addVars(len(core), np.minimum(lower[core], inf), np.minimum(upper[core], inf))
+    h.changeColsCost(len(core), np.arange(len(core), dtype=np.int32), cost[core])
+    in_core = column_group[entry_col] < 0
+    shared_entries = np.flatnonzero(in_core & (row_group[entry_row] < 0))
+    row_position[shared_rows] = np.arange(len(shared_rows))
+    counts = np.bincount(row_position[entry_row[shared_entries]], minlength=len(shared_rows))
+    h.addRows(
+        len(shared_rows),
+        np.maximum(row_lower[shared_rows], -inf),
+        np.minimum(row_upper[shared_rows], inf),
+        len(shared_entries),
+        np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32),
+        position[entry_col[shared_entries]].astype(np.int32),
+        entry_value[shared_entries],
+    )
+    added = np.zeros(n_groups, dtype=bool)
+
+    def add(groups: np.ndarray) -> None:
+        columns = [stage.x[k] for k in groups] + ([stage.g[k] for k in groups] if stage.g else [])
+        starts, rows, values = [], [], []
+        for j in columns:
+            span = by_column[column_start[j] : column_start[j + 1]]
+            span = span[row_group[entry_row[span]] < 0]
+            starts.append(len(rows))
+            rows.extend(row_position[entry_row[span]])
+            values.extend(entry_value[span])
+        first = h.getNumCol()
+        position[columns] = np.arange(first, first + len(columns))
+        h.addCols(
+            len(columns),
+            cost[columns],
+            np.minimum(lower[columns], inf),
+            np.minimum(upper[columns], inf),
+            len(rows),
+            np.array(starts, dtype=np.int32),
+            np.array(rows, dtype=np.int32),
+            np.array(values, dtype=float),
+        )
+        mine = [r for k in groups for r in private_rows[k]]
+        if mine:
+            spans = [np.arange(program.row_start[r], program.row_start[r + 1]) for r in mine]
+            h.addRows(
+                len(mine),
+                np.maximum(row_lower[mine], -inf),
+                np.minimum(row_upper[mine], inf),
+                sum(len(s) for s in spans),
+                np.array([0] + list(np.cumsum([len(s) for s in spans])[:-1]), dtype=np.int32),
+                position[entry_col[np.concatenate(spans)]].astype(np.int32),
+                entry_value[np.concatenate(spans)],
+            )
+        added[groups] = True
+
+    low_g = stage.g_low if stage.g else np.zeros(n_groups)
+    high_g = stage.g_high if stage.g else np.zeros(n_groups)
+    tolerance = 1e-7
+    best: Pricing | None = None
+    add(np.array(sorted(set(initial)), dtype=np.int64))
+    rounds = 0
+    while True:
+        rounds += 1
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return best
+        y = np.zeros(n_rows)
+        y[shared_rows] = np.array(h.getSolution().row_dual)[row_position[shared_rows]]
+        y_entry = np.where(row_group[entry_row] < 0, y[entry_row], 0.0)
+        reduced = cost - np.bincount(entry_col, weights=entry_value * y_entry, minlength=n_cols)
+        dx = reduced[stage.x]
+        dg = reduced[stage.g] if stage.g else np.zeros(n_groups)
+        q = dx + np.minimum(low_g * dg, high_g * dg)
+        # L(y): the shared rows at the side their dual prices, the core columns at their best bound.
+        ys = y[shared_rows]
+        side = np.where(ys > 0, row_lower[shared_rows], row_upper[shared_rows])
+        active = np.abs(ys) > tolerance
+        if np.any(~np.isfinite(side[active])):
+            return best
+        bound = float(np.sum(ys[active] * side[active]))
+        dc = reduced[core]
+        at = np.where(dc > 0, lower[core], upper[core])
+        active = np.abs(dc) > tolerance
+        if np.any(~np.isfinite(at[active])):
+            return best
+        bound += float(np.sum(dc[active] * at[active])) + float(np.minimum(q, 0.0).sum())
+        if best is None or bound > best.bound:
+            best = Pricing(bound, bound - np.minimum(q, 0.0) + q, rounds, int(added.sum()))
+        improving = np.flatnonzero((q < -tolerance * max(1.0, abs(h.getInfo().objective_function_value))) & ~added)
+        if not len(improving) or time.perf_counter() > stop_at:
+            best.rounds, best.columns = rounds, int(added.sum())
+            return best
+        take = max(50, n_groups // 50)
+        add(improving[np.argsort(q[improving], kind="stable")[:take]])
+
+
+def solve_for_micro_batch(
+    problem: Problem,
+    objective: Objective,
+    mu: int,
+    *,
+    deadline: float | None = None,
+    budget: float | None = None,
+    time_limit: float | None = 60.0,
+    fixed_ranges: list[tuple[int, int]] | None = None,
+    cutoff: float | None = None,
+) -> tuple[Solution | None, float, str, str]:
+    """The best plan for micro-batch size mu (build_program's MILP), with its proven lower bound.
+
+    Before the MILP: exact pruning by path floors (prune), a heuristic plan as the cutoff, and, on
+    large programs, reduced-cost fixing from the LP relaxation (price_configurations)."""
+    start = time.perf_counter()
+    model = CostModel(problem)
+    configs = stage_configs(problem, mu, fixed_ranges)
+    if objective == "time":
+        # Exact reduction: on a larger tier a stage is never slower and holds no less, so for the
+        # pure time objective only the largest fitting tier of each (range, replicas) can be optimal.
+        largest: dict[tuple[int, int, int], tuple[StageChoice, StageTerms, int]] = {}
+        for config in configs:
+            c = config[0]
+            key = (c.first, c.last, c.replicas)
+            if key not in largest or c.tier_mb > largest[key][0].tier_mb:
+                largest[key] = config
+        configs = list(largest.values())
+    floor = math.inf if cutoff is None else cutoff  # what the pruned plans are at least worth
+    limits = {"deadline": deadline, "budget": budget}
+    table, floors = prune(problem, objective, ConfigTable(problem, mu, configs), cutoff=cutoff, **limits)
+    if not len(table):
+        return None, floor, "infeasible" if cutoff is None else "pruned", "none"
+    # A good plan first (heuristic_plan), to prune by before the program is built.
+    found = heuristic_plan(problem, objective, mu, table, deadline, budget)
+    if found is not None and (cutoff is None or found[1] < cutoff):
+        cutoff = floor = found[1]
+        table, floors = prune(problem, objective, table, cutoff=cutoff, **limits)
+        if not len(table):
+            found[0].status, found[0].gap = "optimal", 0.0
+            return found[0], floor, "optimal", "none"
+
+    stage = build_program(problem, objective, mu, table, floors, cutoff=cutoff, **limits)
+    relaxed = -math.inf  # the LP relaxation's proven bound, objective units
+    if cutoff is not None and len(table) > PRICE_FROM_CONFIGS and found is not None:
+        # Reduced-cost fixing: the LP bounds every configuration's plans; those above the known plan go.
+        budget_s = PRICE_SHARE * time_limit if time_limit is not None else math.inf
+        # Start from the heuristic's plan and, from each block, the stages with the least floor weight.
+        price = problem.region.prices.gb_second
+        weight = table.low if objective in ("time", "time-under-budget") else price * table.gb * table.low + table.fixed
+        seeds = _indices(table, found[0].plan)
+        for edges in table.by_first:
+            seeds.extend(int(i) for i in edges[np.argsort(weight[edges], kind="stable")[:SEEDS_PER_BLOCK]])
+        pricing = price_configurations(stage, seeds, start + budget_s)
+
+        if pricing is not None:
+            relaxed = pricing.bound / stage.scale
+            known = cutoff * stage.scale * (1 + 1e-9)
+            keep = pricing.with_config <= known + 1e-9 * abs(known)
+            if not keep.all():
+                table, floors = prune(problem, objective, table.subset(keep), cutoff=cutoff, **limits)
+                if not len(table):
+                    found[0].status, found[0].gap = "optimal", 0.0
+                    return found[0], floor, "optimal", "HiGHS"
+                stage = build_program(problem, objective, mu, table, floors, cutoff=cutoff, **limits)
+    remaining = None if time_limit is None else max(0.5, time_limit - (time.perf_counter() - start))
+    known = None if cutoff is None else cutoff * stage.scale * (1 + 1e-9)
+    outcome = run_program(stage.program, remaining, known)
+    # Plans outside the program are worth at least the cutoff (pruned or fixed), and every plan at
+    # least the LP's bound.
+    bound = max(min(outcome.bound / stage.scale, floor), relaxed)
     solution = None
     if outcome.values is not None:
-        chosen = sorted((configs[i][0] for i in range(n) if outcome.values[x[i]] > 0.5), key=lambda c: c.first)
+        chosen = sorted(
+            (table.configs[i][0] for i in range(len(table)) if outcome.values[stage.x[i]] > 0.5), key=lambda c: c.first
+        )
         plan = Plan(mu, tuple(chosen))
         evaluation = model.evaluate(plan)
         primary = objective_key(problem, objective, evaluation)[0]
@@ -617,6 +903,14 @@ def solve_for_micro_batch(
     # Judge by the bound: a time-limited run may hold a plan that is optimal without proof.
     primary = solution.objective_value
     gap = (primary - bound) / primary if primary > 0 else 0.0
+    if bound <= 0 < primary:
+        gap = math.inf  # a bound that says nothing (the LP stopped early)
     proven = gap <= 1e-6
     solution.status, solution.gap = "optimal" if proven else "feasible", max(gap, 0.0)
     return solution, bound, "optimal" if proven else "time limit", outcome.solver
+
+
+def _indices(table: ConfigTable, plan: Plan) -> list[int]:
+    """The table's positions of a plan's stages (those still in the table)."""
+    where = {config[0]: i for i, config in enumerate(table.configs)}
+    return [where[c] for c in plan.stages if c in where]
