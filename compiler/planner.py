@@ -349,7 +349,7 @@ class ConfigTable:
         table.by_first = [np.flatnonzero(table.first == b) for b in range(self.n_blocks + 1)]
         return table
 
-    def least_paths(self, weights: np.ndarray, forward: bool, allowed: np.ndarray | None = None) -> np.ndarray:
+    def least_paths(self, weights: np.ndarray, forward: bool) -> np.ndarray:
         """Shortest path lengths from boundary 0 to every boundary (forward), or from every boundary to
         the last (backward), over the configurations as edges weighted by `weights`."""
         n_blocks = self.n_blocks
@@ -358,16 +358,12 @@ class ConfigTable:
             best[0] = 0.0
             for b in range(1, n_blocks + 1):
                 edges = self.by_end[b]
-                if allowed is not None:
-                    edges = edges[allowed[edges]]
                 if len(edges):
                     best[b] = (best[self.first[edges]] + weights[edges]).min()
         else:
             best[n_blocks] = 0.0
             for b in range(n_blocks - 1, -1, -1):
                 edges = self.by_first[b]
-                if allowed is not None:
-                    edges = edges[allowed[edges]]
                 if len(edges):
                     best[b] = (best[self.end[edges]] + weights[edges]).min()
         return best
