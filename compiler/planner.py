@@ -896,6 +896,9 @@ def solve_for_micro_batch(
         if outcome.status == "infeasible":
             return None, bound, "infeasible" if cutoff is None else "pruned", outcome.solver
         return None, bound, "no solution in time", outcome.solver
+    if solution.objective_value > floor * (1 + 1e-9) and bound >= floor * (1 - 1e-9):
+        # Proven not to beat the plan known from elsewhere (HiGHS may still return a worse one).
+        return None, bound, "pruned", outcome.solver
     # Judge by the bound: a time-limited run may hold a plan that is optimal without proof.
     primary = solution.objective_value
     gap = (primary - bound) / primary if primary > 0 else 0.0
