@@ -171,6 +171,14 @@ class CostModel:
             self._prefix[name] = running
         self._params: dict[tuple[int, int], int] = {}
         self._sync: dict[tuple[int, int, int], float] = {}
+        self._pieces: dict[tuple[int, int], int] = {}
+        self._rates: dict[int, tuple[float, float, float]] = {}
+
+    def _tier_rates(self, tier_mb: int) -> tuple[float, float, float]:
+        """kappa, bandwidth and update rate of a tier, computed once."""
+        if tier_mb not in self._rates:
+            self._rates[tier_mb] = (self.kappa(tier_mb), self.bandwidth(tier_mb), self.update_rate(tier_mb))
+        return self._rates[tier_mb]
 
     def _total(self, name: str, first: int, last: int) -> float:
         prefix = self._prefix[name]
@@ -259,8 +267,7 @@ class CostModel:
         scale = micro_batch / p.profile_batch
         micro_batches = p.global_batch // micro_batch
         per_replica = math.ceil(micro_batches / choice.replicas)
-        kappa = self.kappa(choice.tier_mb)
-        bandwidth = self.bandwidth(choice.tier_mb)
+        kappa, bandwidth, update_rate = self._tier_rates(choice.tier_mb)
         inputs = scale * p.blocks[choice.first].input_bytes
         outputs = scale * p.blocks[choice.last].output_bytes if not last else 0.0
         grad_in = inputs if not first else 0.0
@@ -271,7 +278,9 @@ class CostModel:
         buffers = self._total("buffer_bytes", choice.first, choice.last)
         memory = self.region.runtime_overhead_mb + (state + buffers + activations * held + 2 * (inputs + outputs)) / MB
         r = choice.replicas
-        pieces = sync_pieces(params, r)
+        pieces = self._pieces.get((params, r))
+        if pieces is None:
+            pieces = self._pieces[params, r] = sync_pieces(params, r)
         # Besides tensors (counts over the stage's r replicas): each last-stage replica reports its
         # losses (a put), every replica reads whether its invocation ends here (a get), and a first
         # stage reads a data shard.
@@ -292,7 +301,7 @@ class CostModel:
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),
             sync_s=self._stage_sync(params, r, choice.tier_mb),
-            update_s=(2 + p.optimizer_state) * params / self.update_rate(choice.tier_mb),
+            update_s=(2 + p.optimizer_state) * params / update_rate,
             memory_mb=memory,
             parameter_bytes=params,
             puts=puts,
