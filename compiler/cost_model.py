@@ -170,8 +170,6 @@ class CostModel:
                 running.append(running[-1] + getattr(block, name))
             self._prefix[name] = running
         self._params: dict[tuple[int, int], int] = {}
-        self._sync: dict[tuple[int, int, int], float] = {}
-        self._pieces: dict[tuple[int, int], int] = {}
         self._rates: dict[int, tuple[float, float, float]] = {}
 
     def _tier_rates(self, tier_mb: int) -> tuple[float, float, float]:
@@ -238,12 +236,6 @@ class CostModel:
         reduced_up = max(request + scattered * tau, first_round + request)
         return max(own_chunk + tau, reduced_up + request + detect) + (scattered - 1) * tau
 
-    def _stage_sync(self, param_bytes: int, replicas: int, tier_mb: int) -> float:
-        key = (param_bytes, replicas, tier_mb)
-        if key not in self._sync:
-            self._sync[key] = self.sync_time(param_bytes, replicas, tier_mb)
-        return self._sync[key]
-
     # --- one stage -------------------------------------------------------------------------
     def stage_params(self, first: int, last: int) -> int:
         found = self._params.get((first, last))
@@ -278,9 +270,7 @@ class CostModel:
         buffers = self._total("buffer_bytes", choice.first, choice.last)
         memory = self.region.runtime_overhead_mb + (state + buffers + activations * held + 2 * (inputs + outputs)) / MB
         r = choice.replicas
-        pieces = self._pieces.get((params, r))
-        if pieces is None:
-            pieces = self._pieces[params, r] = sync_pieces(params, r)
+        pieces = sync_pieces(params, r)
         # Besides tensors (counts over the stage's r replicas): each last-stage replica reports its
         # losses (a put), every replica reads whether its invocation ends here (a get), and a first
         # stage reads a data shard.
@@ -300,7 +290,7 @@ class CostModel:
             forward_upload_s=transfer(outputs),
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),
-            sync_s=self._stage_sync(params, r, choice.tier_mb),
+            sync_s=self.sync_time(params, r, choice.tier_mb),
             update_s=(2 + p.optimizer_state) * params / update_rate,
             memory_mb=memory,
             parameter_bytes=params,

@@ -302,11 +302,24 @@ def _run_cbc(program: Program, time_limit: float | None) -> Outcome:
     return Outcome(values, value if optimal else -math.inf, "optimal" if optimal else "time limit", "CBC")
 
 
-
-
 class ConfigTable:
     """The stage configurations of one micro-batch size as arrays (one entry per configuration),
     for the vectorised passes: pruning, the heuristic and the pricing of the LP's columns."""
+
+    ARRAYS = (
+        "first",
+        "end",
+        "gb",
+        "fixed",
+        "fill",
+        "back_fill",
+        "tail",
+        "forward",
+        "drain",
+        "steady",
+        "low",
+        "least_usd",
+    )
 
     def __init__(self, problem: Problem, mu: int, configs: list[tuple[StageChoice, StageTerms, int]]) -> None:
         model = CostModel(problem)
@@ -332,6 +345,8 @@ class ConfigTable:
         fastest = min(model.kappa(m) for m in problem.region.tiers_mb) * mu / problem.profile_batch
         work = np.array([0.0] + [b.forward_s + b.backward_s for b in problem.blocks]).cumsum()
         self.low = self.fill + self.steady + fastest * (work[-1] - (work[self.end] - work[self.first]))
+        # And a lower bound of what the configuration alone adds to a plan's cost.
+        self.least_usd = problem.region.prices.gb_second * self.gb * self.low + self.fixed
         self.by_end = [np.flatnonzero(self.end == b) for b in range(n_blocks + 1)]
         self.by_first = [np.flatnonzero(self.first == b) for b in range(n_blocks + 1)]
 
@@ -343,7 +358,7 @@ class ConfigTable:
         index = np.flatnonzero(keep)
         table.configs = [self.configs[i] for i in index]
         table.n_blocks = self.n_blocks
-        for name in ("first", "end", "gb", "fixed", "fill", "back_fill", "tail", "forward", "drain", "steady", "low"):
+        for name in self.ARRAYS:
             setattr(table, name, getattr(self, name)[index])
         table.by_end = [np.flatnonzero(table.end == b) for b in range(self.n_blocks + 1)]
         table.by_first = [np.flatnonzero(table.first == b) for b in range(self.n_blocks + 1)]
@@ -352,42 +367,38 @@ class ConfigTable:
     def least_paths(self, weights: np.ndarray, forward: bool) -> np.ndarray:
         """Shortest path lengths from boundary 0 to every boundary (forward), or from every boundary to
         the last (backward), over the configurations as edges weighted by `weights`."""
+        return self._shortest(weights, forward)[0]
+
+    def cheapest_path(self, weights: np.ndarray) -> list[int] | None:
+        """The configurations of a shortest path from boundary 0 to the last (ties: the earliest);
+        None when an infinite weight on every path leaves none."""
+        best, via = self._shortest(weights, True)
+        if not math.isfinite(best[self.n_blocks]):
+            return None
+        path, b = [], self.n_blocks
+        while b > 0:
+            path.append(int(via[b]))
+            b = int(self.first[via[b]])
+        return path[::-1]
+
+    def _shortest(self, weights: np.ndarray, forward: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Path lengths, and the configuration each boundary is reached by on a shortest path."""
         n_blocks = self.n_blocks
         best = np.full(n_blocks + 1, np.inf)
+        via = np.full(n_blocks + 1, -1)
         if forward:
             best[0] = 0.0
-            for b in range(1, n_blocks + 1):
-                edges = self.by_end[b]
-                if len(edges):
-                    best[b] = (best[self.first[edges]] + weights[edges]).min()
+            order, incoming, source = range(1, n_blocks + 1), self.by_end, self.first
         else:
             best[n_blocks] = 0.0
-            for b in range(n_blocks - 1, -1, -1):
-                edges = self.by_first[b]
-                if len(edges):
-                    best[b] = (best[self.end[edges]] + weights[edges]).min()
-        return best
-
-    def cheapest_path(self, weights: np.ndarray, allowed: np.ndarray) -> list[int] | None:
-        """The configurations of a shortest path from boundary 0 to the last (ties: the earliest)."""
-        n_blocks = self.n_blocks
-        best = np.full(n_blocks + 1, np.inf)
-        best[0] = 0.0
-        previous = np.full(n_blocks + 1, -1)
-        for b in range(1, n_blocks + 1):
-            edges = self.by_end[b]
-            edges = edges[allowed[edges]]
+            order, incoming, source = range(n_blocks - 1, -1, -1), self.by_first, self.end
+        for b in order:
+            edges = incoming[b]
             if len(edges):
-                lengths = best[self.first[edges]] + weights[edges]
+                lengths = best[source[edges]] + weights[edges]
                 k = int(np.argmin(lengths))
-                best[b], previous[b] = lengths[k], edges[k]
-        if not math.isfinite(best[n_blocks]):
-            return None
-        path, b = [], n_blocks
-        while b > 0:
-            path.append(int(previous[b]))
-            b = int(self.first[previous[b]])
-        return path[::-1]
+                best[b], via[b] = lengths[k], edges[k]
+        return best, via
 
 
 @dataclass
@@ -419,13 +430,12 @@ def heuristic_plan(
     best: tuple[Solution, float] | None = None
     tried: set[tuple[StageChoice, ...]] = set()
     for cap in levels[picks]:
-        allowed = table.steady <= cap
         t_guess, gb_guess = float(cap), 0.0
         for _ in range(3):
             weight = (
                 table.fill if time_objective else price * (table.gb * t_guess + gb_guess * table.fill) + table.fixed
             )
-            path = table.cheapest_path(weight, allowed)
+            path = table.cheapest_path(np.where(table.steady <= cap, weight, np.inf))
             if path is None:
                 break
             stages = tuple(table.configs[i][0] for i in path)
@@ -470,7 +480,7 @@ def prune(
         least_fixed = (
             table.least_paths(table.fixed, True)[first] + table.fixed + table.least_paths(table.fixed, False)[end]
         )
-        weight = price * table.gb * table.low + table.fixed
+        weight = table.least_usd
         least_cost = np.maximum(
             price * table.low * least_gb + least_fixed,
             table.least_paths(weight, True)[first] + weight + table.least_paths(weight, False)[end],
@@ -856,8 +866,7 @@ def solve_for_micro_batch(
         # Reduced-cost fixing: the LP bounds every configuration's plans; those above the known plan go.
         budget_s = PRICE_SHARE * time_limit if time_limit is not None else math.inf
         # Start from the heuristic's plan and, from each block, the stages with the least floor weight.
-        price = problem.region.prices.gb_second
-        weight = table.low if objective in ("time", "time-under-budget") else price * table.gb * table.low + table.fixed
+        weight = table.low if objective in ("time", "time-under-budget") else table.least_usd
         seeds = _indices(table, found[0].plan)
         for edges in table.by_first:
             seeds.extend(int(i) for i in edges[np.argsort(weight[edges], kind="stable")[:SEEDS_PER_BLOCK]])
