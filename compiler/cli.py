@@ -259,7 +259,7 @@ def print_plan(out: Console, result: FrontEndResult) -> None:
     plan = result.plan
     solution, problem = plan.solution, plan.problem
     ev = solution.evaluation
-    gap = "unknown" if solution.gap == float("inf") else f"{solution.gap:.2%}"
+    gap = _gap_text(solution.gap)
     out.print(
         f"  plan        {plan.region.name}, objective {result.plan_options.objective}, {problem.schedule}, "
         f"micro-batch {solution.plan.micro_batch} x {problem.global_batch // solution.plan.micro_batch}: "
@@ -303,7 +303,7 @@ def print_regions(out: Console, result: FrontEndResult) -> None:
     out.print(
         f"  regions     {problem.sync}, {problem.rounds} rounds"
         + (f", server {problem.sites[server].name}" if server is not None and problem.sync == "asgd-ga" else "")
-        + f": {solution.status} (gap {solution.gap:.2%}, {solution.solve_s:.1f} s)"
+        + f": {solution.status} (gap {_gap_text(solution.gap)}, {solution.solve_s:.1f} s)"
     )
     for site, figures in zip(problem.sites, ev.regions, strict=True):
         if figures is None:
@@ -372,6 +372,10 @@ def print_summary(
     out.print(
         f"  wrote       {display_path(output)}/: {len(files)} files, {size / 2**20:.1f} MiB ({', '.join(top)})"
     )
+
+
+def _gap_text(gap: float) -> str:
+    return "unknown" if gap == float("inf") else f"{gap:.2%}"
 
 
 if __name__ == "__main__":

@@ -303,7 +303,10 @@ def solve_geo(
     if best is None:
         raise GeoInfeasible("no schedule of the regions meets the request")
     value = objective_value(objective, best.evaluation)[0]
-    gap = 0.0 if not math.isfinite(bound) or value <= 0 else max(0.0, (value - bound) / value)
+    if bound == -math.inf:
+        gap = math.inf  # a solve stopped by its time limit: no bound
+    else:
+        gap = 0.0 if not math.isfinite(bound) or value <= 0 else max(0.0, (value - bound) / value)
     best.gap = 0.0 if gap < 1e-6 else gap
     best.status = "optimal" if proven and best.gap == 0.0 else "feasible"
     best.solve_s = time.perf_counter() - started
@@ -472,8 +475,10 @@ def _solve_one(
     chosen_moves = tuple(
         sorted(((a, b), round(var.value() or 0)) for (a, b), var in moves.items() if round(var.value() or 0) > 0)
     )
-    value = pulp.value(lp.objective)
-    return GeoPlan(options, chosen_moves, server), status, float(value), solver_name
+    # A time limit leaves pulp's status "Optimal" with an integer-feasible solution: no proof, no bound.
+    if lp.sol_status != pulp.LpSolutionOptimal:
+        return GeoPlan(options, chosen_moves, server), "Not Solved", -math.inf, solver_name
+    return GeoPlan(options, chosen_moves, server), status, float(pulp.value(lp.objective)), solver_name
 
 
 def enumerate_plans(problem: GeoProblem) -> Iterator[GeoPlan]:

@@ -212,6 +212,7 @@ def lower_plan(
         if inter_region is not None:
             entry["round_iterations"] = training.round_iterations
             entry["weight"] = training.weight
+        if training.sources:  # also when one region trains alone on data moved to it
             entry["data_sources"] = [{"region": r, "first": f, "count": c} for r, f, c in training.sources]
         entry["functions"] = functions
         regions.append(entry)

@@ -562,7 +562,7 @@ def _regions_document(geo: GeoResult, chain: BlockChain, options: PlanOptions) -
         "server": problem.sites[server].name if server is not None else None,
         "training_s": _round(chosen.training_s),
         "cost_usd": _round(chosen.cost_usd),
-        "solver": {"status": solution.status, "gap": _round(solution.gap, 6)},
+        "solver": {"status": solution.status, "gap": None if math.isinf(solution.gap) else _round(solution.gap, 6)},
         "sites": sites,
         "moves": [
             {

@@ -306,7 +306,12 @@ class Controller:
         unknown = sorted({s["kind"] for s in workflow["steps"]} - FUNCTION_STEPS)
         if unknown:
             raise RunError(f"workflow.yaml: step kinds {unknown} are not run by this controller yet")
-        self.random = random.Random(settings.fault_seed)
+        # One fault generator per region (regions run in threads), so each region's faults replay
+        # however the threads interleave; the first region's are those of a one-region run.
+        self.random = {
+            region["name"]: random.Random(settings.fault_seed + index)
+            for index, region in enumerate(workflow["regions"])
+        }
 
     def namespace(self, region: str) -> str:
         return f"{self.settings.run_id}/{region}"
@@ -372,7 +377,7 @@ class Controller:
             for f in region["functions"]
             for r in range(f["replicas"])
         }
-        kills = self._plan_faults(list(pending), start, stop)
+        kills = self._plan_faults(self.random[region["name"]], list(pending), start, stop)
         range_began = time.time()
         last = max(region["functions"], key=lambda f: f["stage"])
         stopped: list[int] = []
@@ -457,13 +462,15 @@ class Controller:
         record.lost_reports += 1
         return json.dumps({"losses": [], "time": record.progress[-1].time if record.progress else time.time()}).encode()
 
-    def _plan_faults(self, keys: list[tuple[str, int]], start: int, stop: int) -> dict[tuple[str, int], tuple]:
+    def _plan_faults(
+        self, rng: random.Random, keys: list[tuple[str, int]], start: int, stop: int
+    ) -> dict[tuple[str, int], tuple]:
         """Which invocations of this range to kill, and when: at a random iteration of the range,
         a random fraction of an iteration into it (seeded, so a run's faults can be replayed)."""
         kills = {}
         for key in keys:
-            if self.settings.fault_rate and self.random.random() < self.settings.fault_rate:
-                kills[key] = (self.random.randrange(start, stop), self.random.random())
+            if self.settings.fault_rate and rng.random() < self.settings.fault_rate:
+                kills[key] = (rng.randrange(start, stop), rng.random())
         return kills
 
     @staticmethod

@@ -331,11 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
     (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began)) + "\n")
-    line = f"trained {iterations} iterations in {seconds:.1f} s"
+    trained = " + ".join(f"{totals[name]} ({name})" for name in records) if len(records) > 1 else str(iterations)
+    line = f"trained {trained} iterations in {seconds:.1f} s"
     if metrics["samples_per_s"]:
         line += f" ({metrics['samples_per_s']:,.0f} samples/s, {metrics['median_iteration_s'] * 1000:.1f} ms/iteration)"
-    if record.faults or record.retries:
-        line += f"; {record.faults} injected fault(s), {record.retries} retried invocation(s)"
+    faults, retries = sum(r.faults for r in records.values()), sum(r.retries for r in records.values())
+    if faults or retries:
+        line += f"; {faults} injected fault(s), {retries} retried invocation(s)"
     print(line)
     if test:
         figures = f"test loss {test['loss']:.4f}"

@@ -81,3 +81,22 @@ def test_asgd_ga_applies_every_regions_every_round_once(compile_cli, tmp_path: P
     assert losses[-1] < losses[0]
     if faults != "0":
         assert sum(r["faults_injected"] for r in metrics["regions"].values()) >= 1
+
+
+def test_one_region_training_on_moved_data_reads_every_slice(compile_cli, tmp_path: Path) -> None:
+    """When the cheapest schedule trains one region on all the data, the data moved to it is in its
+    workflow entry (before: only multi-region entries listed their sources, so it trained on its own)."""
+    build = tmp_path / "build"
+    code, out, err = compile_cli(
+        *(str(GEO), "-o", str(build), "--profile", str(PROFILE), "--regions", REGIONS),
+        *("--objective", "cost", "--sync", "model-average"),
+    )
+    assert code == 0, err
+    workflow = yaml.safe_load((build / "workflow.yaml").read_text())
+    plan = json.loads((build / "plan.json").read_text())
+    assert len(workflow["regions"]) == 1
+    region = workflow["regions"][0]
+    sources = {s["region"] for s in region["data_sources"]}
+    assert sources == set(REGIONS.split(","))
+    total = sum(site["data_samples"] for site in plan["regions"]["sites"])
+    assert sum(s["count"] for s in region["data_sources"]) == region["samples"] == total
