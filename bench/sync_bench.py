@@ -41,8 +41,8 @@ import torch
 
 from cloudless.compiler.cost_model import CostModel, Problem
 from cloudless.ir.catalog import load_catalog
+from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES, sync_pieces
 from cloudless.runtimes.emulation import EmulatedChannel, Resources
-from cloudless.runtimes.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES, sync_pieces
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.sync import scatter_reduce
 

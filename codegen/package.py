@@ -3,7 +3,9 @@
 `regions/<region>/functions/<fn>/` holds the handler (OpenFaaS and Lambda entry points), the stage's
 generated source and weights (safetensors), the loss module on the last stage, `function.json` (the
 function's name and region and the whole workflow), `requirements.txt`, a Dockerfile for Lambda's
-container image, and the vendored runtime (`cloudless_runtime/`, this project's `runtimes/`).
+container image, and the vendored runtime: `cloudless/runtimes/` (this project's `runtimes/`, but
+the controller and the local runner) with the `cloudless/ir/` modules it imports (the workflow, the
+schedule and the protocol: standard library and torch only), under the same import names as here.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import torch
 from safetensors.torch import save
 
 PYTHON_VERSION = "3.11"
-RUNTIME_FOLDER = "cloudless_runtime"
-#: the runtime modules a function runs (the controller and local runner stay out of the packages)
-FUNCTION_MODULES = (
-    "__init__", "data", "emulation", "schedule", "secrets", "storage", "sync", "tensors", "worker"
-)
+#: what a function runs, by package: the runtime modules (the controller and local runner stay out
+#: of the packages) and the ir modules they import
+VENDORED_MODULES = {
+    "runtimes": ("__init__", "data", "emulation", "secrets", "storage", "sync", "tensors", "worker"),
+    "ir": ("__init__", "protocol", "schedule", "workflow"),
+}
 
 
 @cache
@@ -37,9 +40,13 @@ def _environment() -> jinja2.Environment:
 
 @cache
 def runtime_sources() -> dict[str, bytes]:
-    """The runtime's modules by file name, as vendored into every package."""
-    folder = resources.files("cloudless.runtimes")
-    return {f"{name}.py": folder.joinpath(f"{name}.py").read_bytes() for name in FUNCTION_MODULES}
+    """The vendored modules by path in a package (`cloudless/<package>/<module>.py`)."""
+    sources = {}
+    for package, modules in VENDORED_MODULES.items():
+        folder = resources.files(f"cloudless.{package}")
+        for name in modules:
+            sources[f"cloudless/{package}/{name}.py"] = folder.joinpath(f"{name}.py").read_bytes()
+    return sources
 
 
 def weights_bytes(state: dict[str, torch.Tensor]) -> bytes:
@@ -86,7 +93,7 @@ def render_function_package(
             raise ValueError(f"{function['name']} is the last stage and needs the loss module")
         files[f"{root}/{workflow['data']['loss']}.py"] = loss_source.encode()
     for name, data in runtime_sources().items():
-        files[f"{root}/{RUNTIME_FOLDER}/{name}"] = data
+        files[f"{root}/{name}"] = data
     return files
 
 

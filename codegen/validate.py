@@ -29,8 +29,8 @@ from cloudless.codegen.platforms import (
     aws_region,
     logical_id,
 )
+from cloudless.ir.files import check_workflow
 from cloudless.ir.schema import SchemaError, load_schema
-from cloudless.ir.workflow import check_workflow
 
 if sys.version_info >= (3, 11):
     import tomllib

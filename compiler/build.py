@@ -19,9 +19,9 @@ from cloudless.codegen.report import render_report
 from cloudless.compiler.pipeline import FrontEndResult
 from cloudless.compiler.plan import plan_document
 from cloudless.compiler.simulate import simulate
+from cloudless.ir.files import check_workflow, dump_yaml
 from cloudless.ir.graph import dumps
 from cloudless.ir.schema import validate
-from cloudless.ir.workflow import check_workflow, dump_yaml
 
 
 def build_files(result: FrontEndResult, targets: frozenset[str] = TARGETS) -> dict[str, bytes]:

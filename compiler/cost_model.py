@@ -18,7 +18,7 @@ from typing import Literal
 
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import Region
-from cloudless.runtimes.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
+from cloudless.ir.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20

@@ -27,7 +27,7 @@ from cloudless.compiler.model_file import ModelFile
 from cloudless.compiler.trace import trace_model
 from cloudless.ir import API_VERSION
 from cloudless.ir.catalog import Region
-from cloudless.runtimes.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES, Schedule
+from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES, Schedule
 
 DEFAULT_LEARNING_RATE = 0.01
 #: checkpoints per run when the model file does not say (at least every 1000 iterations)

@@ -38,7 +38,7 @@ from cloudless.compiler.state import preserved_state
 from cloudless.compiler.trace import TracedProgram, trace_model
 from cloudless.compiler.verify import VerifyReport, verify_stages
 from cloudless.ir import BlockChain, OpGraph
-from cloudless.runtimes.schedule import Schedule
+from cloudless.ir.schedule import Schedule
 
 DEFAULT_BATCH_SIZE = 2
 

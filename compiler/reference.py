@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from cloudless.compiler.model_file import ModelFile
-from cloudless.runtimes.data import sample_indices
+from cloudless.ir.schedule import sample_indices
 
 
 class PlainTrainer:

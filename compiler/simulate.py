@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cloudless.compiler.cost_model import CostModel, Plan, Problem, sync_pieces
-from cloudless.runtimes.schedule import (
+from cloudless.ir.schedule import (
     SHARD_SAMPLES,
     SYNC_IN_FLIGHT,
     SYNC_MAX_POLL_S,

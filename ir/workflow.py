@@ -1,77 +1,392 @@
-"""workflow.yaml: the manifest the controller and the state machines walk.
+"""The workflow: regions, functions, storage, and the DAG of one training iteration's steps.
 
-One YAML form (keys in the order written, block style, no aliases) so that two compiles of the same
-plan give the same bytes. `check_workflow` adds what a JSON Schema cannot say: every dependency and
-function named exists, the steps form a DAG, and stages are numbered 0..S-1 in each region.
+Typed, frozen objects; `Workflow.to_json()` is the content of `workflow.yaml` (and of every
+`function.json`), keys in a fixed order, and `Workflow.from_json()` reads it back. This module
+imports the standard library only: it is vendored into every function package, whose worker reads
+its workflow through it. The file forms (YAML, the JSON Schema and the DAG check) are in
+`cloudless.ir.files`, which the packages do not need.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import networkx as nx
-import yaml
+API_VERSION = "cloudless/v1"
 
-from cloudless.ir.schema import SchemaError, validate
+Schedule = Literal["gpipe", "1f1b"]
+StepKind = Literal["compute", "scatter-reduce", "optimizer-step", "checkpoint", "asgd-ga-push", "model-average"]
+InterRegionSync = Literal["asgd-ga", "model-average"]
 
-
-class _Dumper(yaml.SafeDumper):
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def dump_yaml(document: Any) -> str:
-    """The one YAML form of generated files: insertion order, block style, wide lines."""
-    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
-
-
-def check_workflow(document: dict[str, Any], source: str = "workflow.yaml") -> None:
-    """Raise SchemaError naming `source` and the key if the manifest is malformed."""
-    validate(document, "workflow", source)
-    functions: dict[tuple[str, str], dict[str, Any]] = {}
-    for r, region in enumerate(document["regions"]):
-        stages = sorted(f["stage"] for f in region["functions"])
-        if stages != list(range(len(stages))):
-            raise SchemaError(f"{source}: key regions/{r}/functions: stages {stages}; expected 0..{len(stages) - 1}")
-        for f, function in enumerate(region["functions"]):
-            if (region["name"], function["name"]) in functions:
-                raise SchemaError(f"{source}: key regions/{r}/functions/{f}/name: {function['name']!r} repeats")
-            functions[(region["name"], function["name"])] = function
-    ids = [step["id"] for step in document["steps"]]
-    graph: nx.DiGraph = nx.DiGraph()
-    for i, step in enumerate(document["steps"]):
-        if ids.count(step["id"]) > 1:
-            raise SchemaError(f"{source}: key steps/{i}/id: {step['id']!r} repeats")
-        function = functions.get((step["region"], step["function"]))
-        if function is None:
-            raise SchemaError(
-                f"{source}: key steps/{i}/function: no function {step['function']!r} in region {step['region']!r}"
-            )
-        if step["replicas"] != function["replicas"]:
-            raise SchemaError(
-                f"{source}: key steps/{i}/replicas: {step['replicas']}, but function {step['function']!r} "
-                f"has {function['replicas']}"
-            )
-        graph.add_node(step["id"])
-        for d, dependency in enumerate(step["depends_on"]):
-            if dependency not in ids:
-                raise SchemaError(f"{source}: key steps/{i}/depends_on/{d}: no step {dependency!r}")
-            graph.add_edge(dependency, step["id"])
-    if not nx.is_directed_acyclic_graph(graph):
-        cycle = " -> ".join(edge[0] for edge in nx.find_cycle(graph))
-        raise SchemaError(f"{source}: key steps: the dependencies form a cycle ({cycle})")
+#: step kinds of one iteration, in the order a stage's function runs them
+STEP_KINDS: tuple[StepKind, ...] = (
+    "compute",
+    "scatter-reduce",
+    "optimizer-step",
+    "asgd-ga-push",
+    "model-average",
+    "checkpoint",
+)
+#: the step kind that syncs a stage with its counterparts in other regions, per strategy
+SYNC_STEP_KIND: dict[str, StepKind] = {"asgd-ga": "asgd-ga-push", "model-average": "model-average"}
 
 
-def save_workflow(document: dict[str, Any], path: Path) -> None:
-    check_workflow(document, str(path))
-    path.write_text(dump_yaml(document))
+@dataclass(frozen=True)
+class Function:
+    """One pipeline stage's function in a region; its replicas are instances of it."""
+
+    name: str
+    stage: int
+    #: first and last block of the chain the stage computes
+    blocks: tuple[int, int]
+    #: the function's configured memory (its tier), MB
+    memory_mb: int
+    #: the CPU share the platform gives that memory, thousandths of a vCPU
+    cpu_millis: int
+    #: MB/s each way to storage (the catalog's figure for the tier; what --emulate uses)
+    network_mbps: float
+    replicas: int
+    timeout_s: int
+    #: folder of the function package, relative to the build
+    package: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    #: parameters other stages also hold; their gradients are summed
+    shared_parameters: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "stage": self.stage,
+            "blocks": list(self.blocks),
+            "memory_mb": self.memory_mb,
+            "cpu_millis": self.cpu_millis,
+            "network_mbps": self.network_mbps,
+            "replicas": self.replicas,
+            "timeout_s": self.timeout_s,
+            "package": self.package,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "shared_parameters": list(self.shared_parameters),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Function:
+        first, last = data["blocks"]
+        return cls(
+            name=data["name"],
+            stage=int(data["stage"]),
+            blocks=(int(first), int(last)),
+            memory_mb=int(data["memory_mb"]),
+            cpu_millis=int(data["cpu_millis"]),
+            network_mbps=float(data["network_mbps"]),
+            replicas=int(data["replicas"]),
+            timeout_s=int(data["timeout_s"]),
+            package=data["package"],
+            inputs=tuple(data["inputs"]),
+            outputs=tuple(data["outputs"]),
+            shared_parameters=tuple(data["shared_parameters"]),
+        )
 
 
-def load_workflow(path: Path) -> dict[str, Any]:
-    try:
-        document = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise SchemaError(f"{path}: not YAML: {exc}") from exc
-    check_workflow(document, str(path))
-    return document
+@dataclass(frozen=True)
+class DataSource:
+    """A slice of `load_shard(region, "train")` that a region trains on."""
+
+    region: str
+    first: int
+    count: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"region": self.region, "first": self.first, "count": self.count}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DataSource:
+        return cls(data["region"], int(data["first"]), int(data["count"]))
+
+
+@dataclass(frozen=True)
+class Region:
+    """A region that trains: its functions (one per stage, in stage order) and its share of the run."""
+
+    name: str
+    provider: str
+    #: training samples it holds (None: not known at compile time)
+    samples: int | None
+    #: one storage request's round trip, seconds
+    request_latency_s: float
+    functions: tuple[Function, ...]
+    #: iterations this region trains
+    iterations: int | None = None
+    #: several regions: iterations between two inter-region syncs, and its model-averaging weight
+    round_iterations: int | None = None
+    weight: float | None = None
+    #: what it trains on (several regions, or data moved to it); empty: its own load_shard
+    data_sources: tuple[DataSource, ...] = ()
+
+    @property
+    def stages(self) -> int:
+        return len(self.functions)
+
+    def function(self, name: str) -> Function:
+        for function in self.functions:
+            if function.name == name:
+                return function
+        raise KeyError(f"region {self.name} has no function {name!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            "name": self.name,
+            "provider": self.provider,
+            "samples": self.samples,
+            "request_latency_s": self.request_latency_s,
+        }
+        for key in ("iterations", "round_iterations", "weight"):
+            if getattr(self, key) is not None:
+                document[key] = getattr(self, key)
+        if self.data_sources:
+            document["data_sources"] = [source.to_json() for source in self.data_sources]
+        document["functions"] = [function.to_json() for function in self.functions]
+        return document
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Region:
+        functions = sorted((Function.from_json(f) for f in data["functions"]), key=lambda f: f.stage)
+        return cls(
+            name=data["name"],
+            provider=data["provider"],
+            samples=data["samples"],
+            request_latency_s=float(data["request_latency_s"]),
+            functions=tuple(functions),
+            iterations=data.get("iterations"),
+            round_iterations=data.get("round_iterations"),
+            weight=data.get("weight"),
+            data_sources=tuple(DataSource.from_json(s) for s in data.get("data_sources") or ()),
+        )
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    name: str
+    iterations: int
+    global_batch: int
+    micro_batch: int
+    micro_batches: int
+    schedule: Schedule
+    checkpoint_every: int
+    seed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "iterations": self.iterations,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "micro_batches": self.micro_batches,
+            "schedule": self.schedule,
+            "checkpoint_every": self.checkpoint_every,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunSettings:
+        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A torch.optim class name and its constructor's keyword arguments."""
+
+    class_name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"class": self.class_name, "options": dict(self.options)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> OptimizerSpec:
+        return cls(data["class"], dict(data["options"]))
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """How models meet: inside a region (scatter-reduce in pieces) and between regions."""
+
+    intra_region: Literal["pipelined-scatter-reduce", "sequential-scatter-reduce"]
+    piece_bytes: int
+    max_pieces: int
+    inter_region: InterRegionSync | None = None
+    #: several regions: syncs over the training, and ASGD-GA's server region
+    rounds: int | None = None
+    server: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            "intra_region": self.intra_region,
+            "piece_bytes": self.piece_bytes,
+            "max_pieces": self.max_pieces,
+            "inter_region": self.inter_region,
+        }
+        if self.inter_region is not None:
+            document["rounds"] = self.rounds
+            document["server"] = self.server
+        return document
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SyncSettings:
+        return cls(
+            data["intra_region"],
+            int(data["piece_bytes"]),
+            int(data["max_pieces"]),
+            data.get("inter_region"),
+            data.get("rounds"),
+            data.get("server"),
+        )
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    bucket: str
+    prefix: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bucket": self.bucket, "prefix": self.prefix}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StorageSpec:
+        return cls(data["bucket"], data["prefix"])
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    #: the model file whose load_shard gives the data, as given to the compiler
+    model_file: str
+    #: the first stage's flat inputs
+    inputs: tuple[str, ...]
+    #: flat target tensors per micro-batch
+    targets: int
+    #: module, in the last stage's package, computing the loss
+    loss: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_file": self.model_file, "inputs": list(self.inputs), "targets": self.targets, "loss": self.loss}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DataSpec:
+        return cls(data["model_file"], tuple(data["inputs"]), int(data["targets"]), data["loss"])
+
+
+@dataclass(frozen=True)
+class WanLink:
+    """The link between two regions' storage."""
+
+    between: tuple[str, str]
+    mbps: float  # MB/s
+    latency_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"between": list(self.between), "mbps": self.mbps, "latency_s": self.latency_s}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WanLink:
+        a, b = data["between"]
+        return cls((a, b), float(data["mbps"]), float(data["latency_s"]))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of an iteration's DAG: a kind of work of one function (all its replicas)."""
+
+    id: str
+    kind: StepKind
+    region: str
+    function: str
+    replicas: int
+    depends_on: tuple[str, ...]
+    #: runs on iterations that are multiples of this (None: every iteration)
+    every: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            "id": self.id,
+            "kind": self.kind,
+            "region": self.region,
+            "function": self.function,
+            "replicas": self.replicas,
+            "depends_on": list(self.depends_on),
+        }
+        if self.every is not None:
+            document["every"] = self.every
+        return document
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Step:
+        return cls(
+            data["id"],
+            data["kind"],
+            data["region"],
+            data["function"],
+            int(data["replicas"]),
+            tuple(data["depends_on"]),
+            data.get("every"),
+        )
+
+
+@dataclass(frozen=True)
+class Workflow:
+    model: str
+    run: RunSettings
+    optimizer: OptimizerSpec
+    sync: SyncSettings
+    storage: StorageSpec
+    data: DataSpec
+    regions: tuple[Region, ...]
+    steps: tuple[Step, ...]
+    #: several regions: the links between their storage
+    wan: tuple[WanLink, ...] | None = None
+
+    def region(self, name: str) -> Region:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise KeyError(f"workflow has no region {name!r}; it has {[r.name for r in self.regions]}")
+
+    def functions(self) -> list[tuple[Region, Function]]:
+        """Every (region, function) in region, then stage, order."""
+        return [(region, function) for region in self.regions for function in region.functions]
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {
+            "apiVersion": API_VERSION,
+            "kind": "Workflow",
+            "model": self.model,
+            "run": self.run.to_json(),
+            "optimizer": self.optimizer.to_json(),
+            "sync": self.sync.to_json(),
+            "storage": self.storage.to_json(),
+            "data": self.data.to_json(),
+            "regions": [region.to_json() for region in self.regions],
+        }
+        if self.wan is not None:
+            document["wan"] = [link.to_json() for link in self.wan]
+        document["steps"] = [step.to_json() for step in self.steps]
+        return document
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Workflow:
+        """The workflow of a document that passed its schema (`cloudless.ir.files.check_workflow`)."""
+        if data.get("apiVersion") != API_VERSION or data.get("kind") != "Workflow":
+            raise ValueError(f"not a {API_VERSION} Workflow: apiVersion {data.get('apiVersion')!r}")
+        wan = data.get("wan")
+        return cls(
+            model=data["model"],
+            run=RunSettings.from_json(data["run"]),
+            optimizer=OptimizerSpec.from_json(data["optimizer"]),
+            sync=SyncSettings.from_json(data["sync"]),
+            storage=StorageSpec.from_json(data["storage"]),
+            data=DataSpec.from_json(data["data"]),
+            regions=tuple(Region.from_json(r) for r in data["regions"]),
+            steps=tuple(Step.from_json(s) for s in data["steps"]),
+            wan=None if wan is None else tuple(WanLink.from_json(link) for link in wan),
+        )

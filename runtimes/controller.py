@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cloudless.ir.schedule import local_micro_batches
+
 from .emulation import Resources
-from .schedule import local_micro_batches
 from .storage import Channel, KeyTimeout
 
 #: step kinds the stage workers run inside their invocations

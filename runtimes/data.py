@@ -13,12 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from functools import lru_cache
 from typing import Any
 
 import torch
 
-from .schedule import SHARD_SAMPLES
+from cloudless.ir.schedule import SHARD_SAMPLES
+
 from .storage import Channel
 from .tensors import pack, unpack
 
@@ -70,25 +70,6 @@ def write_split(
     meta = {"samples": count, "shard_samples": shard_samples, "inputs": shapes[0], "targets": shapes[1]}
     channel.put(data_key(region, split, "meta"), json.dumps(meta, sort_keys=True).encode())
     return count
-
-
-@lru_cache(maxsize=64)
-def epoch_permutation(samples: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-
-
-def sample_indices(
-    iteration: int, micro_batch: int, size: int, global_batch: int, samples: int, seed: int
-) -> list[int]:
-    """The dataset indices of micro-batch `micro_batch` (of `size` samples) of `iteration`."""
-    first = iteration * global_batch + micro_batch * size
-    positions = torch.arange(first, first + size)
-    epochs = positions // samples
-    chosen = torch.empty(size, dtype=torch.int64)
-    for epoch in torch.unique(epochs).tolist():
-        here = epochs == epoch
-        chosen[here] = epoch_permutation(samples, seed, epoch)[positions[here] % samples]
-    return chosen.tolist()
 
 
 class SplitReader:

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from cloudless.ir.files import load_workflow
 from cloudless.ir.schema import SchemaError
-from cloudless.ir.workflow import load_workflow
 
 from .controller import (
     Controller,
@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     build: Path = args.build
     try:
-        workflow = load_workflow(build / "workflow.yaml")
+        workflow = load_workflow(build / "workflow.yaml").to_json()
     except FileNotFoundError:
         return fail(f"{build}/workflow.yaml: not found; expected a build folder written by cloudless-compile")
     except SchemaError as exc:

@@ -27,7 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .schedule import SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, gather_sources, scatter_order, sync_pieces
+from cloudless.ir.schedule import SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, gather_sources, scatter_order, sync_pieces
+
 from .storage import Channel, KeyTimeout
 from .tensors import pack, unpack
 

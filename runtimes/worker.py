@@ -29,9 +29,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .data import SplitReader, data_name, sample_indices
+from cloudless.ir.schedule import compute_order, local_micro_batches, one_f_one_b_windows, sample_indices
+
+from .data import SplitReader, data_name
 from .emulation import CpuShare, EmulatedChannel, Resources
-from .schedule import compute_order, local_micro_batches, one_f_one_b_windows
 from .storage import Channel, open_channel
 from .sync import scatter_reduce
 from .tensors import pack, unpack

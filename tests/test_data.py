@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from cloudless.runtimes.data import SplitReader, epoch_permutation, sample_indices, write_split
+from cloudless.ir.schedule import epoch_permutation, sample_indices
+from cloudless.runtimes.data import SplitReader, write_split
 from cloudless.runtimes.storage import DirectoryChannel
 
 

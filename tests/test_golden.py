@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 HASHED = (".safetensors",)
 #: the vendored runtime is a copy of runtimes/: the golden keeps its hash, not a third copy of its text
-HASHED_FOLDERS = ("/cloudless_runtime/",)
+HASHED_FOLDERS = ("/cloudless/",)
 
 CASES: dict[str, tuple[Path, list[str]]] = {
     # the README's sample, as the demo compiles it

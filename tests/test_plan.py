@@ -11,7 +11,7 @@ from cloudless.compiler.model_file import load_model_file
 from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_training
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir.catalog import load_catalog
-from cloudless.ir.plan import load_plan
+from cloudless.ir.files import load_plan
 from cloudless.ir.schema import SchemaError
 
 from .conftest import MODELS, SAMPLES

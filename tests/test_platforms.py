@@ -30,8 +30,8 @@ from cloudless.codegen.platforms import (
 )
 from cloudless.codegen.validate import BuildCheckError, check_build, substitute_arns
 from cloudless.compiler.lower import region_steps
+from cloudless.ir.files import check_workflow, dump_yaml
 from cloudless.ir.schema import SchemaError
-from cloudless.ir.workflow import check_workflow, dump_yaml
 
 EAST, WEST = "aws-us-east-1", "aws-eu-west-1"
 RUN = "mlp-digits"

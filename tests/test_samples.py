@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from cloudless.ir import BlockChain, OpGraph, validate
-from cloudless.ir.plan import load_plan
-from cloudless.ir.workflow import load_workflow
+from cloudless.ir.files import load_plan, load_workflow
 
 from .conftest import SAMPLES
 

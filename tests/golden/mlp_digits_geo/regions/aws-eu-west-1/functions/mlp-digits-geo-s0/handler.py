@@ -14,8 +14,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cloudless_runtime.secrets import load_openfaas_secret  # noqa: E402
-from cloudless_runtime.worker import handle_request  # noqa: E402
+from cloudless.runtimes.secrets import load_openfaas_secret  # noqa: E402
+from cloudless.runtimes.worker import handle_request  # noqa: E402
 
 
 def handle(event, context):

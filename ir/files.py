@@ -1,0 +1,98 @@
+"""The IR's file forms: `workflow.yaml` and `plan.json` written, read and checked.
+
+One YAML form (keys in the order written, block style, no aliases) so that two compiles of the same
+plan give the same bytes. `check_workflow` adds what a JSON Schema cannot say: every dependency and
+function named exists, the steps form a DAG, and stages are numbered 0..S-1 in each region.
+(Not vendored into function packages: it needs yaml, jsonschema and networkx.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import yaml
+
+from cloudless.ir.graph import dumps
+from cloudless.ir.schema import SchemaError, validate
+from cloudless.ir.workflow import Workflow
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(document: Any) -> str:
+    """The one YAML form of generated files: insertion order, block style, wide lines."""
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def check_workflow(document: dict[str, Any], source: str = "workflow.yaml") -> None:
+    """Raise SchemaError naming `source` and the key if the manifest is malformed."""
+    validate(document, "workflow", source)
+    functions: dict[tuple[str, str], dict[str, Any]] = {}
+    for r, region in enumerate(document["regions"]):
+        stages = sorted(f["stage"] for f in region["functions"])
+        if stages != list(range(len(stages))):
+            raise SchemaError(f"{source}: key regions/{r}/functions: stages {stages}; expected 0..{len(stages) - 1}")
+        for f, function in enumerate(region["functions"]):
+            if (region["name"], function["name"]) in functions:
+                raise SchemaError(f"{source}: key regions/{r}/functions/{f}/name: {function['name']!r} repeats")
+            functions[(region["name"], function["name"])] = function
+    ids = [step["id"] for step in document["steps"]]
+    graph: nx.DiGraph = nx.DiGraph()
+    for i, step in enumerate(document["steps"]):
+        if ids.count(step["id"]) > 1:
+            raise SchemaError(f"{source}: key steps/{i}/id: {step['id']!r} repeats")
+        function = functions.get((step["region"], step["function"]))
+        if function is None:
+            raise SchemaError(
+                f"{source}: key steps/{i}/function: no function {step['function']!r} in region {step['region']!r}"
+            )
+        if step["replicas"] != function["replicas"]:
+            raise SchemaError(
+                f"{source}: key steps/{i}/replicas: {step['replicas']}, but function {step['function']!r} "
+                f"has {function['replicas']}"
+            )
+        graph.add_node(step["id"])
+        for d, dependency in enumerate(step["depends_on"]):
+            if dependency not in ids:
+                raise SchemaError(f"{source}: key steps/{i}/depends_on/{d}: no step {dependency!r}")
+            graph.add_edge(dependency, step["id"])
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = " -> ".join(edge[0] for edge in nx.find_cycle(graph))
+        raise SchemaError(f"{source}: key steps: the dependencies form a cycle ({cycle})")
+
+
+def workflow_text(workflow: Workflow, source: str = "workflow.yaml") -> str:
+    """workflow.yaml's bytes, checked."""
+    document = workflow.to_json()
+    check_workflow(document, source)
+    return dump_yaml(document)
+
+
+def save_workflow(workflow: Workflow, path: Path) -> None:
+    path.write_text(workflow_text(workflow, str(path)))
+
+
+def load_workflow(path: Path) -> Workflow:
+    try:
+        document = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SchemaError(f"{path}: not YAML: {exc}") from exc
+    check_workflow(document, str(path))
+    return Workflow.from_json(document)
+
+
+def save_plan(document: dict[str, Any], path: Path) -> None:
+    validate(document, "plan", str(path))
+    path.write_text(dumps(document))
+
+
+def load_plan(path: Path) -> dict[str, Any]:
+    document = json.loads(path.read_text())
+    validate(document, "plan", str(path))
+    return document
