@@ -34,10 +34,10 @@ import torch
 from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import CostModel, Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
-from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_trainings, run_front_end
+from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, run_front_end
 from cloudless.compiler.plan import PlanOptions, build_problem
-from cloudless.compiler.reference import plain_training
 from cloudless.compiler.simulate import simulate
+from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as cloudless_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,12 +53,12 @@ class Case:
     schedule: str = "gpipe"
 
 
-def front_end(model: str) -> FrontEndResult:
+def front_end(model: str) -> FrontEnd:
     torch.set_num_threads(1)
     return run_front_end(FrontEndOptions(model_path=MODELS[model], profile_repeats=5))
 
 
-def lower(result: FrontEndResult, case: Case, iterations: int, build: Path) -> tuple[float, float, dict]:
+def lower_case(result: FrontEnd, case: Case, iterations: int, build: Path) -> tuple[float, float, Workflow]:
     """Write the case's build; returns the cost model's and the simulator's iteration time."""
     last = len(result.chain.blocks) - 1
     options = PlanOptions(schedule=case.schedule)  # type: ignore[arg-type]
@@ -67,7 +67,7 @@ def lower(result: FrontEndResult, case: Case, iterations: int, build: Path) -> t
     plan = Plan(min(problem.micro_batches), choices)
     predicted = CostModel(problem).evaluate(plan).iteration_s
     simulated = simulate(problem, plan).iteration_s
-    lower_trainings(
+    lowered = lower(
         result,
         [RegionTraining(region, plan, iterations, None)],
         None,
@@ -75,9 +75,8 @@ def lower(result: FrontEndResult, case: Case, iterations: int, build: Path) -> t
         global_batch=problem.global_batch,
         schedule=case.schedule,  # type: ignore[arg-type]
     )
-    write_build(package_files(result), build)
-    assert result.workflow is not None
-    return predicted, simulated, result.workflow
+    write_build(package_files(lowered), build)
+    return predicted, simulated, lowered.workflow
 
 
 def measured_run(build: Path, model: str, *options: str) -> dict:
@@ -88,14 +87,17 @@ def measured_run(build: Path, model: str, *options: str) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-def plain_loop(result: FrontEndResult, workflow: dict, iterations: int) -> float:
+def plain_loop(result: FrontEnd, workflow: Workflow, iterations: int) -> float:
     """The same training in one process, data in memory: median seconds per iteration."""
+    if str(ROOT) not in sys.path:  # the tests' reference trainer, from a checkout
+        sys.path.insert(0, str(ROOT))
+    from tests.reference import plain_training
     torch.set_num_threads(1)
     times: list[float] = []
     plain_training(
         result.model_file,
         workflow,
-        workflow["regions"][0]["name"],
+        workflow.regions[0].name,
         iterations,
         lambda _, seconds: times.append(seconds),
     )
@@ -118,7 +120,7 @@ def main() -> int:
     for model in ("mid_mlp", "mlp_digits"):
         result = front_end(model)
         build = work / f"overhead-{model}" / "build"
-        _, _, workflow = lower(result, Case("1x1", model, [(0, -1, 1)], 1769), iterations, build)
+        _, _, workflow = lower_case(result, Case("1x1", model, [(0, -1, 1)], 1769), iterations, build)
         plains, ours_all = [], []
         for _ in range(1 if args.quick else 3):  # alternated, so that both see the machine's moods
             plains.append(plain_loop(result, workflow, iterations))
@@ -150,12 +152,12 @@ def main() -> int:
         outcomes = []
         for _ in range(rounds):
             build = work / f"emulated-{len(list(work.glob('emulated-*')))}" / "build"
-            predicted, simulated, workflow = lower(front_end(case.model), case, iterations, build)
+            predicted, simulated, workflow = lower_case(front_end(case.model), case, iterations, build)
             metrics = measured_run(build, case.model, "--iterations", str(iterations), "--emulate")
             measured = metrics["median_iteration_s"]
             outcomes.append((measured / predicted - 1, predicted, simulated, measured))
         error, predicted, simulated, measured = sorted(outcomes)[len(outcomes) // 2]
-        vcpus = sum(f["cpu_millis"] * f["replicas"] for f in workflow["regions"][0]["functions"]) / 1000
+        vcpus = sum(f.cpu_millis * f.replicas for f in workflow.regions[0].functions) / 1000
         misses += abs(error) > 0.2
         verdict = "PASS" if abs(error) <= 0.2 else "MISS"
         print(

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from functools import cache
 from importlib import resources
-from typing import Any
 
 import jinja2
 import torch
 from safetensors.torch import save
+
+from cloudless.ir.workflow import Function, Workflow
 
 PYTHON_VERSION = "3.11"
 #: what a function runs, by package: the runtime modules (the controller and local runner stay out
@@ -55,9 +56,9 @@ def weights_bytes(state: dict[str, torch.Tensor]) -> bytes:
 
 
 def render_function_package(
-    workflow: dict[str, Any],
+    workflow: Workflow,
     region: str,
-    function: dict[str, Any],
+    function: Function,
     *,
     stage_source: str,
     weights: dict[str, torch.Tensor],
@@ -65,18 +66,18 @@ def render_function_package(
     torch_version: str,
 ) -> dict[str, bytes]:
     """The package's files, by path relative to the build folder."""
-    stages = max(f["stage"] for r in workflow["regions"] if r["name"] == region for f in r["functions"]) + 1
+    stages = workflow.region(region).stages
     context = {
-        "function": function["name"],
+        "function": function.name,
         "region": region,
-        "stage": function["stage"],
+        "stage": function.stage,
         "stages": stages,
-        "model": workflow["model"],
+        "model": workflow.model,
         "python": PYTHON_VERSION,
         "torch_version": torch_version,
     }
     env = _environment()
-    root = function["package"]
+    root = function.package
     files: dict[str, bytes] = {
         f"{root}/handler.py": env.get_template("handler.py.j2").render(context).encode(),
         f"{root}/Dockerfile": env.get_template("Dockerfile.j2").render(context).encode(),
@@ -84,14 +85,16 @@ def render_function_package(
         f"{root}/stage.py": stage_source.encode(),
         f"{root}/weights.safetensors": weights_bytes(weights),
         f"{root}/function.json": (
-            json.dumps({"function": function["name"], "region": region, "workflow": workflow}, indent=2, sort_keys=True)
+            json.dumps(
+                {"function": function.name, "region": region, "workflow": workflow.to_json()}, indent=2, sort_keys=True
+            )
             + "\n"
         ).encode(),
     }
-    if function["stage"] == stages - 1:
+    if function.stage == stages - 1:
         if loss_source is None:
-            raise ValueError(f"{function['name']} is the last stage and needs the loss module")
-        files[f"{root}/{workflow['data']['loss']}.py"] = loss_source.encode()
+            raise ValueError(f"{function.name} is the last stage and needs the loss module")
+        files[f"{root}/{workflow.data.loss}.py"] = loss_source.encode()
     for name, data in runtime_sources().items():
         files[f"{root}/{name}"] = data
     return files

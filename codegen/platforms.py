@@ -24,14 +24,15 @@ from typing import Any
 
 import jinja2
 
+from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET
+from cloudless.ir.workflow import Region, Workflow
+
 TARGETS = frozenset({"openfaas", "sam"})
 
 #: The OpenFaaS template: Debian-based because torch publishes no musl (Alpine) wheels.
 OPENFAAS_TEMPLATE = "python3-http-debian"
 OPENFAAS_TEMPLATE_SOURCE = "https://github.com/openfaas/python-flask-template"
 OPENFAAS_GATEWAY = "http://127.0.0.1:8080"
-#: OpenFaaS secret (mounted as a file) holding the storage credentials.
-STORAGE_SECRET = "cloudless-storage"
 #: read/write timeouts of the function's HTTP server exceed the execution timeout by this, so that a
 #: handler finishing just in time can still send its response.
 TIMEOUT_MARGIN_S = 10
@@ -99,12 +100,12 @@ def iterations_per_execution(workers: int) -> int:
     return max(1, budget // (EVENTS_PER_WORKER * workers + EVENTS_PER_ITERATION))
 
 
-def stack_name(workflow: dict[str, Any], region: str) -> str:
+def stack_name(workflow: Workflow, region: str) -> str:
     """The CloudFormation stack of a region's deployment."""
-    return f"{workflow['run']['name']}-{region}"
+    return f"{workflow.run.name}-{region}"
 
 
-def render_region(workflow: dict[str, Any], region: str, targets: set[str]) -> dict[str, str]:
+def render_region(workflow: Workflow, region: str, targets: set[str]) -> dict[str, str]:
     """The deployment files of one region for the given targets, as path under the build root -> text."""
     unknown = set(targets) - TARGETS
     if unknown:
@@ -119,11 +120,11 @@ def render_region(workflow: dict[str, Any], region: str, targets: set[str]) -> d
     return dict(sorted(files.items()))
 
 
-def render_samconfig(workflow: dict[str, Any]) -> str:
+def render_samconfig(workflow: Workflow) -> str:
     """The build root's samconfig.toml: one config-env per region, named like the region."""
     regions = []
-    for entry in workflow["regions"]:
-        name = entry["name"]
+    for entry in workflow.regions:
+        name = entry.name
         regions.append(
             {
                 "name": name,
@@ -135,25 +136,24 @@ def render_samconfig(workflow: dict[str, Any]) -> str:
             }
         )
     return _ENV.get_template("samconfig.toml.j2").render(
-        run=workflow["run"]["name"], bucket=workflow["storage"]["bucket"], regions=regions
+        run=workflow.run.name, bucket=workflow.storage.bucket, regions=regions
     )
 
 
-def workers(workflow: dict[str, Any], region: str) -> list[Worker]:
+def workers(workflow: Workflow, region: str) -> list[Worker]:
     """Every (stage, replica) of a region, by stage then replica: what one iteration invokes."""
-    entry = _region(workflow, region)
-    found = []
-    for function in sorted(entry["functions"], key=lambda f: f["stage"]):
-        for replica in range(function["replicas"]):
-            found.append(Worker(function["name"], logical_id(function["name"]), function["stage"], replica))
-    return found
+    return [
+        Worker(function.name, logical_id(function.name), function.stage, replica)
+        for function in _region(workflow, region).functions
+        for replica in range(function.replicas)
+    ]
 
 
-def _region(workflow: dict[str, Any], region: str) -> dict[str, Any]:
-    for entry in workflow["regions"]:
-        if entry["name"] == region:
-            return entry
-    raise ValueError(f"workflow has no region {region!r}; it has {[r['name'] for r in workflow['regions']]}")
+def _region(workflow: Workflow, region: str) -> Region:
+    try:
+        return workflow.region(region)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
 
 
 def _relative(package: str, region: str) -> str:
@@ -161,78 +161,81 @@ def _relative(package: str, region: str) -> str:
     return posixpath.relpath(package, f"regions/{region}")
 
 
-def _storage_url(workflow: dict[str, Any]) -> str:
-    return f"s3://{workflow['storage']['bucket']}/{workflow['storage']['prefix']}"
+def _storage_url(workflow: Workflow) -> str:
+    return f"s3://{workflow.storage.bucket}/{workflow.storage.prefix}"
 
 
-def _render_stack(workflow: dict[str, Any], entry: dict[str, Any]) -> str:
+def _render_stack(workflow: Workflow, entry: Region) -> str:
     functions = []
-    for function in sorted(entry["functions"], key=lambda f: f["stage"]):
-        handler = _relative(function["package"], entry["name"])
-        timeout = function["timeout_s"]
+    for function in entry.functions:
+        handler = _relative(function.package, entry.name)
+        timeout = function.timeout_s
         functions.append(
             {
-                "name": function["name"],
-                "stage": function["stage"],
+                "name": function.name,
+                "stage": function.stage,
                 "handler": handler if handler.startswith("../") else f"./{handler}",
-                "image": f"{function['name']}:latest",
+                "image": f"{function.name}:latest",
                 "exec_timeout": f"{timeout}s",
                 "io_timeout": f"{timeout + TIMEOUT_MARGIN_S}s",
-                "memory": f"{function['memory_mb']}Mi",
-                "cpu": f"{function['cpu_millis']}m",
-                "replicas": str(function["replicas"]),
+                "memory": f"{function.memory_mb}Mi",
+                "cpu": f"{function.cpu_millis}m",
+                "replicas": str(function.replicas),
             }
         )
     return _ENV.get_template("stack.yaml.j2").render(
-        run=workflow["run"]["name"],
-        region=entry["name"],
+        run=workflow.run.name,
+        region=entry.name,
         gateway=OPENFAAS_GATEWAY,
         template=OPENFAAS_TEMPLATE,
         template_source=OPENFAAS_TEMPLATE_SOURCE,
         storage=_storage_url(workflow),
         secret=STORAGE_SECRET,
+        storage_env=STORAGE_ENV,
+        s3_endpoint_env=S3_ENDPOINT_ENV,
         functions=functions,
     )
 
 
-def _sam_functions(entry: dict[str, Any]) -> list[dict[str, Any]]:
+def _sam_functions(entry: Region) -> list[dict[str, Any]]:
     functions = []
     seen: dict[str, str] = {}
-    for function in sorted(entry["functions"], key=lambda f: f["stage"]):
-        logical = logical_id(function["name"])
+    for function in entry.functions:
+        logical = logical_id(function.name)
         if logical in seen:
-            raise ValueError(f"functions {seen[logical]!r} and {function['name']!r} both map to logical id {logical}")
-        seen[logical] = function["name"]
+            raise ValueError(f"functions {seen[logical]!r} and {function.name!r} both map to logical id {logical}")
+        seen[logical] = function.name
         functions.append(
             {
-                "name": function["name"],
+                "name": function.name,
                 "logical": logical,
-                "stage": function["stage"],
-                "memory_mb": function["memory_mb"],
-                "timeout_s": function["timeout_s"],
-                "context": _relative(function["package"], entry["name"]),
+                "stage": function.stage,
+                "memory_mb": function.memory_mb,
+                "timeout_s": function.timeout_s,
+                "context": _relative(function.package, entry.name),
             }
         )
     return functions
 
 
-def _render_template(workflow: dict[str, Any], entry: dict[str, Any]) -> str:
+def _render_template(workflow: Workflow, entry: Region) -> str:
     return _ENV.get_template("template.yaml.j2").render(
-        run=workflow["run"]["name"],
-        region=entry["name"],
-        bucket=workflow["storage"]["bucket"],
-        storage_sub="s3://${BucketName}/" + workflow["storage"]["prefix"],
+        run=workflow.run.name,
+        region=entry.name,
+        bucket=workflow.storage.bucket,
+        storage_sub="s3://${BucketName}/" + workflow.storage.prefix,
+        storage_env=STORAGE_ENV,
         functions=_sam_functions(entry),
-        iterations=workflow["run"]["iterations"],
+        iterations=workflow.run.iterations,
     )
 
 
-def _render_state_machine(workflow: dict[str, Any], entry: dict[str, Any]) -> str:
-    region_workers = workers(workflow, entry["name"])
+def _render_state_machine(workflow: Workflow, entry: Region) -> str:
+    region_workers = workers(workflow, entry.name)
     if len(region_workers) > MAX_MAP_CONCURRENCY:
         # The stages of a pipeline wait on each other's activations: every worker must run at once.
         raise ValueError(
-            f"region {entry['name']!r} has {len(region_workers)} (stage, replica) workers; a Step Functions "
+            f"region {entry.name!r} has {len(region_workers)} (stage, replica) workers; a Step Functions "
             f"inline Map runs at most {MAX_MAP_CONCURRENCY} at once, and all of an iteration's workers must run "
             "together"
         )
@@ -242,9 +245,9 @@ def _render_state_machine(workflow: dict[str, Any], entry: dict[str, Any]) -> st
         for w in region_workers
     ]
     return _ENV.get_template("statemachine.asl.json.j2").render(
-        run=workflow["run"]["name"],
-        region=entry["name"],
-        iterations=workflow["run"]["iterations"],
+        run=workflow.run.name,
+        region=entry.name,
+        iterations=workflow.run.iterations,
         chunk=chunk,
         workers=items,
         concurrency=len(region_workers),

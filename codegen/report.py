@@ -3,7 +3,12 @@
 `render_report` returns relative path -> bytes. The pictures are SVG drawn with matplotlib (no pyplot
 state) under fixed settings so that the same plan and timeline always give the same bytes: a fixed
 hash salt for the SVG ids, no date or creator metadata, text kept as text in one font, and numbers
-formatted to a fixed number of significant digits.
+formatted to a fixed number of significant digits. What a later matplotlib release may still change
+(ids, tick choices, text placement, number printing) `svg_summary` leaves out: golden tests compare
+pictures through it.
+
+It draws the ir's objects (the plan, the simulated timeline, the workflow) and imports nothing of the
+compiler.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from __future__ import annotations
 import io
 import math
 import re
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib
 import matplotlib.style
@@ -22,14 +28,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, PathPatch
 from matplotlib.path import Path
 
-if TYPE_CHECKING:  # codegen reads the timeline's attributes only; no import of the compiler at run time
-    from cloudless.compiler.simulate import Span, Timeline
+from cloudless.ir.plan import Figures, PlannedStage, TrainingPlan
+from cloudless.ir.timeline import LANES, Span, Timeline
+from cloudless.ir.workflow import Workflow
 
 REPORT_MD = "report.md"
 SCHEDULE_SVG = "report/schedule.svg"
 COMPARISON_SVG = "report/comparison.svg"
 
-LANES = ("compute", "download", "upload")
 #: at most this many replicas of a stage get rows in the schedule...
 MAX_REPLICAS_SHOWN = 8
 #: ...and fewer when there are many stages, so the chart keeps about this many functions (3 rows each)
@@ -120,9 +126,9 @@ def fmt_ratio(value: float | None) -> str:
 # --- entry point -----------------------------------------------------------------------------------
 
 
-def render_report(plan: dict, timeline: Timeline, workflow: dict | None = None) -> dict[str, bytes]:
-    """report.md and its two pictures for `plan` (plan.json's content) and its simulated `timeline`;
-    with `workflow` (workflow.yaml's content) also the functions per region and how to deploy them."""
+def render_report(plan: TrainingPlan, timeline: Timeline, workflow: Workflow | None = None) -> dict[str, bytes]:
+    """report.md and its two pictures for `plan` (plan.json) and its simulated `timeline`; with
+    `workflow` (workflow.yaml) also the functions per region and how to deploy them."""
     return {
         REPORT_MD: render_markdown(plan, timeline, workflow).encode(),
         COMPARISON_SVG: svg_bytes(comparison_figure, plan),
@@ -135,7 +141,7 @@ def fixed_style() -> Iterator[None]:
     """matplotlib's defaults plus _RC, for building and saving a figure (fonts are read at both)."""
     with ExitStack() as stack:
         stack.enter_context(matplotlib.style.context("default"))
-        stack.enter_context(matplotlib.rc_context(_RC))
+        stack.enter_context(matplotlib.rc_context(_RC))  # type: ignore[arg-type]  # stubs want literal keys
         yield
 
 
@@ -146,6 +152,54 @@ def svg_bytes(build: Callable[..., Figure], *args: Any) -> bytes:
         buffer = io.BytesIO()
         figure.savefig(buffer, format="svg", metadata=_SVG_METADATA)
     return buffer.getvalue()
+
+
+# --- what a picture shows, for comparisons --------------------------------------------------------
+
+_SVG_NS = "{http://www.w3.org/2000/svg}"
+#: ids the report gives its own shapes (bars of the comparison, span groups of the schedule)
+_OWN_SHAPES = ("bar-", "spans-")
+_NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:e-?\d+)?")
+#: an axis's offset text ("1e−6", "+1.5", "×10^{−6}"), which matplotlib's tick formatter chooses
+_AXIS_OFFSET = re.compile(r"[-−+×.\de^{}$\\ ]+")
+
+
+def svg_summary(svg: bytes, digits: int = 1) -> str:
+    """What a report picture shows, one line per item, free of what a matplotlib release may change
+    without changing the picture: the figure's size; every text in drawing order (titles, axis and
+    legend labels, stage and lane names, figures and micro-batch numbers), except the x axis's tick
+    labels and offset, which matplotlib's locator and formatter choose; and the report's own shapes (ids `bar-*`,
+    `spans-*`) with their fill colour and outline, in points rounded to `digits` decimals. Ids,
+    clip paths, marker definitions, metadata, styles of matplotlib's own elements and the positions
+    of texts are left out. Golden tests compare this instead of the bytes."""
+    root = ET.fromstring(svg)
+    lines = [f"size {root.get('width')} x {root.get('height')}"]
+
+    def visit(element: ET.Element, shape: str | None, x_axis: bool) -> None:
+        gid = element.get("id") or ""
+        if element.tag == f"{_SVG_NS}g" and gid.startswith("xtick_"):
+            return  # matplotlib's own x ticks: their number, place and text follow its locator
+        # An axis of matplotlib's whose ticks are x ticks.
+        x_axis = x_axis or any((child.get("id") or "").startswith("xtick_") for child in element)
+        if gid.startswith(_OWN_SHAPES):
+            shape = gid
+        if element.tag == f"{_SVG_NS}text":
+            text = "".join(element.itertext())
+            if not (x_axis and _AXIS_OFFSET.fullmatch(text)):
+                lines.append("text " + text)
+            return
+        if element.tag == f"{_SVG_NS}path" and shape is not None:
+            fill = re.search(r"fill:\s*([^;]+)", element.get("style") or "")
+            outline = " ".join(
+                f"{float(token):.{digits}f}" if _NUMBER.fullmatch(token) else token
+                for token in re.findall(r"[A-Za-z]|" + _NUMBER.pattern, element.get("d") or "")
+            )
+            lines.append(f"shape {shape} fill {fill.group(1).strip() if fill else '-'}: {outline}")
+        for child in element:
+            visit(child, shape, x_axis)
+
+    visit(root, None, False)
+    return "\n".join(lines) + "\n"
 
 
 # --- report.md -------------------------------------------------------------------------------------
@@ -177,35 +231,35 @@ def _modules(modules: Sequence[str]) -> str:
     return f"`{modules[0]}` .. `{modules[-1]}` ({len(modules)} modules)"
 
 
-def stage_rows(stages: Sequence[dict]) -> list[list[str]]:
+def stage_rows(stages: Sequence[PlannedStage]) -> list[list[str]]:
     """The stage table's rows (also used by tests to find them in report.md)."""
     return [
         [
-            str(s["index"]),
-            _blocks(s["blocks"]),
-            _modules(s["modules"]),
-            str(s["tier_mb"]),
-            str(s["replicas"]),
-            fmt(s["memory_mb"]),
-            f"{fmt(s['forward_s'])} + {fmt(s['backward_s'])}",
+            str(s.index),
+            _blocks(s.blocks),
+            _modules(s.modules),
+            str(s.tier_mb),
+            str(s.replicas),
+            fmt(s.memory_mb),
+            f"{fmt(s.forward_s)} + {fmt(s.backward_s)}",
         ]
         for s in stages
     ]
 
 
-def render_markdown(plan: dict, timeline: Timeline, workflow: dict | None = None) -> str:
-    predicted = plan["predicted"]
+def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow | None = None) -> str:
+    predicted = plan.predicted
     lines = [
-        f"# Training plan for {plan['model']}",
+        f"# Training plan for {plan.model}",
         "",
-        f"Region **{plan['region']}**, objective **{plan['objective']}**, schedule **{plan['schedule']}**, "
-        f"micro-batch **{plan['micro_batch']} × {plan['micro_batches']}** (global batch {plan['global_batch']}).",
+        f"Region **{plan.region}**, objective **{plan.objective}**, schedule **{plan.schedule}**, "
+        f"micro-batch **{plan.micro_batch} × {plan.micro_batches}** (global batch {plan.global_batch}).",
     ]
     limits = []
-    if plan.get("deadline_s") is not None:
-        limits.append(f"deadline {fmt_s(plan['deadline_s'])} per run")
-    if plan.get("budget_usd") is not None:
-        limits.append(f"budget {fmt_usd(plan['budget_usd'])} per run")
+    if plan.deadline_s is not None:
+        limits.append(f"deadline {fmt_s(plan.deadline_s)} per run")
+    if plan.budget_usd is not None:
+        limits.append(f"budget {fmt_usd(plan.budget_usd)} per run")
     if limits:
         lines += ["", "Limits: " + ", ".join(limits) + "."]
 
@@ -220,59 +274,56 @@ def render_markdown(plan: dict, timeline: Timeline, workflow: dict | None = None
             "Memory used (MB)",
             "Forward + backward per micro-batch (s)",
         ],
-        stage_rows(plan["stages"]),
+        stage_rows(plan.stages),
         "lllrrrr",
     )
 
-    solver = plan["solver"]
-    gap = "unknown" if solver["gap"] is None else f"{fmt(100 * solver['gap'], 3)} %"
-    run = predicted["per_run"]
+    solver = plan.solver
+    gap = "unknown" if solver.gap is None else f"{fmt(100 * solver.gap, 3)} %"
+    run = predicted.per_run
     lines += [
         "",
         "## Predicted figures",
         "",
-        f"- Iteration time (cost model): **{fmt_s(predicted['iteration_s'])}** = pipeline "
-        f"{fmt_s(predicted['pipeline_s'])} + gradient sync {fmt_s(predicted['sync_s'])} + optimizer update "
-        f"{fmt_s(predicted['update_s'])}",
+        f"- Iteration time (cost model): **{fmt_s(predicted.iteration_s)}** = pipeline "
+        f"{fmt_s(predicted.pipeline_s)} + gradient sync {fmt_s(predicted.sync_s)} + optimizer update "
+        f"{fmt_s(predicted.update_s)}",
         f"- Iteration time (simulated, drawn below): **{fmt_s(timeline.iteration_s)}**",
-        f"- Cost per iteration: **{fmt_usd(predicted['cost_usd'])}** = compute {fmt_usd(predicted['compute_usd'])} "
-        f"+ requests {fmt_usd(predicted['request_usd'])} + storage {fmt_usd(predicted['storage_usd'])}",
-        f"- Per run ({run['iterations']} iterations): {fmt_s(run['time_s'])}, {fmt_usd(run['cost_usd'])}",
+        f"- Cost per iteration: **{fmt_usd(predicted.cost_usd)}** = compute {fmt_usd(predicted.compute_usd)} "
+        f"+ requests {fmt_usd(predicted.request_usd)} + storage {fmt_usd(predicted.storage_usd)}",
+        f"- Per run ({run.iterations} iterations): {fmt_s(run.time_s)}, {fmt_usd(run.cost_usd)}",
     ]
-    epoch = predicted.get("per_epoch")
-    if epoch:
-        lines.append(
-            f"- Per epoch ({epoch['iterations']} iterations): {fmt_s(epoch['time_s'])}, {fmt_usd(epoch['cost_usd'])}"
-        )
+    epoch = predicted.per_epoch
+    if epoch is not None:
+        lines.append(f"- Per epoch ({epoch.iterations} iterations): {fmt_s(epoch.time_s)}, {fmt_usd(epoch.cost_usd)}")
     lines.append(
-        f"- Solver: {solver['name']}, status **{solver['status']}**, gap {gap} "
-        f"(time limit {fmt_s(solver['time_limit_s'])} per micro-batch size)"
+        f"- Solver: {solver.name}, status **{solver.status}**, gap {gap} "
+        f"(time limit {fmt_s(solver.time_limit_s)} per micro-batch size)"
     )
 
     lines += ["", "## Warnings", ""]
-    lines += [f"- {w}" for w in predicted["warnings"]] or ["None."]
+    lines += [f"- {w}" for w in predicted.warnings] or ["None."]
 
     lines += ["", "## Baselines", ""]
-    if plan["baselines"]:
+    if plan.baselines:
         lines.append("Ratios are this plan's figure over the baseline's: below 1× means this plan is better.")
         lines.append("")
         rows = []
-        for b in plan["baselines"]:
-            if b["feasible"]:
-                figures = b["predicted"]
+        for b in plan.baselines:
+            if b.feasible and b.predicted is not None:
                 rows.append(
                     [
-                        f"**{b['name']}**",
-                        b["description"],
+                        f"**{b.name}**",
+                        b.description,
                         "yes",
-                        fmt(figures["iteration_s"]),
-                        fmt(figures["cost_usd"]),
-                        fmt_ratio(b["time_ratio"]),
-                        fmt_ratio(b["cost_ratio"]),
+                        fmt(b.predicted.iteration_s),
+                        fmt(b.predicted.cost_usd),
+                        fmt_ratio(b.time_ratio),
+                        fmt_ratio(b.cost_ratio),
                     ]
                 )
             else:
-                rows.append([f"**{b['name']}**", b["description"], f"no: {b['reason']}", "-", "-", "-", "-"])
+                rows.append([f"**{b.name}**", b.description, f"no: {b.reason}", "-", "-", "-", "-"])
         lines += _table(
             ["Baseline", "Description", "Feasible", "Time (s)", "Cost (USD)", "Time ratio", "Cost ratio"],
             rows,
@@ -300,16 +351,16 @@ def render_markdown(plan: dict, timeline: Timeline, workflow: dict | None = None
     return "\n".join(lines) + "\n"
 
 
-def _deployment(workflow: dict) -> list[str]:
+def _deployment(workflow: Workflow) -> list[str]:
     lines = ["", "## Deployment", ""]
-    for region in workflow["regions"]:
-        name = region["name"]
-        lines += [f"### {name} ({region['provider']})", ""]
+    for region in workflow.regions:
+        name = region.name
+        lines += [f"### {name} ({region.provider})", ""]
         lines += _table(
             ["Function", "Stage", "Blocks", "Memory (MB)", "Replicas"],
             [
-                [f"`{f['name']}`", str(f["stage"]), _blocks(f["blocks"]), str(f["memory_mb"]), str(f["replicas"])]
-                for f in sorted(region["functions"], key=lambda f: f["stage"])
+                [f"`{f.name}`", str(f.stage), _blocks(f.blocks), str(f.memory_mb), str(f.replicas)]
+                for f in sorted(region.functions, key=lambda f: f.stage)
             ],
             "lrlrr",
         )
@@ -329,25 +380,29 @@ def _deployment(workflow: dict) -> list[str]:
 # --- comparison.svg --------------------------------------------------------------------------------
 
 
-def comparison_figure(plan: dict) -> Figure:
+def _feasible(plan: TrainingPlan) -> list[tuple[str, Figures]]:
+    """(name, figures) of each baseline that has a plan."""
+    return [(b.name, b.predicted) for b in plan.baselines if b.feasible and b.predicted is not None]
+
+
+def comparison_figure(plan: TrainingPlan) -> Figure:
     """Time and cost per iteration, this plan against each feasible baseline, as two bar panels."""
-    entries = [("this plan", plan["predicted"]["iteration_s"], plan["predicted"]["cost_usd"], True)]
-    entries += [
-        (b["name"], b["predicted"]["iteration_s"], b["predicted"]["cost_usd"], False)
-        for b in plan["baselines"]
-        if b["feasible"]
-    ]
-    infeasible = [b["name"] for b in plan["baselines"] if not b["feasible"]]
+    entries = [("this plan", plan.predicted.iteration_s, plan.predicted.cost_usd, True)]
+    entries += [(name, figures.iteration_s, figures.cost_usd, False) for name, figures in _feasible(plan)]
+    infeasible = [b.name for b in plan.baselines if not b.feasible]
     height = 1.3 + 0.4 * len(entries) + (0.25 if infeasible else 0.0)
     figure = Figure(figsize=(10.0, height))
     bottom = (0.55 + (0.25 if infeasible else 0.0)) / height
     figure.subplots_adjust(left=0.13, right=0.98, top=1 - 0.6 / height, bottom=bottom, wspace=0.45)
     axes = figure.subplots(1, 2)
-    figure.suptitle(f"{plan['model']}: this plan against the baselines (shorter is better)", fontsize=10)
+    figure.suptitle(f"{plan.model}: this plan against the baselines (shorter is better)", fontsize=10)
     y = list(range(len(entries)))
     colours = [_PLAN_COLOUR if mine else _BASELINE_COLOUR for *_, mine in entries]
-    for ax, column, title, unit in ((axes[0], 1, "Time per iteration", "s"), (axes[1], 2, "Cost per iteration", "USD")):
-        values = [e[column] for e in entries]
+    panels = (
+        (axes[0], [e[1] for e in entries], "Time per iteration", "s"),
+        (axes[1], [e[2] for e in entries], "Cost per iteration", "USD"),
+    )
+    for ax, values, title, unit in panels:
         bars = ax.barh(y, values, height=0.6, color=colours)
         for i, bar in enumerate(bars):
             bar.set_gid(f"bar-{unit.lower()}-{i}")
@@ -384,15 +439,15 @@ def group_of(kind: str) -> str:
     return _GROUPS.get(kind, kind)
 
 
-def replicas_shown(plan: dict) -> int:
+def replicas_shown(plan: TrainingPlan) -> int:
     """How many replicas of each stage get rows (the first ones; replicas run alike, in turn)."""
-    return max(1, min(MAX_REPLICAS_SHOWN, MAX_FUNCTIONS_SHOWN // max(1, len(plan["stages"]))))
+    return max(1, min(MAX_REPLICAS_SHOWN, MAX_FUNCTIONS_SHOWN // max(1, len(plan.stages))))
 
 
-def schedule_rows(plan: dict) -> list[tuple[int, int, str]]:
+def schedule_rows(plan: TrainingPlan) -> list[tuple[int, int, str]]:
     """(stage, replica, lane) of each row of the schedule, top to bottom."""
     cap = replicas_shown(plan)
-    return [(s["index"], j, lane) for s in plan["stages"] for j in range(min(cap, s["replicas"])) for lane in LANES]
+    return [(s.index, j, lane) for s in plan.stages for j in range(min(cap, s.replicas)) for lane in LANES]
 
 
 def _seconds_per_point(timeline: Timeline) -> float:
@@ -404,7 +459,7 @@ def _x_limit(timeline: Timeline) -> float:
     return timeline.iteration_s * 1.01 if timeline.iteration_s > 0 else 1.0
 
 
-def schedule_bars(plan: dict, timeline: Timeline) -> list[Bar]:
+def schedule_bars(plan: TrainingPlan, timeline: Timeline) -> list[Bar]:
     """The bars the schedule draws, row by row. Touching spans of one group on one row merge when
     one of them is too narrow to see apart, and the pieces of a gradient sync always merge: this
     keeps the SVG small for large plans without changing what the picture shows."""
@@ -439,7 +494,7 @@ def _gid(group: str) -> str:
     return "spans-" + re.sub(r"[^a-z0-9]+", "-", group.lower()).strip("-")
 
 
-def schedule_figure(plan: dict, timeline: Timeline) -> Figure:
+def schedule_figure(plan: TrainingPlan, timeline: Timeline) -> Figure:
     """The simulated iteration as a Gantt chart: a row per (stage, replica, lane), spans coloured by
     group, micro-batch numbers inside compute spans wide enough to hold them."""
     rows = schedule_rows(plan)
@@ -455,10 +510,10 @@ def schedule_figure(plan: dict, timeline: Timeline) -> Figure:
     ax = figure.add_subplot()
     cap = replicas_shown(plan)
     title = (
-        f"{plan['model']}: simulated iteration, {len(plan['stages'])} stages, {plan['micro_batches']} micro-batches "
-        f"of {plan['micro_batch']} ({plan['schedule']}), {fmt_s(timeline.iteration_s)}"
+        f"{plan.model}: simulated iteration, {len(plan.stages)} stages, {plan.micro_batches} micro-batches "
+        f"of {plan.micro_batch} ({plan.schedule}), {fmt_s(timeline.iteration_s)}"
     )
-    if any(s["replicas"] > cap for s in plan["stages"]):
+    if any(s.replicas > cap for s in plan.stages):
         title += f"; first {cap} replicas of each stage shown"
     ax.set_title(title, loc="left")
 

@@ -31,6 +31,7 @@ from cloudless.codegen.platforms import (
 )
 from cloudless.ir.files import check_workflow
 from cloudless.ir.schema import SchemaError, load_schema
+from cloudless.ir.workflow import Region, Workflow
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,7 +76,7 @@ def check_build(build: Path, *, packages: bool = True) -> None:
     deployment files can be checked before the packages are written."""
     build = Path(build)
     workflow = _check_manifest(build)
-    names = [region["name"] for region in workflow["regions"]]
+    names = [region.name for region in workflow.regions]
     regions_dir = build / "regions"
     if regions_dir.is_dir():
         for folder in sorted(p for p in regions_dir.iterdir() if p.is_dir()):
@@ -83,19 +84,19 @@ def check_build(build: Path, *, packages: bool = True) -> None:
             if folder.name not in names and deployable:
                 _fail(f"regions/{folder.name}", "(folder)", f"region {folder.name!r} is not in workflow.yaml")
     sam_regions = []
-    for region in workflow["regions"]:
-        folder = regions_dir / region["name"]
+    for region in workflow.regions:
+        folder = regions_dir / region.name
         stack, template = folder / "stack.yaml", folder / "template.yaml"
         if not stack.exists() and not template.exists():
-            _fail(f"regions/{region['name']}", "(folder)", "neither stack.yaml nor template.yaml was generated")
+            _fail(f"regions/{region.name}", "(folder)", "neither stack.yaml nor template.yaml was generated")
         if stack.exists():
             _check_stack(build, region, packages)
         if template.exists():
             sam_regions.append(region)
     if sam_regions or (build / "samconfig.toml").exists():
-        deploy_regions = _check_samconfig(build, workflow, [r["name"] for r in sam_regions])
+        deploy_regions = _check_samconfig(build, workflow, [r.name for r in sam_regions])
         for region in sam_regions:
-            _check_template(build, workflow, region, deploy_regions[region["name"]], packages)
+            _check_template(build, workflow, region, deploy_regions[region.name], packages)
     _check_no_secrets(build, names)
 
 
@@ -111,7 +112,7 @@ def _load_yaml(build: Path, path: Path) -> Any:
         _fail(_relative(build, path), "(top level)", f"not plain YAML: {exc}")
 
 
-def _check_manifest(build: Path) -> dict[str, Any]:
+def _check_manifest(build: Path) -> Workflow:
     path = build / "workflow.yaml"
     if not path.exists():
         _fail("workflow.yaml", "(file)", "missing")
@@ -122,7 +123,7 @@ def _check_manifest(build: Path) -> dict[str, Any]:
         raise
     except SchemaError as exc:
         raise BuildCheckError(str(exc)) from exc
-    return document
+    return Workflow.from_json(document)
 
 
 def _schema_check(document: Any, schema_name: str, file: str) -> None:
@@ -149,15 +150,15 @@ def _seconds(duration: str) -> float:
     return sum(float(value) * _DURATION_UNITS[unit] for value, unit in _DURATION_PART.findall(duration))
 
 
-def _check_stack(build: Path, region: dict[str, Any], packages: bool) -> None:
-    path = build / "regions" / region["name"] / "stack.yaml"
+def _check_stack(build: Path, region: Region, packages: bool) -> None:
+    path = build / "regions" / region.name / "stack.yaml"
     file = _relative(build, path)
     stack = _load_yaml(build, path)
     _schema_check(stack, "openfaas-stack", file)
-    expected = {f["name"]: f for f in region["functions"]}
+    expected = {f.name: f for f in region.functions}
     for name in stack["functions"]:
         if name not in expected:
-            _fail(file, f"functions/{name}", f"not a function of region {region['name']!r} in workflow.yaml")
+            _fail(file, f"functions/{name}", f"not a function of region {region.name!r} in workflow.yaml")
     for name in expected:
         if name not in stack["functions"]:
             _fail(file, "functions", f"function {name!r} of workflow.yaml is missing")
@@ -169,12 +170,12 @@ def _check_stack(build: Path, region: dict[str, Any], packages: bool) -> None:
                 # The watchdog's default (10 s) would cut a training step short.
                 _fail(file, f"{key}/environment/{timeout}", "missing")
         exec_s = _seconds(environment["exec_timeout"])
-        if exec_s < expected[name]["timeout_s"]:
+        if exec_s < expected[name].timeout_s:
             _fail(
                 file,
                 f"{key}/environment/exec_timeout",
                 f"{environment['exec_timeout']} is shorter than the function's timeout_s "
-                f"{expected[name]['timeout_s']} in workflow.yaml",
+                f"{expected[name].timeout_s} in workflow.yaml",
             )
         for timeout in ("read_timeout", "write_timeout"):
             if _seconds(environment[timeout]) < exec_s:
@@ -197,7 +198,7 @@ def _check_stack(build: Path, region: dict[str, Any], packages: bool) -> None:
                     _fail(file, f"{key}/handler", f"{function['handler']!r} has no {needed}")
 
 
-def _check_samconfig(build: Path, workflow: dict[str, Any], sam_regions: list[str]) -> dict[str, str]:
+def _check_samconfig(build: Path, workflow: Workflow, sam_regions: list[str]) -> dict[str, str]:
     """Check samconfig.toml; return each SAM region's AWS region (what cfn-lint checks the template for)."""
     from cfnlint.helpers import REGIONS
 
@@ -211,7 +212,7 @@ def _check_samconfig(build: Path, workflow: dict[str, Any], sam_regions: list[st
         _fail(file, "(top level)", f"not TOML: {exc}")
     if config.get("version") != 0.1:
         _fail(file, "version", f"{config.get('version')!r}; sam reads version = 0.1")
-    regions = {region["name"] for region in workflow["regions"]}
+    regions = {region.name for region in workflow.regions}
     for env in config:
         if env != "version" and env not in regions:
             _fail(file, env, f"config-env {env!r} is not a region of workflow.yaml")
@@ -254,9 +255,9 @@ def _walk_refs(node: Any, where: list[str]) -> list[tuple[str, str]]:
 
 
 def _check_template(
-    build: Path, workflow: dict[str, Any], region: dict[str, Any], deploy_region: str, packages: bool
+    build: Path, workflow: Workflow, region: Region, deploy_region: str, packages: bool
 ) -> None:
-    path = build / "regions" / region["name"] / "template.yaml"
+    path = build / "regions" / region.name / "template.yaml"
     file = _relative(build, path)
     template = _load_yaml(build, path)
     if not isinstance(template, dict) or not isinstance(template.get("Resources"), dict):
@@ -268,10 +269,10 @@ def _check_template(
     for key, target in _walk_refs(resources, ["Resources"]) + _walk_refs(template.get("Outputs", {}), ["Outputs"]):
         if target not in targets and not target.startswith("AWS::"):
             _fail(file, key, f"{target!r} is neither a resource nor a parameter")
-    for function in region["functions"]:
-        logical = logical_id(function["name"])
+    for function in region.functions:
+        logical = logical_id(function.name)
         if resources.get(logical, {}).get("Type") != "AWS::Serverless::Function":
-            _fail(file, f"Resources/{logical}", f"no AWS::Serverless::Function for {function['name']!r}")
+            _fail(file, f"Resources/{logical}", f"no AWS::Serverless::Function for {function.name!r}")
     machines = []
     for name, resource in resources.items():
         kind = resource.get("Type") if isinstance(resource, dict) else None
@@ -319,7 +320,7 @@ def _check_function(build: Path, path: Path, name: str, resource: dict[str, Any]
 
 
 def _check_state_machine(
-    build: Path, template_path: Path, name: str, resource: dict[str, Any], region: dict[str, Any]
+    build: Path, template_path: Path, name: str, resource: dict[str, Any], region: Region
 ) -> None:
     file = _relative(build, template_path)
     key = f"Resources/{name}/Properties"
@@ -339,7 +340,7 @@ def _check_state_machine(
     for substitution in substitutions:
         if substitution not in placeholders:
             _fail(file, f"{key}/DefinitionSubstitutions/{substitution}", f"not used in {uri}")
-    workers = sum(f["replicas"] for f in region["functions"])
+    workers = sum(f.replicas for f in region.functions)
     check_definition(_relative(build, definition_path), text, workers)
 
 

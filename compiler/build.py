@@ -16,54 +16,57 @@ from pathlib import Path
 from cloudless.codegen.package import render_function_package, torch_release
 from cloudless.codegen.platforms import TARGETS, render_region, render_samconfig
 from cloudless.codegen.report import render_report
-from cloudless.compiler.pipeline import FrontEndResult
-from cloudless.compiler.plan import plan_document
-from cloudless.compiler.simulate import simulate
-from cloudless.ir.files import check_workflow, dump_yaml
-from cloudless.ir.graph import dumps
-from cloudless.ir.schema import validate
+from cloudless.compiler.lower import Lowered
+from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
+from cloudless.compiler.simulate import Timeline
+from cloudless.ir.blocks import BlockChain
+from cloudless.ir.files import plan_text, workflow_text
+from cloudless.ir.graph import OpGraph, dumps
 
 
-def build_files(result: FrontEndResult, targets: frozenset[str] = TARGETS) -> dict[str, bytes]:
+def build_files(
+    graph: OpGraph,
+    chain: BlockChain,
+    planned: PlanResult | None,
+    plan_options: PlanOptions | None,
+    timeline: Timeline | None,
+    lowered: Lowered | None,
+    targets: frozenset[str] = TARGETS,
+) -> dict[str, bytes]:
     """Every file of the build, by path relative to the build folder."""
     files = {
-        "ir/graph.json": dumps(result.graph.to_json()).encode(),
-        "ir/blocks.json": dumps(result.chain.to_json()).encode(),
+        "ir/graph.json": dumps(graph.to_json()).encode(),
+        "ir/blocks.json": dumps(chain.to_json()).encode(),
     }
-    if result.plan is None or result.plan_options is None or result.workflow is None:
+    if planned is None or plan_options is None or timeline is None or lowered is None:
         return files
-    plan = plan_document(result.plan, result.chain, result.plan_options)
-    validate(plan, "plan", "plan.json")
-    files["plan.json"] = dumps(plan).encode()
-    workflow = result.workflow
-    files.update(package_files(result))
-    for region in workflow["regions"]:
-        for path, text in render_region(workflow, region["name"], set(targets)).items():
+    plan = plan_ir(planned, chain, plan_options, timeline)
+    files["plan.json"] = plan_text(plan).encode()
+    workflow = lowered.workflow
+    files.update(package_files(lowered))
+    for region in workflow.regions:
+        for path, text in render_region(workflow, region.name, set(targets)).items():
             files[path] = text.encode()
     if "sam" in targets:
         files["samconfig.toml"] = render_samconfig(workflow).encode()
-    timeline = simulate(result.plan.problem, result.plan.solution.plan)
     files.update(render_report(plan, timeline, workflow))
     return dict(sorted(files.items()))
 
 
-def package_files(result: FrontEndResult) -> dict[str, bytes]:
+def package_files(lowered: Lowered) -> dict[str, bytes]:
     """workflow.yaml and every function package: what `cloudless-run` needs of a build."""
-    workflow = result.workflow
-    if workflow is None:
-        raise ValueError("no workflow: lower the plan first (lower_training)")
-    check_workflow(workflow)
-    files = {"workflow.yaml": dump_yaml(workflow).encode()}
-    for region in workflow["regions"]:
-        for function, stage in zip(region["functions"], result.stages, strict=True):
+    workflow = lowered.workflow
+    files = {"workflow.yaml": workflow_text(workflow).encode()}
+    for region in workflow.regions:
+        for function, stage in zip(region.functions, lowered.stages, strict=True):
             files.update(
                 render_function_package(
                     workflow,
-                    region["name"],
+                    region.name,
                     function,
                     stage_source=stage.source,
                     weights=stage.state,
-                    loss_source=result.loss_source,
+                    loss_source=lowered.loss_source,
                     torch_version=torch_release(),
                 )
             )

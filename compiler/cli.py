@@ -16,12 +16,10 @@ from rich.console import Console
 
 from cloudless.codegen.platforms import TARGETS
 from cloudless.codegen.validate import check_build
-from cloudless.compiler.build import build_files, write_build
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS
 from cloudless.compiler.errors import CompileError, display_path
-from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, run_front_end
+from cloudless.compiler.pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
 from cloudless.compiler.plan import PlanOptions
-from cloudless.compiler.simulate import simulate
 from cloudless.compiler.verify import TOLERANCE
 from cloudless.ir.catalog import load_catalog
 from cloudless.ir.schema import SchemaError
@@ -209,16 +207,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         sync=args.sync,
         sync_every=args.sync_every,
     )
-    options = FrontEndOptions(
-        model_path=args.model,
-        batch_size=args.batch_size,
-        num_blocks=args.blocks,
-        leaf_modules=tuple(args.leaf_module),
-        tracer=args.tracer,
-        profile_repeats=max(args.repeats, 0),
-        profile_from=args.profile,
-        verify_stages=args.stages if args.verify else 0,
+    options = CompileOptions(
+        FrontEndOptions(
+            model_path=args.model,
+            batch_size=args.batch_size,
+            num_blocks=args.blocks,
+            leaf_modules=tuple(args.leaf_module),
+            tracer=args.tracer,
+            profile_repeats=max(args.repeats, 0),
+            profile_from=args.profile,
+        ),
         plan=plan_options if args.repeats > 0 or args.profile else None,
+        verify_stages=args.stages if args.verify else 0,
+        targets=TARGETS if args.target == "both" else frozenset({args.target}),
+        output=args.output,
     )
 
     @contextmanager
@@ -229,19 +231,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             yield
 
-    targets = TARGETS if args.target == "both" else frozenset({args.target})
     try:
-        result = run_front_end(options, step)
-        with step("write"):
-            files = build_files(result, targets)
-            write_build(files, args.output, check=check_build if result.workflow is not None else None)
+        result = compile_model(options, step)
     except (CompileError, SchemaError) as exc:
         code = exc.exit_code if isinstance(exc, CompileError) else 2
         if isinstance(exc, SchemaError):
             exc = SchemaError(f"the generated build failed its check (a Cloudless bug, please report it): {exc}")
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
         return code
-    print_summary(out, result, args.output, requested_blocks=args.blocks, files=files)
+    print_summary(out, result, args.output, requested_blocks=args.blocks)
     return 0
 
 
@@ -255,8 +253,9 @@ def check_command(build: Path, out: Console) -> int:
     return 0
 
 
-def print_plan(out: Console, result: FrontEndResult) -> None:
-    plan = result.plan
+def print_plan(out: Console, result: Compiled) -> None:
+    plan, timeline = result.plan, result.timeline
+    assert plan is not None and timeline is not None and result.plan_options is not None
     solution, problem = plan.solution, plan.problem
     ev = solution.evaluation
     gap = _gap_text(solution.gap)
@@ -267,14 +266,14 @@ def print_plan(out: Console, result: FrontEndResult) -> None:
     )
     out.print("              stage  blocks   tier MB  replicas  memory MB  fwd+bwd s/mb  modules")
     for i, (choice, terms) in enumerate(zip(solution.plan.stages, ev.stages, strict=True)):
-        modules = [m for b in result.chain.blocks[choice.first : choice.last + 1] for m in b.modules]
+        modules = [m for b in result.front.chain.blocks[choice.first : choice.last + 1] for m in b.modules]
         shown = f"{modules[0]} .. {modules[-1]}" if len(modules) > 1 else (modules[0] if modules else "-")
         out.print(
             f"              {i:>5}  {choice.first:>2}-{choice.last:<3}  {choice.tier_mb:>7}  {choice.replicas:>8}  "
             f"{terms.memory_mb:>9.0f}  {terms.forward_s + terms.backward_s:>12.3f}  {shown}"
         )
     out.print(
-        f"  predicted   {ev.iteration_s:.2f} s (simulated {simulate(problem, solution.plan).iteration_s:.2f} s) and "
+        f"  predicted   {ev.iteration_s:.2f} s (simulated {timeline.iteration_s:.2f} s) and "
         f"{ev.cost_usd * 1e3:.4f} mUSD per iteration; "
         f"{problem.iterations} iterations: {ev.iteration_s * problem.iterations:.0f} s, "
         f"{ev.cost_usd * problem.iterations:.4f} USD"
@@ -292,8 +291,9 @@ def print_plan(out: Console, result: FrontEndResult) -> None:
             )
 
 
-def print_regions(out: Console, result: FrontEndResult) -> None:
+def print_regions(out: Console, result: Compiled) -> None:
     """Several regions: who trains on what, the sync, the figures against each restriction."""
+    assert result.plan is not None
     geo = result.plan.geo
     if geo is None:
         return
@@ -334,9 +334,9 @@ def human_flops(flops: int) -> str:
 
 
 def print_summary(
-    out: Console, result: FrontEndResult, output: Path, requested_blocks: int, files: dict[str, bytes]
+    out: Console, result: Compiled, output: Path, requested_blocks: int
 ) -> None:
-    graph, chain = result.graph, result.chain
+    graph, chain, files = result.front.graph, result.front.chain, result.files
     compute = sum(1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module"))
     out.print(f"{graph.model}: traced with torch.{graph.tracer} at micro-batch {graph.batch_size}")
     out.print(f"  nodes       {len(graph.nodes)} ({compute} compute)")

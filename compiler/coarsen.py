@@ -213,7 +213,8 @@ def balanced_ranges(weights: Sequence[float], stages: int) -> list[tuple[int, in
     """Contiguous ranges whose weight sums are about total/stages each (cut where the running sum
     passes each share), every range non-empty."""
     total = sum(weights) or 1.0
-    ranges, first, running = [], 0, 0.0
+    ranges: list[tuple[int, int]] = []
+    first, running = 0, 0.0
     for i, weight in enumerate(weights):
         running += weight
         left_blocks = len(weights) - i - 1

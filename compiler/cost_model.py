@@ -246,6 +246,18 @@ class CostModel:
             self._params[first, last] = found
         return found
 
+    def parameter_state_bytes(self, params: float) -> float:
+        """Parameters, their gradients and the optimizer's state (k_opt copies): what a stage holds
+        per trainable byte, and what its optimizer step streams."""
+        return (2 + self.problem.optimizer_state) * params
+
+    def model_state_bytes(self, first: int, last: int) -> float:
+        """The model state of blocks first..last: parameters, gradients and optimizer state of their
+        trainable parameters (shared ones once), and their buffers. A whole model's is
+        model_state_bytes(0, len(blocks) - 1)."""
+        params = self.parameter_state_bytes(self.stage_params(first, last))
+        return params + self._total("buffer_bytes", first, last)
+
     def stage_terms(self, choice: StageChoice, index: int, count: int, micro_batch: int) -> StageTerms:
         """Terms of the stage at `index` of `count` stages."""
         return self.config_terms(choice, index == 0, index == count - 1, count - index, micro_batch)
@@ -264,11 +276,10 @@ class CostModel:
         outputs = scale * p.blocks[choice.last].output_bytes if not last else 0.0
         grad_in = inputs if not first else 0.0
         params = self.stage_params(choice.first, choice.last)
-        state = (2 + p.optimizer_state) * params
+        state = self.model_state_bytes(choice.first, choice.last)
         activations = scale * self._total("saved_bytes", choice.first, choice.last)
         held = self.in_flight(p.schedule, per_replica, stages_from_here)
-        buffers = self._total("buffer_bytes", choice.first, choice.last)
-        memory = self.region.runtime_overhead_mb + (state + buffers + activations * held + 2 * (inputs + outputs)) / MB
+        memory = self.region.runtime_overhead_mb + (state + activations * held + 2 * (inputs + outputs)) / MB
         r = choice.replicas
         pieces = sync_pieces(params, r)
         # Besides tensors (counts over the stage's r replicas): each last-stage replica reports its
@@ -291,7 +302,7 @@ class CostModel:
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),
             sync_s=self.sync_time(params, r, choice.tier_mb),
-            update_s=(2 + p.optimizer_state) * params / update_rate,
+            update_s=self.parameter_state_bytes(params) / update_rate,
             memory_mb=memory,
             parameter_bytes=params,
             puts=puts,

@@ -1,6 +1,7 @@
 """The inter-region elastic schedule (Cloudless-Training): which regions train, each with which
 pipeline configuration from its own frontier, how much of the data moves between regions first, and
-where the global model lives; one MILP (pulp), checked against enumeration in the tests.
+where the global model lives; one MILP (solver.py, as the pipeline's), checked against enumeration
+in the tests.
 
 The training is `iterations` steps of `global_batch` samples in total, S = iterations x B samples.
 Each region trains its own replica of the model on the data it holds after the moves, d_r, at its
@@ -32,22 +33,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-import pulp
-
 from cloudless.compiler.cost_model import Objective, Plan
+from cloudless.compiler.solver import Goal, Program, SolveStatus, solve_program
 from cloudless.ir.catalog import Link
 
 SyncStrategy = Literal["asgd-ga", "model-average"]
 SYNC_STRATEGIES: tuple[SyncStrategy, ...] = ("asgd-ga", "model-average")
 #: data moves in parts of 1/PARTS of a region's data
 PARTS = 16
-
-
-def choose_solver(time_limit: float | None) -> tuple[pulp.LpSolver, str]:
-    """HiGHS through pulp where installed, else the CBC that pulp bundles."""
-    if pulp.HiGHS().available():
-        return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-7, threads=1), "HiGHS"
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=1e-7), "CBC"
 
 
 @dataclass(frozen=True)
@@ -142,27 +135,69 @@ class GeoEvaluation:
         return not self.violations
 
 
-def _sync_terms(problem: GeoProblem, r: int, option: RegionOption, others: list[int], server: int | None):
-    """One round of region r's sync: (seconds, egress USD, requests USD), given the other training
-    regions and (ASGD-GA) the server. Stages sync in parallel: the largest stage sets the time."""
+@dataclass(frozen=True)
+class SyncTerm:
+    """Part of one round's sync of a region: seconds on its clock, egress and request USD."""
+
+    seconds: float
+    egress_usd: float
+    requests_usd: float
+
+    @property
+    def usd(self) -> float:
+        return self.egress_usd + self.requests_usd
+
+
+@dataclass(frozen=True)
+class SyncCoefficients:
+    """One round's sync of region r with one option, when at least one other region trains: `once`,
+    plus `each[b]` for every other training region b. The closed form sums them over the regions
+    that train (`per_round`); the MILP puts `once` on "another region trains" and `each[b]` on
+    "b trains", so both charge the same terms."""
+
+    once: SyncTerm
+    each: dict[int, SyncTerm]
+
+    def per_round(self, others: list[int]) -> tuple[float, float, float]:
+        """(seconds, egress USD, requests USD) of one round with these other training regions."""
+        if not others:
+            return 0.0, 0.0, 0.0
+        seconds, egress, requests = self.once.seconds, self.once.egress_usd, self.once.requests_usd
+        for b in others:
+            term = self.each.get(b)
+            if term is not None:
+                seconds += term.seconds
+                egress += term.egress_usd
+                requests += term.requests_usd
+        return seconds, egress, requests
+
+
+def sync_coefficients(problem: GeoProblem, r: int, option: RegionOption, server: int | None) -> SyncCoefficients:
+    """Region r's sync per round with `option` and (ASGD-GA) the server. Stages sync in parallel:
+    the largest stage sets the time; every stage's bytes pay egress (an upper bound)."""
     site = problem.sites[r]
     nbytes = option.largest_stage_bytes
-    gb = option.largest_stage_bytes * option.stages / 1e9  # all stages' bytes for egress (upper bound)
+    gb = option.largest_stage_bytes * option.stages / 1e9
     if problem.sync == "model-average":
-        seconds = site.local.transfer_s(nbytes)  # write its own model
-        egress = 0.0
-        for b in others:
-            seconds += problem.link(site.name, problem.sites[b].name).transfer_s(nbytes)
-            egress += gb * problem.sites[b].egress_usd_per_gb  # b's model leaves b
-        requests = option.stages * (site.put_usd + len(others) * site.get_usd)
-        return seconds, egress, requests
+        # Write its own model (a PUT per stage), then read each other region's (egress leaves b).
+        once = SyncTerm(site.local.transfer_s(nbytes), 0.0, option.stages * site.put_usd)
+        each = {
+            b: SyncTerm(
+                problem.link(site.name, other.name).transfer_s(nbytes),
+                gb * other.egress_usd_per_gb,
+                option.stages * site.get_usd,
+            )
+            for b, other in enumerate(problem.sites)
+            if b != r
+        }
+        return SyncCoefficients(once, each)
     assert server is not None
-    link = problem.link(site.name, problem.sites[server].name)
-    seconds = 2 * link.transfer_s(nbytes)  # read the global version, write the next
-    egress = 0.0 if server == r else gb * (site.egress_usd_per_gb + problem.sites[server].egress_usd_per_gb)
     serving = problem.sites[server]
-    requests = option.stages * (serving.put_usd + serving.get_usd)
-    return seconds, egress, requests
+    link = problem.link(site.name, serving.name)
+    # Read the global version and write the next, at the server; egress both ways unless r serves.
+    egress = 0.0 if server == r else gb * (site.egress_usd_per_gb + serving.egress_usd_per_gb)
+    once = SyncTerm(2 * link.transfer_s(nbytes), egress, option.stages * (serving.put_usd + serving.get_usd))
+    return SyncCoefficients(once, {})
 
 
 def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
@@ -202,8 +237,8 @@ def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
         option = problem.sites[r].options[plan.options[r]]  # type: ignore[index]
         iterations = held[r] * per_sample / problem.global_batch
         others = [b for b in training if b != r]
-        if len(training) > 1:
-            seconds, egress, requests = _sync_terms(problem, r, option, others, plan.server)
+        if others:
+            seconds, egress, requests = sync_coefficients(problem, r, option, plan.server).per_round(others)
         else:
             seconds = egress = requests = 0.0
         work = iterations * option.iteration_s
@@ -238,17 +273,13 @@ def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
 
 
 def objective_value(objective: Objective, evaluation: GeoEvaluation) -> tuple[float, float]:
-    if objective in ("time", "time-under-budget"):
-        return (evaluation.training_s, evaluation.cost_usd)
-    return (evaluation.cost_usd, evaluation.training_s)
+    """What is minimised: (primary, tie-break), for the whole training."""
+    return Goal(objective).key(evaluation.training_s, evaluation.cost_usd)
 
 
 def within(evaluation: GeoEvaluation, deadline: float | None, budget: float | None) -> bool:
-    if not evaluation.feasible:
-        return False
-    if deadline is not None and evaluation.training_s > deadline * (1 + 1e-9):
-        return False
-    return budget is None or evaluation.cost_usd <= budget * (1 + 1e-9)
+    """A feasible schedule whose training meets the deadline and the budget."""
+    return evaluation.feasible and Goal("cost", deadline, budget).within(evaluation.training_s, evaluation.cost_usd)
 
 
 @dataclass
@@ -280,18 +311,17 @@ def solve_geo(
     (the baselines are these restrictions of the same program)."""
     started = time.perf_counter()
     allowed = set(range(len(problem.sites)) if only is None else only)
-    servers: list[int | None] = sorted(allowed) if problem.sync == "asgd-ga" else [None]
+    servers: list[int | None] = [*sorted(allowed)] if problem.sync == "asgd-ga" else [None]
     best: GeoSolution | None = None
     bound = math.inf
     proven = True
     solver_name = ""
     for server in servers:
-        result = _solve_one(problem, objective, server, deadline, budget, time_limit, allow_moves, allowed)
-        if result is None:
-            continue
-        plan, status, lower, solver_name = result
+        plan, status, lower, solver_name = _solve_one(
+            problem, Goal(objective, deadline, budget), server, time_limit, allow_moves, allowed
+        )
         bound = min(bound, lower)
-        proven = proven and status in ("Optimal", "Infeasible")
+        proven = proven and status in ("optimal", "infeasible")
         if plan is None:
             continue
         evaluation = evaluate(problem, plan)
@@ -313,20 +343,30 @@ def solve_geo(
     return best
 
 
+#: a linear expression: column -> coefficient
+Linear = dict[int, float]
+
+
+def _add(expression: Linear, terms: Iterable[tuple[int, float]]) -> Linear:
+    """Add terms to an expression in place (coefficients of the same column sum)."""
+    for column, value in terms:
+        expression[column] = expression.get(column, 0.0) + value
+    return expression
+
+
 def _solve_one(
     problem: GeoProblem,
-    objective: Objective,
+    goal: Goal,
     server: int | None,
-    deadline: float | None,
-    budget: float | None,
     time_limit: float | None,
     allow_moves: bool,
     allowed: set[int],
-) -> tuple[GeoPlan | None, str, float, str] | None:
-    """The MILP for one server choice. Variables: y[r,k] (region r trains with option k), u[r,k]
-    its iterations (0 unless y[r,k]), z[r] = sum_k y[r,k], move[a,b] (integer parts), and for the
-    pairwise sync terms v[r,k,b] >= y[r,k] + z[b] - 1 (r with option k and b both train); for MA
-    alive[r,k] >= T - T_max (1 - y[r,k]) (the barrier keeps r alive for all of T)."""
+) -> tuple[GeoPlan | None, SolveStatus, float, str]:
+    """The MILP for one server choice: (plan, status, lower bound, solver). Variables: y[r,k] (region
+    r trains with option k), u[r,k] its iterations (0 unless y[r,k]), z[r] = sum_k y[r,k],
+    move[a,b] (integer parts), and for the pairwise sync terms v[r,k,b] >= y[r,k] + z[b] - 1 (r with
+    option k and b both train); for MA alive[r,k] >= T - T_max (1 - v[r,k,b]) (the barrier keeps r
+    alive for all of T). A time-limited solve gives no bound (-inf)."""
     sites = problem.sites
     n = len(sites)
     names = [s.name for s in sites]
@@ -334,108 +374,98 @@ def _solve_one(
     per_sample = problem.total_samples / problem.total_data
     B = problem.global_batch
     most_iterations = problem.total_samples / B
-    lp = pulp.LpProblem("cloudless_regions", pulp.LpMinimize)
+    program = Program()
     y = {
-        (r, k): pulp.LpVariable(f"y_{r}_{k}", cat="Binary")
+        (r, k): program.column(0.0, 1.0, integer=True)
         for r in range(n)
         if r in allowed
         for k in range(len(sites[r].options))
     }
-    u = {key: pulp.LpVariable(f"u_{key[0]}_{key[1]}", lowBound=0) for key in y}
-    z = {r: pulp.lpSum(y[r, k] for k in range(len(sites[r].options)) if (r, k) in y) for r in range(n)}
-    moves = {}
+    u = {key: program.column() for key in y}
+    z: dict[int, list[tuple[int, float]]] = {
+        r: [(y[r, k], 1.0) for k in range(len(sites[r].options)) if (r, k) in y] for r in range(n)
+    }
+    moves: dict[tuple[int, int], int] = {}
     if allow_moves:
         for a in range(n):
             for b in allowed:
                 if a != b and sites[a].data > 0:
-                    moves[a, b] = pulp.LpVariable(f"m_{a}_{b}", lowBound=0, upBound=problem.parts, cat="Integer")
-    T = pulp.LpVariable("T", lowBound=0)
+                    moves[a, b] = program.column(0.0, problem.parts, integer=True)
+    T = program.column()
     for r in range(n):
-        lp += z[r] <= 1
-        out_parts = pulp.lpSum(moves[a, b] for (a, b) in moves if a == r)
-        lp += out_parts <= problem.parts
+        if z[r]:
+            program.row(z[r], upper=1.0)
+        out_parts = [(var, 1.0) for (a, _), var in moves.items() if a == r]
+        if out_parts:
+            program.row(out_parts, upper=problem.parts)
         part = sites[r].data / problem.parts
-        held = (
-            sites[r].data
-            - part * out_parts
-            + pulp.lpSum(sites[a].data / problem.parts * moves[a, b] for (a, b) in moves if b == r)
-        )
         # Its iterations follow from the data it holds; a region holding data must train.
-        lp += pulp.lpSum(u[r, k] for k in range(len(sites[r].options)) if (r, k) in y) == held * per_sample / B
+        held = [(u[r, k], 1.0) for k in range(len(sites[r].options)) if (r, k) in y]
+        held += [(var, part * per_sample / B) for (a, _), var in moves.items() if a == r]
+        held += [(var, -(sites[a].data / problem.parts) * per_sample / B) for (a, b), var in moves.items() if b == r]
+        rhs = sites[r].data * per_sample / B
+        program.row(held, rhs, rhs)
     for (r, k), var in y.items():
-        lp += u[r, k] <= most_iterations * var
+        program.row([(u[r, k], 1.0), (var, -most_iterations)], upper=0.0)
     if server is not None:
-        lp += z[server] == 1  # the server trains (it holds the global model next to its functions)
+        program.row(z[server], 1.0, 1.0)  # the server trains (it holds the global model next to its functions)
     # Pairwise sync terms: v[r,k,b] = y[r,k] * z[b].
-    v = {}
+    v: dict[tuple[int, int, int], int] = {}
     for r, k in y:
         for b in allowed:
             if b != r:
-                v[r, k, b] = pulp.LpVariable(f"v_{r}_{k}_{b}", lowBound=0, upBound=1)
-                lp += v[r, k, b] >= y[r, k] + z[b] - 1
-    others_any = {(r, k): pulp.lpSum(v[r, k, b] for b in allowed if b != r) for (r, k) in y}
+                v[r, k, b] = program.column(0.0, 1.0)
+                program.row([(v[r, k, b], 1.0), (y[r, k], -1.0), *((c, -1.0) for c, _ in z[b])], lower=-1.0)
 
-    def sync_parts(r: int, k: int) -> tuple[pulp.LpAffineExpression, pulp.LpAffineExpression]:
-        """Region r's sync over all rounds with option k: (seconds, USD), linear in y and v.
-        Zero when r trains alone: every term is carried by a v (another region also trains)."""
-        option = sites[r].options[k]
-        seconds: list = []
-        usd: list = []
-        if problem.sync == "model-average":
-            # Its own write, once, when any other region trains: bounded by each v and by y.
-            w = pulp.LpVariable(f"w_{r}_{k}", lowBound=0, upBound=1)
-            lp.addConstraint(w <= y[r, k])
-            lp.addConstraint(w <= others_any[r, k])
-            for b in allowed:
-                if b != r:
-                    lp.addConstraint(w >= v[r, k, b])
-            seconds.append(rounds * sites[r].local.transfer_s(option.largest_stage_bytes) * w)
-            usd.append(rounds * option.stages * sites[r].put_usd * w)
-            for b in allowed:
-                if b == r:
-                    continue
-                link = problem.link(names[r], names[b])
-                gb = option.largest_stage_bytes * option.stages / 1e9
-                seconds.append(rounds * link.transfer_s(option.largest_stage_bytes) * v[r, k, b])
-                usd.append(rounds * (gb * sites[b].egress_usd_per_gb + option.stages * sites[r].get_usd) * v[r, k, b])
-        else:
-            assert server is not None
-            # Syncs happen when another region trains; with the server training, that is "r is not
-            # alone": r != server -> v[r,k,server]; r == server -> any v.
-            active = v[r, k, server] if r != server else pulp.LpVariable(f"w_{r}_{k}", lowBound=0, upBound=1)
-            if r == server:
-                lp.addConstraint(active <= y[r, k])
-                lp.addConstraint(active <= others_any[r, k])
-                for b in allowed:
-                    if b != r:
-                        lp.addConstraint(active >= v[r, k, b])
-            link = problem.link(names[r], names[server])
-            gb = option.largest_stage_bytes * option.stages / 1e9
-            egress = 0.0 if r == server else gb * (sites[r].egress_usd_per_gb + sites[server].egress_usd_per_gb)
-            requests = option.stages * (sites[server].put_usd + sites[server].get_usd)
-            seconds.append(rounds * 2 * link.transfer_s(option.largest_stage_bytes) * active)
-            usd.append(rounds * (egress + requests) * active)
-        return pulp.lpSum(seconds), pulp.lpSum(usd)
+    def any_other(r: int, k: int) -> int:
+        """A column equal to "r trains with k and another region trains": at most y and the sum of
+        the v, at least each v."""
+        w = program.column(0.0, 1.0)
+        others = [v[r, k, b] for b in allowed if b != r]
+        program.row([(w, 1.0), (y[r, k], -1.0)], upper=0.0)
+        program.row([(w, 1.0), *((c, -1.0) for c in others)], upper=0.0)
+        for c in others:
+            program.row([(w, 1.0), (c, -1.0)], lower=0.0)
+        return w
 
-    move_in = {
-        r: pulp.lpSum(
-            problem.link(names[a], names[b]).transfer_s(sites[a].data / problem.parts * problem.sample_bytes) * var
+    def sync_parts(r: int, k: int) -> tuple[Linear, Linear]:
+        """Region r's sync over all rounds with option k: (seconds, USD), linear in y and v, from the
+        same coefficients as the closed form. Zero when r trains alone: every term is carried by a
+        v (another region also trains)."""
+        terms = sync_coefficients(problem, r, sites[r].options[k], server)
+        # The terms paid once a round: with the server training, "not alone" is v[r,k,server] for
+        # r != server (ASGD-GA); otherwise a column for "any other region trains".
+        once = v[r, k, server] if server is not None and r != server else any_other(r, k)
+        seconds: Linear = {once: rounds * terms.once.seconds}
+        usd: Linear = {once: rounds * terms.once.usd}
+        for b in allowed:
+            if b != r and b in terms.each:
+                _add(seconds, [(v[r, k, b], rounds * terms.each[b].seconds)])
+                _add(usd, [(v[r, k, b], rounds * terms.each[b].usd)])
+        return seconds, usd
+
+    move_in: dict[int, Linear] = {
+        r: {
+            var: problem.link(names[a], names[b]).transfer_s(sites[a].data / problem.parts * problem.sample_bytes)
             for (a, b), var in moves.items()
             if b == r
-        )
+        }
         for r in range(n)
     }
     sync_of = {(r, k): sync_parts(r, k) for (r, k) in y}
     for r in range(n):
-        work = pulp.lpSum(
-            sites[r].options[k].iteration_s * u[r, k] for k in range(len(sites[r].options)) if (r, k) in y
-        )
-        syncs = pulp.lpSum(sync_of[r, k][0] for k in range(len(sites[r].options)) if (r, k) in y)
-        lp += T >= move_in[r] + work + syncs
-    cost_terms = []
+        # T >= move-in + work + syncs of every region.
+        ends: Linear = {T: 1.0}
+        _add(ends, ((var, -c) for var, c in move_in[r].items()))
+        _add(ends, ((u[r, k], -sites[r].options[k].iteration_s) for k in range(len(sites[r].options)) if (r, k) in y))
+        for k in range(len(sites[r].options)):
+            if (r, k) in y:
+                _add(ends, ((var, -c) for var, c in sync_of[r, k][0].items()))
+        program.row(list(ends.items()), lower=0.0)
+    cost: Linear = {}
     for (a, _), var in moves.items():
         part = sites[a].data / problem.parts
-        cost_terms.append(part * problem.sample_bytes / 1e9 * sites[a].egress_usd_per_gb * var)
+        _add(cost, [(var, part * problem.sample_bytes / 1e9 * sites[a].egress_usd_per_gb)])
     # An upper bound of T (for the barrier's big-M rows): every part moved, the slowest option doing
     # all the iterations, every sync term at once.
     t_max = (
@@ -445,40 +475,38 @@ def _solve_one(
     )
     for r, k in y:
         option = sites[r].options[k]
-        cost_terms.append(option.fixed_usd * u[r, k])
-        cost_terms.append(sync_of[r, k][1])
+        seconds, usd = sync_of[r, k]
+        _add(cost, [(u[r, k], option.fixed_usd)])
+        _add(cost, usd.items())
         if problem.sync == "model-average":
             # Alive for T when another region trains (the barrier), else for its own work.
-            alive = pulp.LpVariable(f"alive_{r}_{k}", lowBound=0)
-            lp += alive >= option.iteration_s * u[r, k] + sync_of[r, k][0]
+            alive = program.column()
+            program.row(
+                [(alive, 1.0), (u[r, k], -option.iteration_s), *((c, -x) for c, x in seconds.items())], lower=0.0
+            )
             for b in allowed:
                 if b != r:
-                    lp += alive >= T - t_max * (1 - v[r, k, b])
-            cost_terms.append(option.usd_per_second * alive)
+                    program.row([(alive, 1.0), (T, -1.0), (v[r, k, b], -t_max)], lower=-t_max)
+            _add(cost, [(alive, option.usd_per_second)])
         else:
-            cost_terms.append(option.compute_usd * u[r, k] + option.usd_per_second * sync_of[r, k][0])
-    cost = pulp.lpSum(cost_terms)
-    if deadline is not None:
-        lp += T <= deadline
-    if budget is not None:
-        lp += cost <= budget
-    lp += T if objective in ("time", "time-under-budget") else cost
-    solver, solver_name = choose_solver(time_limit)
-    lp.solve(solver)
-    status = pulp.LpStatus[lp.status]
-    if status == "Infeasible" or lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        return (None, status, math.inf if status == "Infeasible" else -math.inf, solver_name)
+            _add(cost, [(u[r, k], option.compute_usd)])
+            _add(cost, ((c, option.usd_per_second * x) for c, x in seconds.items()))
+    goal.constrain(program, T, list(cost.items()))
+    outcome = solve_program(program, time_limit)
+    if outcome.values is None:
+        return None, outcome.status, math.inf if outcome.status == "infeasible" else -math.inf, outcome.solver
+    values = outcome.values
     options = tuple(
-        next((k for k in range(len(sites[r].options)) if (r, k) in y and (y[r, k].value() or 0) > 0.5), None)
+        next((k for k in range(len(sites[r].options)) if (r, k) in y and values[y[r, k]] > 0.5), None)
         for r in range(n)
     )
     chosen_moves = tuple(
-        sorted(((a, b), round(var.value() or 0)) for (a, b), var in moves.items() if round(var.value() or 0) > 0)
+        sorted(((a, b), round(values[var])) for (a, b), var in moves.items() if round(values[var]) > 0)
     )
-    # A time limit leaves pulp's status "Optimal" with an integer-feasible solution: no proof, no bound.
-    if lp.sol_status != pulp.LpSolutionOptimal:
-        return GeoPlan(options, chosen_moves, server), "Not Solved", -math.inf, solver_name
-    return GeoPlan(options, chosen_moves, server), status, float(pulp.value(lp.objective)), solver_name
+    plan = GeoPlan(options, chosen_moves, server)
+    if outcome.status != "optimal":
+        return plan, outcome.status, -math.inf, outcome.solver  # stopped by the time limit: no proof
+    return plan, outcome.status, outcome.bound, outcome.solver
 
 
 def enumerate_plans(problem: GeoProblem) -> Iterator[GeoPlan]:

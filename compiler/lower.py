@@ -22,17 +22,56 @@ from torch.utils import _pytree as pytree
 
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.cost_model import Plan
-from cloudless.compiler.errors import CompileError, ModelFileError
-from cloudless.compiler.model_file import ModelFile
+from cloudless.compiler.errors import CompileError
+from cloudless.compiler.model_file import ModelFile, probe_optimizer
 from cloudless.compiler.trace import trace_model
-from cloudless.ir import API_VERSION
-from cloudless.ir.catalog import Region
-from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES, Schedule
+from cloudless.ir import catalog
+from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES
+from cloudless.ir.workflow import (
+    SYNC_STEP_KIND,
+    DataSource,
+    DataSpec,
+    Function,
+    OptimizerSpec,
+    Region,
+    RunSettings,
+    Schedule,
+    Step,
+    StepKind,
+    StorageSpec,
+    SyncSettings,
+    WanLink,
+    Workflow,
+)
 
-DEFAULT_LEARNING_RATE = 0.01
 #: checkpoints per run when the model file does not say (at least every 1000 iterations)
 CHECKPOINTS_PER_RUN = 4
 LOSS_MODULE = "loss"
+
+
+@dataclass(frozen=True)
+class StageCode:
+    """A generated stage: its source, its slice of the weights, and what it takes and returns."""
+
+    index: int
+    first_block: int
+    last_block: int
+    source: str
+    state: dict[str, torch.Tensor]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    #: names of the trainable tensors in `state`
+    trainable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A plan lowered to what the functions run: the stages' source and weights, the loss module
+    (the last stage's), and the workflow."""
+
+    stages: tuple[StageCode, ...]
+    loss_source: str
+    workflow: Workflow
 
 
 @dataclass(frozen=True)
@@ -53,36 +92,10 @@ def slug(text: str, limit: int = 40) -> str:
     return label[:limit].rstrip("-")
 
 
-def describe_optimizer(model_file: ModelFile) -> dict[str, Any]:
-    """The model file's optimizer as a torch.optim class name and its constructor options."""
-    if model_file.make_optimizer is None:
-        lr = model_file.training.get("learning_rate", DEFAULT_LEARNING_RATE)
-        return {"class": "SGD", "options": {"lr": float(lr)}}
-    probe = nn.Parameter(torch.zeros(1))
-    optimizer = model_file.call("make_optimizer", [probe])
-    cls = type(optimizer)
-    if getattr(torch.optim, cls.__name__, None) is not cls:
-        raise ModelFileError(
-            f"{model_file.name}: make_optimizer returned {cls.__module__}.{cls.__qualname__}; the functions "
-            "rebuild the optimizer from its torch.optim class and options, so return a torch.optim optimizer"
-        )
-    if len(optimizer.param_groups) != 1:
-        raise ModelFileError(f"{model_file.name}: make_optimizer made {len(optimizer.param_groups)} parameter groups")
-    options: dict[str, Any] = {}
-    group = optimizer.param_groups[0]
-    for key in sorted(optimizer.defaults):
-        value = group.get(key, optimizer.defaults[key])
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, tuple):
-            value = list(value)
-        if value is None or isinstance(value, bool | int | float | str | list):
-            options[key] = value
-        else:
-            raise ModelFileError(
-                f"{model_file.name}: make_optimizer's option {key}={value!r} cannot be written to workflow.yaml"
-            )
-    return {"class": cls.__name__, "options": options}
+def describe_optimizer(model_file: ModelFile) -> OptimizerSpec:
+    """The model file's optimizer as the workflow names it: a torch.optim class and its options."""
+    probe = probe_optimizer(model_file)
+    return OptimizerSpec(probe.class_name, probe.options)
 
 
 def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: list[Any], targets: Any) -> str:
@@ -130,7 +143,7 @@ def checkpoint_interval(iterations: int) -> int:
 class RegionTraining:
     """What one region trains: its plan, its iterations and (several regions) its data and rounds."""
 
-    region: Region
+    region: catalog.Region
     plan: Plan
     iterations: int
     samples: int | None
@@ -160,12 +173,12 @@ def lower_plan(
     schedule: Schedule,
     input_names: list[str],
     target_count: int,
-    optimizer: dict[str, Any],
+    optimizer: OptimizerSpec,
     inter_region: InterRegion | None = None,
     seed: int = 0,
-) -> dict[str, Any]:
-    """workflow.yaml's content: each region trains its plan (the regions share the partition and
-    micro-batch size) for its iterations of `global_batch`; `iterations` is the whole training's."""
+) -> Workflow:
+    """The workflow: each region trains its plan (the regions share the partition and micro-batch
+    size) for its iterations of `global_batch`; `iterations` is the whole training's."""
     micro_batch = trainings[0].plan.micro_batch
     for training in trainings:
         if len(stages) != len(training.plan.stages) or training.plan.micro_batch != micro_batch:
@@ -179,138 +192,120 @@ def lower_plan(
             holders.setdefault(name, []).append(stage.index)
     shared = {name for name, held in holders.items() if len(held) > 1}
     every = checkpoint_interval(max(t.iterations for t in trainings))
-    regions = []
-    steps: list[dict[str, Any]] = []
+    sync_kind = None if inter_region is None else SYNC_STEP_KIND[inter_region.strategy]
+    regions: list[Region] = []
+    steps: list[Step] = []
     for training in trainings:
         region = training.region
-        functions = []
-        for stage, choice in zip(stages, training.plan.stages, strict=True):
-            functions.append(
-                {
-                    "name": f"{run_name}-s{stage.index}",
-                    "stage": stage.index,
-                    "blocks": [choice.first, choice.last],
-                    "memory_mb": choice.tier_mb,
-                    "cpu_millis": cpu_millis(region, choice.tier_mb),
-                    # MB/s each way to storage (the catalog's figure for this tier): what --emulate uses.
-                    "network_mbps": round(region.bandwidth_bps(choice.tier_mb) / 1e6, 3),
-                    "replicas": choice.replicas,
-                    "timeout_s": int(region.timeout_s),
-                    "package": f"regions/{region.name}/functions/{run_name}-s{stage.index}",
-                    "inputs": list(stage.inputs),
-                    "outputs": list(stage.outputs),
-                    "shared_parameters": sorted(set(stage.parameters) & shared),
-                }
+        functions = tuple(
+            Function(
+                name=f"{run_name}-s{stage.index}",
+                stage=stage.index,
+                blocks=(choice.first, choice.last),
+                memory_mb=choice.tier_mb,
+                cpu_millis=cpu_millis(region, choice.tier_mb),
+                network_mbps=round(region.bandwidth_bps(choice.tier_mb) / 1e6, 3),
+                replicas=choice.replicas,
+                timeout_s=int(region.timeout_s),
+                package=f"regions/{region.name}/functions/{run_name}-s{stage.index}",
+                inputs=stage.inputs,
+                outputs=stage.outputs,
+                shared_parameters=tuple(sorted(set(stage.parameters) & shared)),
             )
-        entry: dict[str, Any] = {
-            "name": region.name,
-            "provider": region.provider,
-            "samples": training.samples,
-            "request_latency_s": region.request_latency_s,
-            "iterations": training.iterations,
-        }
-        if inter_region is not None:
-            entry["round_iterations"] = training.round_iterations
-            entry["weight"] = training.weight
-        if training.sources:  # also when one region trains alone on data moved to it
-            entry["data_sources"] = [{"region": r, "first": f, "count": c} for r, f, c in training.sources]
-        entry["functions"] = functions
-        regions.append(entry)
-        sync_kind = None
-        if inter_region is not None:
-            sync_kind = "asgd-ga-push" if inter_region.strategy == "asgd-ga" else "model-average"
+            for stage, choice in zip(stages, training.plan.stages, strict=True)
+        )
+        regions.append(
+            Region(
+                name=region.name,
+                provider=region.provider,
+                samples=training.samples,
+                request_latency_s=region.request_latency_s,
+                functions=functions,
+                iterations=training.iterations,
+                round_iterations=training.round_iterations if inter_region is not None else None,
+                weight=training.weight if inter_region is not None else None,
+                # also when one region trains alone on data moved to it
+                data_sources=tuple(DataSource(r, f, c) for r, f, c in training.sources),
+            )
+        )
         steps.extend(region_steps(region.name, functions, holders, every, sync_kind, training.round_iterations))
-    document: dict[str, Any] = {
-        "apiVersion": API_VERSION,
-        "kind": "Workflow",
-        "model": model_file.name,
-        "run": {
-            "name": run_name,
-            "iterations": iterations,
-            "global_batch": global_batch,
-            "micro_batch": micro_batch,
-            "micro_batches": global_batch // micro_batch,
-            "schedule": schedule,
-            "checkpoint_every": every,
-            "seed": seed,
-        },
-        "optimizer": optimizer,
-        "sync": {
-            "intra_region": "pipelined-scatter-reduce",
-            "piece_bytes": SYNC_PIECE_BYTES,
-            "max_pieces": MAX_SYNC_PIECES,
-            "inter_region": None if inter_region is None else inter_region.strategy,
-        },
-        "storage": {"bucket": f"cloudless-{run_name}", "prefix": run_name},
-        "data": {
+    return Workflow(
+        model=model_file.name,
+        run=RunSettings(
+            name=run_name,
+            iterations=iterations,
+            global_batch=global_batch,
+            micro_batch=micro_batch,
+            micro_batches=global_batch // micro_batch,
+            schedule=schedule,
+            checkpoint_every=every,
+            seed=seed,
+        ),
+        optimizer=optimizer,
+        sync=SyncSettings(
+            intra_region="pipelined-scatter-reduce",
+            piece_bytes=SYNC_PIECE_BYTES,
+            max_pieces=MAX_SYNC_PIECES,
+            inter_region=None if inter_region is None else inter_region.strategy,  # type: ignore[arg-type]
+            rounds=None if inter_region is None else inter_region.rounds,
+            server=None if inter_region is None else inter_region.server,
+        ),
+        storage=StorageSpec(bucket=f"cloudless-{run_name}", prefix=run_name),
+        data=DataSpec(
             # The file whose load_shard(region, split) gives the data (as given to the compiler).
-            "model_file": model_file.path.as_posix(),
-            "inputs": list(input_names),
-            "targets": target_count,
-            "loss": LOSS_MODULE,
-        },
-        "regions": regions,
-    }
-    if inter_region is not None:
-        document["sync"]["rounds"] = inter_region.rounds
-        document["sync"]["server"] = inter_region.server
-        document["wan"] = [
-            {"between": [a, b], "mbps": round(mbps, 3), "latency_s": latency}
-            for a, b, mbps, latency in inter_region.links
-        ]
-    document["steps"] = steps
-    return document
+            model_file=model_file.path.as_posix(),
+            inputs=tuple(input_names),
+            targets=target_count,
+            loss=LOSS_MODULE,
+        ),
+        regions=tuple(regions),
+        steps=tuple(steps),
+        wan=None
+        if inter_region is None
+        else tuple(WanLink((a, b), round(mbps, 3), latency) for a, b, mbps, latency in inter_region.links),
+    )
 
 
 def region_steps(
     region: str,
-    functions: list[dict[str, Any]],
+    functions: tuple[Function, ...],
     holders: dict[str, list[int]],
     checkpoint_every: int,
-    sync_kind: str | None = None,
+    sync_kind: StepKind | None = None,
     round_iterations: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Step]:
     """One iteration's DAG in a region: the stages compute at once (they pipeline through storage).
     With several regions, each stage meets its counterparts in the others after its optimizer step
     every `round_iterations` (`asgd-ga-push` or `model-average`), before its checkpoint."""
 
-    def step(function: dict[str, Any], kind: str, depends_on: list[str]) -> dict[str, Any]:
-        return {
-            "id": f"{region}/s{function['stage']}/{kind}",
-            "kind": kind,
-            "region": region,
-            "function": function["name"],
-            "replicas": function["replicas"],
-            "depends_on": depends_on,
-        }
+    def step(function: Function, kind: StepKind, depends_on: list[str], every: int | None = None) -> Step:
+        step_id = f"{region}/s{function.stage}/{kind}"
+        return Step(step_id, kind, region, function.name, function.replicas, tuple(depends_on), every)
 
-    steps: list[dict[str, Any]] = []
+    steps: list[Step] = []
     gradients_ready: dict[int, str] = {}
     for function in functions:
         compute = step(function, "compute", [])
         steps.append(compute)
-        gradients_ready[function["stage"]] = compute["id"]
-        if function["replicas"] > 1:
-            reduce = step(function, "scatter-reduce", [compute["id"]])
+        gradients_ready[function.stage] = compute.id
+        if function.replicas > 1:
+            reduce = step(function, "scatter-reduce", [compute.id])
             steps.append(reduce)
-            gradients_ready[function["stage"]] = reduce["id"]
+            gradients_ready[function.stage] = reduce.id
     for function in functions:
         # A tied parameter's gradient is the sum over the stages holding it: wait for all of them.
-        partners = sorted({s for name in function["shared_parameters"] for s in holders[name]} | {function["stage"]})
+        partners = sorted({s for name in function.shared_parameters for s in holders[name]} | {function.stage})
         update = step(function, "optimizer-step", [gradients_ready[s] for s in partners])
         steps.append(update)
-        last = update["id"]
+        last = update.id
         if sync_kind is not None:
-            meet = step(function, sync_kind, [update["id"]])
-            meet["every"] = round_iterations
+            meet = step(function, sync_kind, [update.id], round_iterations)
             steps.append(meet)
-            last = meet["id"]
-        checkpoint = step(function, "checkpoint", [last])
-        checkpoint["every"] = checkpoint_every
-        steps.append(checkpoint)
+            last = meet.id
+        steps.append(step(function, "checkpoint", [last], checkpoint_every))
     return steps
 
 
-def cpu_millis(region: Region, memory_mb: int) -> int:
+def cpu_millis(region: catalog.Region, memory_mb: int) -> int:
     """The CPU share the platform gives a function of this memory, in thousandths of a vCPU."""
     return max(1, round(1000 * region.vcpus(memory_mb)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,20 @@ TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "epochs": int,
     "learning_rate": (int, float),
 }
+
+
+#: the optimizer when the model file makes none: SGD at TRAINING["learning_rate"], else this rate
+DEFAULT_LEARNING_RATE = 0.01
+
+
+@dataclass(frozen=True)
+class OptimizerProbe:
+    """The model file's optimizer as the functions rebuild it (a torch.optim class and its options),
+    and how many parameter-sized state tensors it keeps per parameter (what planning charges memory for)."""
+
+    class_name: str
+    options: dict[str, Any]
+    state_per_parameter: int
 
 
 def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -161,7 +176,7 @@ def _check_training(training: Any, shown: str) -> None:
             raise ModelFileError(
                 f"{shown}: TRAINING[{key!r}] is {type(value).__name__}; expected {_type_name(expected)}"
             )
-        if key == "micro_batch_sizes" and not all(isinstance(v, int) and v > 0 for v in value):
+        if key == "micro_batch_sizes" and not all(isinstance(v, int) and v > 0 for v in typing.cast(list, value)):
             raise ModelFileError(f"{shown}: TRAINING['micro_batch_sizes'] must be a list of positive ints")
 
 
@@ -169,3 +184,44 @@ def _type_name(expected: type | tuple[type, ...]) -> str:
     if isinstance(expected, tuple):
         return " or ".join(t.__name__ for t in expected)
     return expected.__name__
+
+
+def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
+    """Build the model file's optimizer on a probe parameter and take one step: its class and options,
+    and the state it then holds per parameter (counted, so any torch.optim optimizer is sized right)."""
+    if model_file.make_optimizer is None:
+        lr = model_file.training.get("learning_rate", DEFAULT_LEARNING_RATE)
+        return OptimizerProbe("SGD", {"lr": float(lr)}, 0)
+    probe = nn.Parameter(torch.zeros(4))
+    optimizer = model_file.call("make_optimizer", [probe])
+    cls = type(optimizer)
+    if getattr(torch.optim, cls.__name__, None) is not cls:
+        raise ModelFileError(
+            f"{model_file.name}: make_optimizer returned {cls.__module__}.{cls.__qualname__}; the functions "
+            "rebuild the optimizer from its torch.optim class and options, so return a torch.optim optimizer"
+        )
+    if len(optimizer.param_groups) != 1:
+        raise ModelFileError(f"{model_file.name}: make_optimizer made {len(optimizer.param_groups)} parameter groups")
+    options: dict[str, Any] = {}
+    group = optimizer.param_groups[0]
+    for key in sorted(optimizer.defaults):
+        value = group.get(key, optimizer.defaults[key])
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, bool | int | float | str | list):
+            options[key] = value
+        else:
+            raise ModelFileError(
+                f"{model_file.name}: make_optimizer's option {key}={value!r} cannot be written to workflow.yaml"
+            )
+    probe.grad = torch.ones_like(probe)
+    try:
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+        raise model_file.error_at(exc, f"one step of make_optimizer's {cls.__name__} raised {describe(exc)}") from exc
+    state = optimizer.state.get(probe, {})
+    # Scalars (Adam's step count) are not per-parameter memory; tensors shaped like the parameter are.
+    sized = sum(1 for value in state.values() if isinstance(value, torch.Tensor) and value.shape == probe.shape)
+    return OptimizerProbe(cls.__name__, options, sized)

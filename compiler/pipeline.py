@@ -1,15 +1,17 @@
-"""The compiler's passes, top to bottom: load → trace → annotate → coarsen → profile → plan → split → verify → lower.
+"""The compiler's passes, top to bottom, in one function (`compile_model`): load → trace → annotate →
+coarsen → profile → plan (and simulate the plan once) → split → verify → lower → render → write.
 
-Each pass is a function with typed input and output; `run_front_end` chains them, times each, and
-reports progress through a callback so the CLI (or a test) decides how to show it.
+Each pass is a function with typed input and output, each returning a new value; `compile_model`
+chains them, times each, and reports progress through a callback so the CLI (or a test) decides how
+to show it. The CLI only parses arguments and prints the result.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,14 +19,19 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from cloudless.codegen.platforms import TARGETS
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
+from cloudless.codegen.validate import check_build
 from cloudless.compiler.annotate import annotate, fetch_attr
+from cloudless.compiler.build import build_files, write_build
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen
 from cloudless.compiler.errors import ModelFileError
 from cloudless.compiler.geo import region_shares
 from cloudless.compiler.lower import (
     InterRegion,
+    Lowered,
     RegionTraining,
+    StageCode,
     StageInterface,
     describe_optimizer,
     loss_source,
@@ -33,17 +40,19 @@ from cloudless.compiler.lower import (
 from cloudless.compiler.model_file import ModelFile, load_model_file
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.profile import loss_function, profile_blocks, reuse_profile
+from cloudless.compiler.simulate import Timeline, simulate
 from cloudless.compiler.split import inline_leaf_modules, partition
 from cloudless.compiler.state import preserved_state
 from cloudless.compiler.trace import TracedProgram, trace_model
 from cloudless.compiler.verify import VerifyReport, verify_stages
-from cloudless.ir import BlockChain, OpGraph
-from cloudless.ir.schedule import Schedule
+from cloudless.ir.blocks import BlockChain
+from cloudless.ir.graph import OpGraph
+from cloudless.ir.workflow import Schedule, Workflow
 
 DEFAULT_BATCH_SIZE = 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class FrontEndOptions:
     model_path: Path
     batch_size: int | None = None
@@ -53,27 +62,24 @@ class FrontEndOptions:
     profile_repeats: int = 3
     #: reuse the block times of an earlier build's ir/blocks.json instead of measuring
     profile_from: Path | None = None
-    verify_stages: int = 0
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    front: FrontEndOptions
+    #: None: no plan (and so no functions), only the front end's files
     plan: PlanOptions | None = None
+    #: stages --verify splits into when there is no plan (0: no verification)
+    verify_stages: int = 0
+    targets: frozenset[str] = TARGETS
+    #: the build folder (None: the build's files are returned, not written)
+    output: Path | None = None
 
 
-@dataclass
-class StageCode:
-    """A generated stage: its source, its slice of the weights, and what it takes and returns."""
+@dataclass(frozen=True)
+class FrontEnd:
+    """The traced, annotated, coarsened and profiled model."""
 
-    index: int
-    first_block: int
-    last_block: int
-    source: str
-    state: dict[str, torch.Tensor]
-    inputs: list[str]
-    outputs: list[str]
-    #: names of the trainable tensors in `state`
-    trainable: list[str] = field(default_factory=list)
-
-
-@dataclass
-class FrontEndResult:
     model_file: ModelFile
     model: nn.Module
     program: TracedProgram
@@ -81,28 +87,86 @@ class FrontEndResult:
     chain: BlockChain
     example_inputs: tuple[Any, ...] = ()
     example_targets: Any = None
-    stages: list[StageCode] = field(default_factory=list)
-    verify: VerifyReport | None = None
-    plan: PlanResult | None = None
-    plan_options: PlanOptions | None = None
-    #: workflow.yaml's content and the loss module's source, when there is a plan
-    workflow: dict[str, Any] | None = None
-    loss_source: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
 
 
-def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = None) -> FrontEndResult:
-    """Run every front-end pass; `step(name)` returns a context manager shown while a pass runs."""
+@dataclass(frozen=True)
+class Compiled:
+    """Everything a compile produced, for the CLI to print (and tests to inspect)."""
+
+    front: FrontEnd
+    plan: PlanResult | None
+    plan_options: PlanOptions | None
+    #: the chosen plan's simulated iteration
+    timeline: Timeline | None
+    stages: tuple[StageCode, ...]
+    verify: VerifyReport | None
+    lowered: Lowered | None
+    files: dict[str, bytes]
+    timings: dict[str, float]
+
+    @property
+    def workflow(self) -> Workflow | None:
+        return None if self.lowered is None else self.lowered.workflow
+
+
+Announce = Callable[[str], AbstractContextManager[Any]]
+
+
+def compile_model(options: CompileOptions, step: Announce | None = None) -> Compiled:
+    """Every pass from the model file to the written build, in order; `step(name)` returns a context
+    manager shown while a pass runs (the CLI's spinner)."""
     timings: dict[str, float] = {}
-    announce = step or (lambda name: _null())
+    timed = _timer(timings, step)
+    front = run_front_end(options.front, timed)
+    planned = timeline = None
+    if options.plan is not None and front.chain.machine is not None:
+        with timed("plan"):
+            planned = plan_training(front.chain, front.model_file, options.plan)
+            timeline = simulate(planned.problem, planned.solution.plan)
+    ranges: list[tuple[int, int]] = []
+    if planned is not None:
+        ranges = [(s.first, s.last) for s in planned.solution.plan.stages]
+    elif options.verify_stages > 0:
+        ranges = balanced_stage_ranges(front.chain, options.verify_stages)
+    stages: tuple[StageCode, ...] = ()
+    if ranges:
+        with timed("split"):
+            stages = generate_stages(front.program, front.graph, front.chain, ranges)
+    verify = None
+    if options.verify_stages > 0:
+        with timed("verify"), preserved_state(front.model):
+            verify = verify_stages(
+                front.model,
+                front.example_inputs,
+                front.example_targets,
+                front.model_file.loss_fn,
+                [(s.source, s.state, list(s.inputs), list(s.outputs)) for s in stages],
+                front.program.out_spec,
+            )
+    lowered = None
+    if planned is not None:
+        with timed("lower"):
+            trainings, inter_region = region_trainings(planned)
+            problem = planned.problem
+            lowered = lower(
+                front,
+                trainings,
+                inter_region,
+                iterations=problem.iterations,
+                global_batch=problem.global_batch,
+                schedule=problem.schedule,
+                stages=stages,
+            )
+    with timed("write"):
+        files = build_files(front.graph, front.chain, planned, options.plan, timeline, lowered, options.targets)
+        if options.output is not None:
+            write_build(files, options.output, check=check_build if lowered is not None else None)
+    return Compiled(front, planned, options.plan, timeline, stages, verify, lowered, files, timings)
 
-    @contextmanager
-    def timed(name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        with announce(name):
-            yield
-        timings[name] = time.perf_counter() - start
 
+def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> FrontEnd:
+    """load -> trace -> annotate -> coarsen -> (check the loss) -> profile."""
+    timed = timed or _timer({}, None)
     with timed("load"):
         model_file = load_model_file(options.model_path)
         batch_size = options.batch_size or _default_batch_size(model_file)
@@ -128,69 +192,30 @@ def run_front_end(options: FrontEndOptions, step: Callable[[str], Any] | None = 
         elif options.profile_repeats > 0:
             with timed("profile"):
                 chain = profile_blocks(program, graph, chain, flat_inputs, loss_of, options.profile_repeats)
-    result = FrontEndResult(model_file, model, program, graph, chain, example_inputs, targets, timings=timings)
-    if options.plan is not None and chain.machine is not None:
-        with timed("plan"):
-            result.plan = plan_training(chain, model_file, options.plan)
-            result.plan_options = options.plan
-    ranges: list[tuple[int, int]] = []
-    if result.plan is not None:
-        ranges = [(s.first, s.last) for s in result.plan.solution.plan.stages]
-    elif options.verify_stages > 0:
-        ranges = balanced_stage_ranges(chain, options.verify_stages)
-    if ranges:
-        with timed("split"):
-            result.stages = generate_stages(program, graph, chain, ranges)
-    if options.verify_stages > 0:
-        with timed("verify"), preserved_state(model):
-            result.verify = verify_stages(
-                model,
-                example_inputs,
-                targets,
-                model_file.loss_fn,
-                [(s.source, s.state, s.inputs, s.outputs) for s in result.stages],
-                program.out_spec,
-            )
-    if result.plan is not None:
-        with timed("lower"):
-            lower_training(result, result.plan)
-    return result
+    return FrontEnd(model_file, model, program, graph, chain, example_inputs, targets)
 
 
-def lower_training(result: FrontEndResult, planned: PlanResult) -> None:
-    """Lower the planning pass's result (one region or several) into `result`."""
-    problem = planned.problem
-    trainings, inter_region = region_trainings(planned)
-    lower_trainings(
-        result,
-        trainings,
-        inter_region,
-        iterations=problem.iterations,
-        global_batch=problem.global_batch,
-        schedule=problem.schedule,
-    )
-
-
-def lower_trainings(
-    result: FrontEndResult,
+def lower(
+    front: FrontEnd,
     trainings: list[RegionTraining],
     inter_region: InterRegion | None,
     *,
     iterations: int,
     global_batch: int,
     schedule: Schedule,
-) -> None:
-    """Generate the plans' stages (unless done), the loss module and workflow.yaml, into `result`."""
+    stages: tuple[StageCode, ...] = (),
+) -> Lowered:
+    """The plans' stages (generated unless `stages` already split at the plans' ranges), the loss
+    module and the workflow."""
     ranges = [(s.first, s.last) for s in trainings[0].plan.stages]
-    if [(s.first_block, s.last_block) for s in result.stages] != ranges:
-        result.stages = generate_stages(result.program, result.graph, result.chain, ranges)
-    model_file, program = result.model_file, result.program
-    targets = result.example_targets
-    with preserved_state(result.model), torch.no_grad():
-        flat_outputs = list(program.module(*pytree.tree_leaves(result.example_inputs)))
-    result.loss_source = loss_source(model_file, program.out_spec, flat_outputs, targets)
-    interfaces = [StageInterface(s.index, tuple(s.inputs), tuple(s.outputs), tuple(s.trainable)) for s in result.stages]
-    result.workflow = lower_plan(
+    if [(s.first_block, s.last_block) for s in stages] != ranges:
+        stages = generate_stages(front.program, front.graph, front.chain, ranges)
+    model_file, program = front.model_file, front.program
+    with preserved_state(front.model), torch.no_grad():
+        flat_outputs = list(program.module(*pytree.tree_leaves(front.example_inputs)))
+    loss = loss_source(model_file, program.out_spec, flat_outputs, front.example_targets)
+    interfaces = [StageInterface(s.index, s.inputs, s.outputs, s.trainable) for s in stages]
+    workflow = lower_plan(
         trainings,
         model_file,
         interfaces,
@@ -198,10 +223,11 @@ def lower_trainings(
         global_batch=global_batch,
         schedule=schedule,
         input_names=program.input_names,
-        target_count=len(pytree.tree_leaves(targets)),
+        target_count=len(pytree.tree_leaves(front.example_targets)),
         optimizer=describe_optimizer(model_file),
         inter_region=inter_region,
     )
+    return Lowered(stages, loss, workflow)
 
 
 def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRegion | None]:
@@ -246,7 +272,7 @@ def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRe
 
 def generate_stages(
     program: TracedProgram, graph: OpGraph, chain: BlockChain, ranges: list[tuple[int, int]]
-) -> list[StageCode]:
+) -> tuple[StageCode, ...]:
     """Split at the block ranges and generate each stage's torch-only source and weights."""
     parts = partition(program, graph, block_cuts(chain, ranges))
     stages = []
@@ -271,11 +297,11 @@ def generate_stages(
             tensors=tensors,
         )
         source = render_stage_source(inlined.module.graph, header)
-        trainable_names = [name for name, (_, _, trainable) in tensors.items() if trainable]
+        trainable_names = tuple(name for name, (_, _, trainable) in tensors.items() if trainable)
         stages.append(
-            StageCode(part.index, first, last, source, state, list(part.inputs), list(part.outputs), trainable_names)
+            StageCode(part.index, first, last, source, state, tuple(part.inputs), tuple(part.outputs), trainable_names)
         )
-    return stages
+    return tuple(stages)
 
 
 def _stage_tensor_names(module: torch.fx.GraphModule) -> list[str]:
@@ -312,6 +338,14 @@ def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list
         )
 
 
-@contextmanager
-def _null() -> Iterator[None]:
-    yield
+def _timer(timings: dict[str, float], announce: Announce | None) -> Announce:
+    """A `timed(name)` context manager: shows the pass through `announce`, records its seconds."""
+
+    @contextmanager
+    def timed(name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        with announce(name) if announce is not None else nullcontext():
+            yield
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+    return timed

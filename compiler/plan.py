@@ -6,11 +6,11 @@ When nothing fits, one error names the tightest bound and what would make the re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from cloudless.compiler.baselines import Baseline, baselines
 from cloudless.compiler.cost_model import (
@@ -34,12 +34,28 @@ from cloudless.compiler.geo import (
     SyncStrategy,
     solve_geo,
 )
-from cloudless.compiler.model_file import ModelFile
+from cloudless.compiler.model_file import ModelFile, probe_optimizer
 from cloudless.compiler.planner import Infeasible, Solution, check_objective, solve, stage_configs
 from cloudless.compiler.simulate import simulate
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import Catalog, Link, Region, load_catalog
+from cloudless.ir.plan import (
+    BaselinePlan,
+    DataMove,
+    Figures,
+    FrontierPoint,
+    PlannedStage,
+    RegionsBaseline,
+    RegionSchedule,
+    RegionsSolverReport,
+    SiteSchedule,
+    SolverReport,
+    SolverStatus,
+    Totals,
+    TrainingPlan,
+)
 from cloudless.ir.schema import SchemaError
+from cloudless.ir.timeline import Timeline
 
 
 class PlanInfeasible(CompileError):
@@ -91,18 +107,6 @@ class GeoResult:
     baselines: list[GeoBaseline]
 
 
-def optimizer_state_factor(model_file: ModelFile) -> int:
-    """Optimizer state per parameter: 2 for Adam-style, 1 for SGD with momentum, else 0."""
-    if model_file.make_optimizer is None:
-        return 0
-    probe = torch.nn.Parameter(torch.zeros(1))
-    optimizer = model_file.call("make_optimizer", [probe])
-    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW | torch.optim.Adamax | torch.optim.NAdam):
-        return 2
-    momentum = optimizer.param_groups[0].get("momentum", 0) or 0
-    return 1 if momentum else 0
-
-
 def build_problem(
     chain: BlockChain, model_file: ModelFile, options: PlanOptions, region_name: str | None = None
 ) -> tuple[Region, Problem]:
@@ -126,7 +130,7 @@ def build_problem(
         global_batch=global_batch,
         micro_batches=tuple(usable),
         schedule=options.schedule,
-        optimizer_state=optimizer_state_factor(model_file),
+        optimizer_state=probe_optimizer(model_file).state_per_parameter,
         replicas=options.replicas,
         max_stages=options.max_stages,
         max_functions=options.max_functions,
@@ -236,20 +240,31 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         sync_every=options.sync_every,
         sample_bytes=main_problem.blocks[0].input_bytes / main_problem.profile_batch,
     )
-    limits = {"deadline": options.deadline, "budget": options.budget, "time_limit": options.time_limit}
+    # The request's limits, the same for the schedule and for its baselines.
+    solve_limited = functools.partial(
+        solve_geo,
+        geo_problem,
+        options.objective,
+        deadline=options.deadline,
+        budget=options.budget,
+        time_limit=options.time_limit,
+    )
     try:
-        solution = solve_geo(geo_problem, options.objective, **limits)
+        solution = solve_limited()
     except GeoInfeasible as exc:
         raise PlanInfeasible(_diagnose_regions(geo_problem, options)) from exc
     geo_baselines = []
-    restrictions = [("data-local", "every region trains on the data it holds; nothing moves", {"allow_moves": False})]
+    # (name, description, data may move, the regions that may train)
+    restrictions: list[tuple[str, str, bool, list[int] | None]] = [
+        ("data-local", "every region trains on the data it holds; nothing moves", False, None)
+    ]
     for r, name in enumerate(names):
         restrictions.append(
-            (f"single-region:{name}", f"all data moved to {name}, trained there alone (FuncPipe)", {"only": [r]})
+            (f"single-region:{name}", f"all data moved to {name}, trained there alone (FuncPipe)", True, [r])
         )
-    for label, description, restriction in restrictions:
+    for label, description, allow_moves, only in restrictions:
         try:
-            found_geo: GeoSolution | None = solve_geo(geo_problem, options.objective, **limits, **restriction)
+            found_geo: GeoSolution | None = solve_limited(allow_moves=allow_moves, only=only)
             reason = ""
         except GeoInfeasible:
             found_geo, reason = None, "no schedule meets the request under this restriction"
@@ -338,10 +353,7 @@ def diagnose(problem: Problem, options: PlanOptions) -> str:
     most_replicas = max(problem.replicas)
     n = len(problem.blocks)
     # 1. All the model's state against every function the limit allows.
-    state_mb = (
-        sum((2 + problem.optimizer_state) * b.param_bytes + b.buffer_bytes for b in problem.blocks) / MB
-        + sum(problem.shared_bytes.values()) * (2 + problem.optimizer_state) / MB
-    )
+    state_mb = model.model_state_bytes(0, n - 1) / MB
     functions = problem.function_limit
     stages = min(problem.max_stages, n)
     capacity = min(functions, stages) * (largest - region.runtime_overhead_mb)
@@ -405,7 +417,7 @@ def _round(value: float, digits: int = 9) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def _stage_documents(plan, evaluation, chain: BlockChain) -> list[dict]:
+def _stages(plan: Plan, evaluation: Evaluation, chain: BlockChain) -> tuple[PlannedStage, ...]:
     stages = []
     for index, (choice, terms) in enumerate(zip(plan.stages, evaluation.stages, strict=True)):
         modules: list[str] = []
@@ -414,163 +426,172 @@ def _stage_documents(plan, evaluation, chain: BlockChain) -> list[dict]:
                 if name not in modules:
                     modules.append(name)
         stages.append(
-            {
-                "index": index,
-                "blocks": [choice.first, choice.last],
-                "modules": modules,
-                "tier_mb": choice.tier_mb,
-                "replicas": choice.replicas,
-                "memory_mb": _round(terms.memory_mb, 6),
-                "forward_s": _round(terms.forward_s),
-                "backward_s": _round(terms.backward_s),
-                "sync_s": _round(terms.sync_s),
-                "update_s": _round(terms.update_s),
-            }
+            PlannedStage(
+                index=index,
+                blocks=(choice.first, choice.last),
+                modules=tuple(modules),
+                tier_mb=choice.tier_mb,
+                replicas=choice.replicas,
+                memory_mb=_round(terms.memory_mb, 6),
+                forward_s=_round(terms.forward_s),
+                backward_s=_round(terms.backward_s),
+                sync_s=_round(terms.sync_s),
+                update_s=_round(terms.update_s),
+            )
         )
-    return stages
+    return tuple(stages)
 
 
-def _figures(problem: Problem, plan: Plan, evaluation: Evaluation) -> dict:
+def _figures(problem: Problem, evaluation: Evaluation, simulated_s: float) -> Figures:
     per_epoch = None
     if problem.samples_per_epoch:
         iterations = max(1, math.ceil(problem.samples_per_epoch / problem.global_batch))
-        per_epoch = {
-            "iterations": iterations,
-            "time_s": _round(evaluation.iteration_s * iterations),
-            "cost_usd": _round(evaluation.cost_usd * iterations),
-        }
-    return {
-        "iteration_s": _round(evaluation.iteration_s),
-        "simulated_iteration_s": _round(simulate(problem, plan).iteration_s),
-        "cost_usd": _round(evaluation.cost_usd),
-        "pipeline_s": _round(evaluation.pipeline_s),
-        "sync_s": _round(evaluation.sync_s),
-        "update_s": _round(evaluation.update_s),
-        "compute_usd": _round(evaluation.compute_usd),
-        "request_usd": _round(evaluation.request_usd),
-        "storage_usd": _round(evaluation.storage_usd),
-        "per_run": {
-            "iterations": problem.iterations,
-            "time_s": _round(evaluation.iteration_s * problem.iterations),
-            "cost_usd": _round(evaluation.cost_usd * problem.iterations),
-        },
-        "per_epoch": per_epoch,
-        "warnings": list(evaluation.warnings),
-    }
+        per_epoch = Totals(
+            iterations=iterations,
+            time_s=_round(evaluation.iteration_s * iterations),
+            cost_usd=_round(evaluation.cost_usd * iterations),
+        )
+    return Figures(
+        iteration_s=_round(evaluation.iteration_s),
+        simulated_iteration_s=_round(simulated_s),
+        cost_usd=_round(evaluation.cost_usd),
+        pipeline_s=_round(evaluation.pipeline_s),
+        sync_s=_round(evaluation.sync_s),
+        update_s=_round(evaluation.update_s),
+        compute_usd=_round(evaluation.compute_usd),
+        request_usd=_round(evaluation.request_usd),
+        storage_usd=_round(evaluation.storage_usd),
+        per_run=Totals(
+            iterations=problem.iterations,
+            time_s=_round(evaluation.iteration_s * problem.iterations),
+            cost_usd=_round(evaluation.cost_usd * problem.iterations),
+        ),
+        per_epoch=per_epoch,
+        warnings=tuple(evaluation.warnings),
+    )
 
 
-def plan_document(result: PlanResult, chain: BlockChain, options: PlanOptions) -> dict:
-    """plan.json's content (validated against ir/schemas/plan.schema.json when saved)."""
+def _status(status: str) -> SolverStatus:
+    """A solver's status as plan.json names it (the solvers end with a plan or raise)."""
+    if status not in typing.get_args(SolverStatus):
+        raise ValueError(f"solver status {status!r}; plan.json knows {typing.get_args(SolverStatus)}")
+    return typing.cast(SolverStatus, status)
+
+
+def _gap(gap: float) -> float | None:
+    """The solver's gap as written: None when it proved no bound."""
+    return None if math.isinf(gap) else _round(gap, 6)
+
+
+def plan_ir(result: PlanResult, chain: BlockChain, options: PlanOptions, timeline: Timeline) -> TrainingPlan:
+    """The plan as plan.json holds it (`cloudless.ir.files.plan_text` checks it against its schema);
+    `timeline` is the chosen plan's simulated iteration (simulated once, by the caller)."""
     solution, problem = result.solution, result.problem
     chosen = solution.evaluation
-    baseline_docs = []
+    found = []
     for b in result.baselines:
-        feasible = b.plan is not None and b.evaluation is not None
-        baseline_docs.append(
-            {
-                "name": b.name,
-                "description": b.description,
-                "feasible": feasible,
-                "reason": b.reason,
-                "micro_batch": b.plan.micro_batch if feasible else None,
-                "stages": _stage_documents(b.plan, b.evaluation, chain) if feasible else [],
-                "predicted": _figures(problem, b.plan, b.evaluation) if feasible else None,
-                "time_ratio": _round(b.ratios(chosen)[0], 6) if feasible else None,
-                "cost_ratio": _round(b.ratios(chosen)[1], 6) if feasible else None,
-            }
-        )
-    return {
-        "apiVersion": "cloudless/v1",
-        "kind": "Plan",
-        "model": chain.model,
-        "region": result.region.name,
-        "objective": options.objective,
-        "schedule": problem.schedule,
-        "deadline_s": options.deadline,
-        "budget_usd": options.budget,
-        "global_batch": problem.global_batch,
-        "micro_batch": solution.plan.micro_batch,
-        "micro_batches": problem.global_batch // solution.plan.micro_batch,
-        "stages": _stage_documents(solution.plan, chosen, chain),
-        "predicted": _figures(problem, solution.plan, chosen),
-        "solver": {
-            "name": solution.solver,
-            "status": solution.status,
-            "gap": None if math.isinf(solution.gap) else _round(solution.gap, 6),
-            "time_limit_s": options.time_limit,
-            "candidates": {str(k): v for k, v in sorted(solution.candidates.items())},
-        },
-        "baselines": baseline_docs,
-        **({"regions": _regions_document(result.geo, chain, options)} if result.geo is not None else {}),
-    }
+        if b.plan is not None and b.evaluation is not None:
+            time_ratio, cost_ratio = b.ratios(chosen)
+            found.append(
+                BaselinePlan(
+                    name=b.name,
+                    description=b.description,
+                    feasible=True,
+                    reason=b.reason,
+                    micro_batch=b.plan.micro_batch,
+                    stages=_stages(b.plan, b.evaluation, chain),
+                    predicted=_figures(problem, b.evaluation, simulate(problem, b.plan).iteration_s),
+                    time_ratio=_round(time_ratio, 6),
+                    cost_ratio=_round(cost_ratio, 6),
+                )
+            )
+        else:
+            found.append(BaselinePlan(b.name, b.description, False, b.reason, None, (), None, None, None))
+    return TrainingPlan(
+        model=chain.model,
+        region=result.region.name,
+        objective=options.objective,
+        schedule=problem.schedule,
+        deadline_s=options.deadline,
+        budget_usd=options.budget,
+        global_batch=problem.global_batch,
+        micro_batch=solution.plan.micro_batch,
+        micro_batches=problem.global_batch // solution.plan.micro_batch,
+        stages=_stages(solution.plan, chosen, chain),
+        predicted=_figures(problem, chosen, timeline.iteration_s),
+        solver=SolverReport(
+            name=solution.solver,
+            status=_status(solution.status),
+            gap=_gap(solution.gap),
+            time_limit_s=options.time_limit,
+            candidates={str(k): v for k, v in sorted(solution.candidates.items())},
+        ),
+        baselines=tuple(found),
+        regions=None if result.geo is None else _region_schedule(result.geo, chain),
+    )
 
 
-def _regions_document(geo: GeoResult, chain: BlockChain, options: PlanOptions) -> dict:
+def _region_schedule(geo: GeoResult, chain: BlockChain) -> RegionSchedule:
     problem, solution = geo.problem, geo.solution
     chosen = solution.evaluation
     sites = []
     for r, site in enumerate(problem.sites):
         figures = chosen.regions[r]
-        planned = geo.regions[r]
+        region_result = geo.regions[r]
+        planned = region_result.solution if region_result is not None else None
         sites.append(
-            {
-                "name": site.name,
-                "data_samples": site.data,
-                "trains": figures is not None,
-                "samples": _round(figures.data if figures else 0.0),
-                "iterations": _round(figures.iterations if figures else 0.0),
-                "stages": _stage_documents(planned.solution.plan, planned.solution.evaluation, chain)
-                if planned is not None
-                else [],
-                "iteration_s": _round(planned.solution.evaluation.iteration_s) if planned is not None else None,
-                "move_in_s": _round(figures.move_in_s if figures else 0.0),
-                "work_s": _round(figures.work_s if figures else 0.0),
-                "sync_s": _round(figures.sync_s if figures else 0.0),
-                "cost_usd": _round(
+            SiteSchedule(
+                name=site.name,
+                data_samples=site.data,
+                trains=figures is not None,
+                samples=_round(figures.data if figures else 0.0),
+                iterations=_round(figures.iterations if figures else 0.0),
+                stages=_stages(planned.plan, planned.evaluation, chain) if planned is not None else (),
+                iteration_s=_round(planned.evaluation.iteration_s) if planned is not None else None,
+                move_in_s=_round(figures.move_in_s if figures else 0.0),
+                work_s=_round(figures.work_s if figures else 0.0),
+                sync_s=_round(figures.sync_s if figures else 0.0),
+                cost_usd=_round(
                     figures.compute_usd + figures.fixed_usd + figures.sync_usd + figures.move_usd if figures else 0.0
                 ),
-                "frontier": [
-                    {"iteration_s": _round(o.iteration_s), "cost_usd": _round(o.compute_usd + o.fixed_usd)}
+                frontier=tuple(
+                    FrontierPoint(iteration_s=_round(o.iteration_s), cost_usd=_round(o.compute_usd + o.fixed_usd))
                     for o in site.options
-                ],
-            }
+                ),
+            )
         )
     baselines = []
     for b in geo.baselines:
-        found = b.solution
+        found = b.solution.evaluation if b.solution is not None else None
         baselines.append(
-            {
-                "name": b.name,
-                "description": b.description,
-                "feasible": found is not None,
-                "reason": b.reason,
-                "training_s": _round(found.evaluation.training_s) if found else None,
-                "cost_usd": _round(found.evaluation.cost_usd) if found else None,
-                "time_ratio": _round(chosen.training_s / found.evaluation.training_s, 6)
-                if found and found.evaluation.training_s > 0
-                else None,
-                "cost_ratio": _round(chosen.cost_usd / found.evaluation.cost_usd, 6)
-                if found and found.evaluation.cost_usd > 0
-                else None,
-            }
+            RegionsBaseline(
+                name=b.name,
+                description=b.description,
+                feasible=found is not None,
+                reason=b.reason,
+                training_s=_round(found.training_s) if found else None,
+                cost_usd=_round(found.cost_usd) if found else None,
+                time_ratio=_round(chosen.training_s / found.training_s, 6) if found and found.training_s > 0 else None,
+                cost_ratio=_round(chosen.cost_usd / found.cost_usd, 6) if found and found.cost_usd > 0 else None,
+            )
         )
     server = solution.plan.server
-    return {
-        "sync": problem.sync,
-        "sync_every": problem.sync_every,
-        "rounds": problem.rounds,
-        "server": problem.sites[server].name if server is not None else None,
-        "training_s": _round(chosen.training_s),
-        "cost_usd": _round(chosen.cost_usd),
-        "solver": {"status": solution.status, "gap": None if math.isinf(solution.gap) else _round(solution.gap, 6)},
-        "sites": sites,
-        "moves": [
-            {
-                "from": problem.sites[a].name,
-                "to": problem.sites[b].name,
-                "samples": _round(problem.sites[a].data * parts / problem.parts),
-            }
+    return RegionSchedule(
+        sync=problem.sync,
+        sync_every=problem.sync_every,
+        rounds=problem.rounds,
+        server=problem.sites[server].name if server is not None else None,
+        training_s=_round(chosen.training_s),
+        cost_usd=_round(chosen.cost_usd),
+        solver=RegionsSolverReport(status=_status(solution.status), gap=_gap(solution.gap)),
+        sites=tuple(sites),
+        moves=tuple(
+            DataMove(
+                from_region=problem.sites[a].name,
+                to_region=problem.sites[b].name,
+                samples=_round(problem.sites[a].data * parts / problem.parts),
+            )
             for (a, b), parts in solution.plan.moves
-        ],
-        "baselines": baselines,
-    }
+        ),
+        baselines=tuple(baselines),
+    )

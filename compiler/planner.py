@@ -1,4 +1,4 @@
-"""The joint pipeline plan as one MILP (HiGHS through highspy, else CBC through pulp): stages, block ranges,
+"""The joint pipeline plan as one MILP (solver.py: HiGHS, else CBC): stages, block ranges,
 memory tier and replicas per stage, for each candidate micro-batch size; the best over candidates is the plan.
 
 The program chooses among stage configurations (block range x tier x replicas) whose terms come
@@ -8,7 +8,7 @@ optimum is checked against exhaustive search in the tests.
 Per micro-batch size (solve_for_micro_batch), top to bottom: stage_configs -> ConfigTable -> prune
 (path floors against the best known plan) -> heuristic_plan (a cutoff) -> build_program -> on large
 programs price_configurations (the LP relaxation by column generation, then reduced-cost fixing)
--> run_program (the MILP over what is left).
+-> solver.solve_program (the MILP over what is left).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import pulp
 
 from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice, StageTerms
+from cloudless.compiler.solver import CandidateStatus, Goal, Program, solve_program
 
 
 @dataclass
@@ -28,11 +28,11 @@ class Solution:
     plan: Plan
     evaluation: Evaluation
     objective_value: float
-    status: str
+    status: str  # solver.PlanStatus once solve() returns
     gap: float
     solve_s: float
     solver: str
-    candidates: dict[int, str] = field(default_factory=dict)
+    candidates: dict[int, CandidateStatus] = field(default_factory=dict)
 
 
 # Reduced-cost fixing (price_configurations) pays off on large programs; it may take this share of the
@@ -47,18 +47,16 @@ class Infeasible(Exception):
 
 
 def objective_key(problem: Problem, objective: Objective, evaluation: Evaluation) -> tuple[float, float]:
-    """What is minimised: (primary, tie-break)."""
-    if objective in ("time", "time-under-budget"):
-        return (evaluation.iteration_s, evaluation.cost_usd)
-    return (evaluation.cost_usd, evaluation.iteration_s)
+    """What is minimised: (primary, tie-break), per iteration."""
+    return Goal(objective).key(evaluation.iteration_s, evaluation.cost_usd)
 
 
 def within_limits(problem: Problem, evaluation: Evaluation, deadline: float | None, budget: float | None) -> bool:
-    if not evaluation.feasible:
-        return False
-    if deadline is not None and evaluation.iteration_s * problem.iterations > deadline * (1 + 1e-9):
-        return False
-    return budget is None or evaluation.cost_usd * problem.iterations <= budget * (1 + 1e-9)
+    """A feasible plan whose run (all its iterations) meets the deadline and the budget."""
+    runs = problem.iterations
+    return evaluation.feasible and Goal("cost", deadline, budget).within(
+        evaluation.iteration_s * runs, evaluation.cost_usd * runs
+    )
 
 
 def solve(
@@ -82,7 +80,7 @@ def solve(
     model = CostModel(problem)
     found: list[Solution] = []
     bounds: list[float] = []
-    statuses: dict[int, str] = {}
+    statuses: dict[int, CandidateStatus] = {}
     solver_name = ""
     for plan in incumbents:
         evaluation = model.evaluate(plan)
@@ -122,10 +120,7 @@ def solve(
 
 
 def check_objective(objective: Objective, deadline: float | None, budget: float | None) -> None:
-    if objective == "cost-under-deadline" and deadline is None:
-        raise ValueError("--objective cost-under-deadline needs --deadline SECONDS")
-    if objective == "time-under-budget" and budget is None:
-        raise ValueError("--objective time-under-budget needs --budget USD")
+    Goal(objective, deadline, budget).check()
 
 
 def stage_configs(
@@ -140,7 +135,7 @@ def stage_configs(
     model = CostModel(problem)
     n_blocks = len(problem.blocks)
     limit = min(problem.max_stages, n_blocks)
-    configs = []
+    configs: list[tuple[StageChoice, StageTerms, int]] = []
     spans = ranges if ranges is not None else [(a, b) for a in range(n_blocks) for b in range(a, n_blocks)]
     tiers = sorted(problem.region.tiers_mb, reverse=True)
     for first, last in spans:
@@ -166,140 +161,6 @@ def stage_configs(
     order = {m: i for i, m in enumerate(problem.region.tiers_mb)}
     configs.sort(key=lambda config: (config[0].first, config[0].last, order[config[0].tier_mb], config[0].replicas))
     return configs
-
-
-class Program:
-    """A MILP in sparse form, built by index (pulp's expression objects are too slow for 10^5
-    columns): columns with bounds, cost and integrality; rows lower <= sum coef * column <= upper."""
-
-    def __init__(self) -> None:
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.cost: list[float] = []
-        self.integer: list[int] = []
-        self.row_lower: list[float] = []
-        self.row_upper: list[float] = []
-        self.row_start: list[int] = [0]
-        self.row_index: list[int] = []
-        self.row_value: list[float] = []
-        self.row_group: list[int] = []  # the configuration a row alone concerns, else -1
-
-    def columns(self, count: int, lower: float = 0.0, upper: float = math.inf, integer: bool = False) -> list[int]:
-        first = len(self.lower)
-        self.lower.extend([lower] * count)
-        self.upper.extend([upper] * count)
-        self.cost.extend([0.0] * count)
-        if integer:
-            self.integer.extend(range(first, first + count))
-        return list(range(first, first + count))
-
-    def column(self, lower: float = 0.0, upper: float = math.inf) -> int:
-        return self.columns(1, lower, upper)[0]
-
-    def row(
-        self, entries: list[tuple[int, float]], lower: float = -math.inf, upper: float = math.inf, group: int = -1
-    ) -> None:
-        for index, value in entries:
-            if value:
-                self.row_index.append(index)
-                self.row_value.append(value)
-        self.row_start.append(len(self.row_index))
-        self.row_lower.append(lower)
-        self.row_upper.append(upper)
-        self.row_group.append(group)
-
-
-@dataclass
-class Outcome:
-    values: list[float] | None  # a feasible solution, if found
-    bound: float  # proven lower bound of the objective (inf when infeasible)
-    status: str  # "optimal", "infeasible" or "time limit"
-    solver: str
-
-
-def run_program(program: Program, time_limit: float | None, cutoff: float | None = None) -> Outcome:
-    """Solve with HiGHS (highspy) when installed, else CBC through pulp. `cutoff` is a known upper
-    bound of the objective: the search may ignore solutions above it."""
-    try:
-        import highspy
-    except ImportError:
-        return _run_cbc(program, time_limit)
-    import numpy as np
-
-    inf = highspy.kHighsInf
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 1e-7)
-    h.setOptionValue("threads", 1)
-    # Probing the binaries in presolve (rule bit 15) and restarting after the root take most of the
-    # time on these path programs and rarely pay off.
-    h.setOptionValue("presolve_rule_off", 1 << 15)
-    h.setOptionValue("mip_allow_restart", False)
-    if time_limit is not None:
-        h.setOptionValue("time_limit", float(time_limit))
-    if cutoff is not None:
-        h.setOptionValue("objective_bound", float(cutoff))
-    n = len(program.lower)
-    h.addVars(n, np.minimum(np.array(program.lower), inf), np.minimum(np.array(program.upper), inf))
-    h.changeColsCost(n, np.arange(n, dtype=np.int32), np.array(program.cost))
-    if program.integer:
-        integer = np.array(program.integer, dtype=np.int32)
-        h.changeColsIntegrality(len(integer), integer, np.full(len(integer), 1, dtype=np.uint8))
-    h.addRows(
-        len(program.row_lower),
-        np.maximum(np.array(program.row_lower), -inf),
-        np.minimum(np.array(program.row_upper), inf),
-        len(program.row_index),
-        np.array(program.row_start[:-1], dtype=np.int32),
-        np.array(program.row_index, dtype=np.int32),
-        np.array(program.row_value),
-    )
-    h.run()
-    status = h.getModelStatus()
-    info = h.getInfo()
-    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    values = list(h.getSolution().col_value) if has_solution else None
-    if status == highspy.HighsModelStatus.kOptimal:
-        return Outcome(values, info.objective_function_value, "optimal", "HiGHS")
-    if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kObjectiveBound) and not has_solution:
-        return Outcome(None, math.inf, "infeasible", "HiGHS")
-    bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
-    return Outcome(values, bound, "time limit", "HiGHS")
-
-
-def _run_cbc(program: Program, time_limit: float | None) -> Outcome:
-    lp = pulp.LpProblem("cloudless_plan", pulp.LpMinimize)
-    integer = set(program.integer)
-    columns = [
-        pulp.LpVariable(
-            f"v{i}",
-            lowBound=None if math.isinf(lo) else lo,
-            upBound=None if math.isinf(up) else up,
-            cat="Integer" if i in integer else "Continuous",
-        )
-        for i, (lo, up) in enumerate(zip(program.lower, program.upper, strict=True))
-    ]
-    lp += pulp.LpAffineExpression((columns[i], c) for i, c in enumerate(program.cost) if c)
-    for k, (lo, up) in enumerate(zip(program.row_lower, program.row_upper, strict=True)):
-        start, end = program.row_start[k], program.row_start[k + 1]
-        expr = pulp.LpAffineExpression((columns[program.row_index[j]], program.row_value[j]) for j in range(start, end))
-        if lo == up:
-            lp += expr == lo
-        else:
-            if not math.isinf(lo):
-                lp += expr >= lo
-            if not math.isinf(up):
-                lp += expr <= up
-    lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=1e-7))
-    status = pulp.LpStatus[lp.status]
-    if status == "Infeasible":
-        return Outcome(None, math.inf, "infeasible", "CBC")
-    if lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        return Outcome(None, -math.inf, "time limit", "CBC")
-    values = [v.value() or 0.0 for v in columns]
-    optimal = status == "Optimal" and lp.sol_status == pulp.LpSolutionOptimal
-    value = float(pulp.value(lp.objective) or 0.0)
-    return Outcome(values, value if optimal else -math.inf, "optimal" if optimal else "time limit", "CBC")
 
 
 class ConfigTable:
@@ -424,7 +285,7 @@ def heuristic_plan(
     Only a start: the MILP proves (or improves on) it."""
     model = CostModel(problem)
     price = problem.region.prices.gb_second
-    time_objective = objective in ("time", "time-under-budget")
+    time_objective = Goal(objective).minimises_time
     levels = np.unique(table.steady)
     picks = sorted({round(k * (len(levels) - 1) / 15) for k in range(16)})
     best: tuple[Solution, float] | None = None
@@ -473,7 +334,8 @@ def prune(
     Dropping configurations raises these floors, so the pass repeats until nothing changes."""
     price = problem.region.prices.gb_second
     slack = 1 + 1e-9
-    time_objective = objective in ("time", "time-under-budget")
+    goal = Goal(objective, deadline, budget)
+    time_objective = goal.minimises_time
     while True:
         first, end = table.first, table.end
         least_gb = table.least_paths(table.gb, True)[first] + table.gb + table.least_paths(table.gb, False)[end]
@@ -487,9 +349,9 @@ def prune(
         )
         keep = np.isfinite(least_gb)
         if deadline is not None:
-            keep &= table.low * problem.iterations <= deadline * slack
+            keep &= table.low <= goal.time_limit(problem.iterations)
         if budget is not None:
-            keep &= least_cost * problem.iterations <= budget * slack
+            keep &= least_cost <= goal.cost_limit(problem.iterations)
         if cutoff is not None:
             keep &= (table.low if time_objective else least_cost) <= cutoff * slack
         if keep.all():
@@ -552,7 +414,8 @@ def build_program(
     gpipe = problem.schedule == "gpipe"
     prices = problem.region.prices
     slack = 1 + 1e-9
-    time_objective = objective in ("time", "time-under-budget")
+    goal = Goal(objective, deadline, budget)
+    time_objective = goal.minimises_time
     configs = table.configs
     starting = [list(edges) for edges in table.by_first]
     ending = [list(edges) for edges in table.by_end]
@@ -565,8 +428,7 @@ def build_program(
         + float(table.drain.max())
         + float(table.tail.max())
     )
-    if deadline is not None:
-        t_max = min(t_max, deadline / problem.iterations * slack)
+    t_max = min(t_max, goal.time_limit(problem.iterations))
 
     program = Program()
     x = program.columns(n, 0.0, 1.0, integer=True)
@@ -635,12 +497,12 @@ def build_program(
         # budget, with at least c's floors of GB and fixed cost (prune).
         limit = min(
             cutoff * slack if cutoff is not None and not time_objective else math.inf,
-            budget / problem.iterations * slack if budget is not None else math.inf,
+            goal.cost_limit(problem.iterations),
         )
         g = program.columns(n)
         for b in range(n_blocks + 1):
-            rhs = [(t_iter, -1.0)] if b == 0 else [(t_iter, 1.0)] if b == n_blocks else []
-            program.row([(g[i], 1.0) for i in starting[b]] + [(g[i], -1.0) for i in ending[b]] + rhs, 0.0, 0.0)
+            source = [(t_iter, -1.0)] if b == 0 else [(t_iter, 1.0)] if b == n_blocks else []
+            program.row([(g[i], 1.0) for i in starting[b]] + [(g[i], -1.0) for i in ending[b]] + source, 0.0, 0.0)
         g_low = table.low
         if prices.gb_second <= 0:
             g_high = np.full(n, t_max)
@@ -653,13 +515,7 @@ def build_program(
             program.row([(g[i], 1.0), (x[i], -float(g_low[i]))], lower=0.0, group=i)
         cost = [(g[i], 1e6 * prices.gb_second * float(table.gb[i])) for i in range(n)]
         cost += [(x[i], 1e6 * float(table.fixed[i])) for i in range(n)]
-    if budget is not None:
-        program.row([(j, v * problem.iterations) for j, v in cost], upper=budget * 1e6)
-    if time_objective:
-        program.cost[t_iter] = 1.0
-    else:
-        for j, v in cost:
-            program.cost[j] += v
+    goal.constrain(program, t_iter, cost, runs=problem.iterations, usd=1e6)
     return StageProgram(program, x, g, g_low, g_high, 1.0 if time_objective else 1e6)
 
 
@@ -744,7 +600,9 @@ def price_configurations(stage: StageProgram, initial: list[int], stop_at: float
 
     def add(groups: np.ndarray) -> None:
         columns = [stage.x[k] for k in groups] + ([stage.g[k] for k in groups] if stage.g else [])
-        starts, rows, values = [], [], []
+        starts: list[int] = []
+        rows: list[int] = []
+        values: list[float] = []
         for j in columns:
             span = by_column[column_start[j] : column_start[j + 1]]
             span = span[row_group[entry_row[span]] < 0]
@@ -761,7 +619,7 @@ def price_configurations(stage: StageProgram, initial: list[int], stop_at: float
             len(rows),
             np.array(starts, dtype=np.int32),
             np.array(rows, dtype=np.int32),
-            np.array(values, dtype=float),
+            np.array(values, dtype=np.float64),
         )
         mine = [r for k in groups for r in private_rows[k]]
         if mine:
@@ -828,7 +686,7 @@ def solve_for_micro_batch(
     time_limit: float | None = 60.0,
     fixed_ranges: list[tuple[int, int]] | None = None,
     cutoff: float | None = None,
-) -> tuple[Solution | None, float, str, str]:
+) -> tuple[Solution | None, float, CandidateStatus, str]:
     """The best plan for micro-batch size mu (build_program's MILP), with its proven lower bound.
 
     Before the MILP: exact pruning by path floors (prune), a heuristic plan as the cutoff, and, on
@@ -866,7 +724,7 @@ def solve_for_micro_batch(
         # Reduced-cost fixing: the LP bounds every configuration's plans; those above the known plan go.
         budget_s = PRICE_SHARE * time_limit if time_limit is not None else math.inf
         # Start from the heuristic's plan and, from each block, the stages with the least floor weight.
-        weight = table.low if objective in ("time", "time-under-budget") else table.least_usd
+        weight = table.low if Goal(objective).minimises_time else table.least_usd
         seeds = _indices(table, found[0].plan)
         for edges in table.by_first:
             seeds.extend(int(i) for i in edges[np.argsort(weight[edges], kind="stable")[:SEEDS_PER_BLOCK]])
@@ -883,8 +741,8 @@ def solve_for_micro_batch(
                     return found[0], floor, "optimal", "HiGHS"
                 stage = build_program(problem, objective, mu, table, floors, cutoff=cutoff, **limits)
     remaining = None if time_limit is None else max(0.5, time_limit - (time.perf_counter() - start))
-    known = None if cutoff is None else cutoff * stage.scale * (1 + 1e-9)
-    outcome = run_program(stage.program, remaining, known)
+    objective_bound = None if cutoff is None else cutoff * stage.scale * (1 + 1e-9)
+    outcome = solve_program(stage.program, remaining, objective_bound)
     # Plans outside the program are worth at least the cutoff (pruned or fixed), and every plan at
     # least the LP's bound.
     bound = max(min(outcome.bound / stage.scale, floor), relaxed)

@@ -18,7 +18,6 @@ import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
 
 from cloudless.compiler.cost_model import CostModel, Plan, Problem, sync_pieces
 from cloudless.ir.schedule import (
@@ -29,31 +28,11 @@ from cloudless.ir.schedule import (
     local_micro_batches,
     one_f_one_b_windows,
 )
+from cloudless.ir.timeline import LANES, Lane, Span, Timeline
 
-Lane = Literal["compute", "download", "upload"]
-LANES: tuple[Lane, ...] = ("compute", "download", "upload")
-
-
-@dataclass(frozen=True)
-class Span:
-    """One task as it ran: on which function and lane, what, for which micro-batch, when."""
-
-    stage: int
-    replica: int
-    lane: Lane
-    kind: str  # forward, backward, recv-activation, send-activation, recv-gradient, send-gradient, sync-*, update
-    micro_batch: int | None
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class Timeline:
-    iteration_s: float
-    spans: tuple[Span, ...]
-
-    def busy(self, stage: int, replica: int, lane: Lane) -> float:
-        return sum(s.end - s.start for s in self.spans if (s.stage, s.replica, s.lane) == (stage, replica, lane))
+# The simulator's output types live in the ir (the report draws them without importing the compiler);
+# re-exported for the simulator's callers.
+__all__ = ["LANES", "Lane", "Span", "Timeline", "simulate"]
 
 
 @dataclass
@@ -277,11 +256,12 @@ def _add_sync_and_update(
                     stage, i, "upload", "sync-gather", pace, [*arrived, ready[i]], delay=delay
                 )
         for i in range(r):
-            synced[i] = [
+            downloads: list[int | None] = [
                 sim.add(stage, i, "download", "sync-gather", pace, [gathered[((i - d) % r, p)]], delay=found)
                 for d in range(1, r)
                 for p in range(pieces)
-            ] + [gathered[(i, p)] for p in range(pieces)]
+            ]
+            synced[i] = downloads + [gathered[(i, p)] for p in range(pieces)]
     update_s = (2 + optimizer_state) * params / info["stream_rate"]
     for j in range(r):
         sim.add(stage, j, "compute", "update", update_s, list(synced[j]))

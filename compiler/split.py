@@ -137,7 +137,7 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
                     f"torch.export failed ({type(exc).__name__}); leave it out of --leaf-module"
                 ) from exc
             leaf_program = exported.module()
-            spec = leaf_program.graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
+            spec = leaf_program.graph._codegen.pytree_info.out_spec
             _EXPORT_CACHE[key] = (leaf_program, spec)
         leaf_program, out_spec = _EXPORT_CACHE[key]
         flat_args = pytree.tree_leaves((node.args, node.kwargs))
@@ -163,7 +163,7 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
                 elif inner.op == "output":
                     flat_out = [env[a] if isinstance(a, fx.Node) else a for a in pytree.tree_leaves(inner.args[0])]
                 else:
-                    copied = stage_graph.node_copy(inner, lambda n, env=env: env[n])
+                    copied = stage_graph.node_copy(inner, env.__getitem__)
                     copied.meta.pop("stack_trace", None)
                     env[inner] = copied
             replacement = pytree.tree_unflatten(flat_out, out_spec)

@@ -133,7 +133,7 @@ def trace_model(
     return program
 
 
-def _model_names(module: nn.Module, model: nn.Module) -> dict[int, tuple[str, bool]]:
+def _model_names(module: torch.fx.GraphModule, model: nn.Module) -> dict[int, tuple[str, bool]]:
     """Name each tensor of the traced module by the user model's first name for the same memory."""
 
     def key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -208,7 +208,7 @@ def _trace_export(model: nn.Module, example_inputs: tuple[Any, ...]) -> TracedPr
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             graph.erase_node(node)
-    out_spec = graph._codegen.pytree_info.out_spec  # type: ignore[attr-defined]
+    out_spec = graph._codegen.pytree_info.out_spec
     graph._codegen = CodeGen()
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     flat, _ = pytree.tree_flatten(output.args[0])

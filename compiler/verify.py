@@ -125,14 +125,14 @@ def _compare(
     reference_params = dict(reference.named_parameters())
     for name, param in reference_params.items():
         expected_grad = param.grad
-        got = summed.get(name)
-        if expected_grad is None and got is None:
+        got_grad = summed.get(name)
+        if expected_grad is None and got_grad is None:
             continue
-        if expected_grad is None or got is None:
+        if expected_grad is None or got_grad is None:
             error = float("inf")
-            report.details.append(f"{name}: gradient {'missing' if got is None else 'unexpected'} in the stages")
+            report.details.append(f"{name}: gradient {'missing' if got_grad is None else 'unexpected'} in the stages")
         else:
-            error = relative_error(got, expected_grad)
+            error = relative_error(got_grad, expected_grad)
         report.compared_gradients += 1
         if error >= report.gradient_error:
             report.gradient_error, report.worst_gradient = error, name

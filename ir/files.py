@@ -16,6 +16,7 @@ import networkx as nx
 import yaml
 
 from cloudless.ir.graph import dumps
+from cloudless.ir.plan import TrainingPlan
 from cloudless.ir.schema import SchemaError, validate
 from cloudless.ir.workflow import Workflow
 
@@ -87,12 +88,21 @@ def load_workflow(path: Path) -> Workflow:
     return Workflow.from_json(document)
 
 
-def save_plan(document: dict[str, Any], path: Path) -> None:
-    validate(document, "plan", str(path))
-    path.write_text(dumps(document))
+def plan_text(plan: TrainingPlan, source: str = "plan.json") -> str:
+    """plan.json's bytes, checked against its schema."""
+    document = plan.to_json()
+    validate(document, "plan", source)
+    return dumps(document)
 
 
-def load_plan(path: Path) -> dict[str, Any]:
-    document = json.loads(path.read_text())
+def save_plan(plan: TrainingPlan, path: Path) -> None:
+    path.write_text(plan_text(plan, str(path)))
+
+
+def load_plan(path: Path) -> TrainingPlan:
+    try:
+        document = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"{path}: not JSON: {exc}") from exc
     validate(document, "plan", str(path))
-    return document
+    return TrainingPlan.from_json(document)

@@ -12,10 +12,17 @@ namespace. Training data lives outside any run, under `data/<name>/<split>/`.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
+
+_V = TypeVar("_V")
+#: what a round's key holds between regions: a region's `model`, or the `result` its replica 0 got
+RoundPart = Literal["model", "result"]
+#: ASGD-GA: a global version's `model`, and its `owner` (who claimed the version)
+GlobalPart = Literal["model", "owner"]
 
 # -- environment and secrets ---------------------------------------------------------------------
 #: where a function's storage is: a folder, s3://bucket/prefix or redis://host:port/db
@@ -97,6 +104,24 @@ class Invocation:
         )
 
 
+# -- progress reports ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MetricsReport:
+    """What the last stage's replica writes at `metrics_key` after each iteration: its micro-batches'
+    losses, in order, and the wall-clock time they were done."""
+
+    losses: tuple[float, ...]
+    time: float
+
+    def encode(self) -> bytes:
+        return json.dumps({"losses": list(self.losses), "time": self.time}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> MetricsReport:
+        document = json.loads(data)
+        return cls(tuple(float(x) for x in document["losses"]), float(document["time"]))
+
+
 # -- storage keys --------------------------------------------------------------------------------
 def namespace(run: str, region: str) -> str:
     """The prefix of every key of one region's functions in one run."""
@@ -163,16 +188,21 @@ def stop_key(ns: str, start: int) -> str:
     return f"{ns}/stop/from{start}"
 
 
-def round_key(ns: str, strategy: str, stage: int, round_index: int, part: str) -> str:
+def round_key(ns: str, strategy: str, stage: int, round_index: int, part: RoundPart) -> str:
     """Between regions: a stage's `model` for a round (model averaging) or the round's `result`
     for the stage's other replicas."""
     return f"{ns}/{strategy}/s{stage}/round{round_index}/{part}"
 
 
-def global_key(ns: str, stage: int, version: int, part: str) -> str:
+def global_key(ns: str, stage: int, version: int, part: GlobalPart) -> str:
     """ASGD-GA: version `version` of a stage's global model (`model`) and who wrote it (`owner`),
     in the server region's namespace."""
     return f"{ns}/global/s{stage}/v{version}/{part}"
+
+
+def global_owner(region: str, round_index: int) -> bytes:
+    """ASGD-GA: what a version's `owner` key holds: the region and round whose update it is."""
+    return f"{region}/round{round_index}".encode()
 
 
 def data_key(name: str, split: str, part: str) -> str:
@@ -181,7 +211,25 @@ def data_key(name: str, split: str, part: str) -> str:
 
 
 def shard_name(index: int) -> str:
+    """The `part` of a split's shard `index` (`data_key`)."""
     return f"shard-{index:05d}"
 
 
+#: the JSON beside a split's shards: samples, shard size, input and target leaf counts
 DATA_META = "meta"
+
+
+# -- what a checkpoint (`state_key`) holds -------------------------------------------------------
+#: a checkpoint's values are named `module/<state_dict name>`, `optimizer/<parameter>/<field>`, and
+#: (ASGD-GA) `meta/base_version`: the global version the stage's model started its round from
+MODULE_PREFIX = "module/"
+OPTIMIZER_PREFIX = "optimizer/"
+BASE_VERSION = "meta/base_version"
+#: in a round's `result` (the other replicas' copy of what replica 0 got): the global version
+ROUND_VERSION = "meta/version"
+
+
+def module_values(values: Mapping[str, _V]) -> dict[str, _V]:
+    """A checkpoint's module state under the module's own names."""
+    return {k.removeprefix(MODULE_PREFIX): v for k, v in values.items() if k.startswith(MODULE_PREFIX)}
+

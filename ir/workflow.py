@@ -296,7 +296,15 @@ class WanLink:
 
 @dataclass(frozen=True)
 class Step:
-    """One node of an iteration's DAG: a kind of work of one function (all its replicas)."""
+    """One node of an iteration's DAG: a kind of work of one function (all its replicas).
+
+    Descriptive: nothing executes the steps. Each stage worker runs its function's steps itself, in
+    a fixed order (compute, scatter-reduce when it has replicas, optimizer-step once its tied
+    parameters' partner stages have their gradients, the inter-region sync, checkpoint) that is a
+    topological order of `depends_on`; the controller only invokes ranges of iterations. A step
+    with `every` runs after the iterations i with (i + 1) % every == 0; a checkpoint is written by
+    replica 0 (and also where an invocation stops). tests/test_protocol.py checks the worker's
+    recorded order against these steps."""
 
     id: str
     kind: StepKind

@@ -2,8 +2,9 @@
 their completion, retries failed invocations, and follows progress through storage.
 
 One region's iteration loop is the workflow's steps: each stage's `compute`, its `scatter-reduce`
-among replicas, the `optimizer-step` (after tied-parameter partners) and the periodic `checkpoint`.
-The stage workers run these steps themselves, for a range of iterations per invocation, meeting
+among replicas, the `optimizer-step` (after tied-parameter partners), with several regions the
+periodic inter-region sync, and the periodic `checkpoint`. The steps describe what the stage workers
+run themselves, in that order, for a range of iterations per invocation, meeting
 through storage; the controller invokes every replica of every function at once with the same
 range. A worker ends early at its time limit, at an iteration all of them agree on, and the
 controller invokes the rest of the range again from there. A failed or killed invocation is
@@ -13,7 +14,7 @@ so the run ends with the same parameters as one without failures.
 Invokers: local processes (each invocation runs the package's own handler.py in a fresh Python
 process, the way a cold function would), the OpenFaaS gateway's async endpoint, and Lambda's
 asynchronous invoke. The asynchronous ones report completion through the marker each worker writes
-to storage (`<run>/<region>/done/<function>/r<replica>/from<start>`).
+to storage (`protocol.done_key`); progress is the last stage's reports (`protocol.metrics_key`).
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cloudless.ir import protocol
+from cloudless.ir.protocol import EMULATE_ENV, STORAGE_ENV, MetricsReport
 from cloudless.ir.schedule import local_micro_batches
+from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow
 
 from .emulation import Resources
 from .storage import Channel, KeyTimeout
 
 #: step kinds the stage workers run inside their invocations
 # Every step runs inside the functions (the sync steps too): the controller invokes ranges of iterations.
-FUNCTION_STEPS = {"compute", "scatter-reduce", "optimizer-step", "checkpoint", "asgd-ga-push", "model-average"}
+FUNCTION_STEPS = frozenset(STEP_KINDS)
 
 
 class RunError(RuntimeError):
@@ -53,16 +57,16 @@ class RunError(RuntimeError):
 class Invocation:
     """One call of one replica of one function over a range of iterations."""
 
-    function: dict[str, Any]
+    function: Function
     replica: int
-    event: dict[str, Any]
+    event: protocol.Invocation
     attempt: int
     launched: float = 0.0
     log: Path | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.function['name']} replica {self.replica} from iteration {self.event['start']}"
+        return f"{self.function.name} replica {self.replica} from iteration {self.event.start}"
 
 
 class Handle(ABC):
@@ -147,7 +151,7 @@ class LocalProcessInvoker(Invoker):
         storage: str,
         logs: Path,
         *,
-        resources: Callable[[dict[str, Any]], Resources | None] = lambda f: None,
+        resources: Callable[[Function], Resources | None] = lambda f: None,
         threads: int = 1,
     ) -> None:
         self.build, self.storage, self.logs = build, storage, logs
@@ -158,28 +162,28 @@ class LocalProcessInvoker(Invoker):
         function = invocation.function
         env = {
             **os.environ,
-            "CLOUDLESS_STORAGE": self.storage,
+            STORAGE_ENV: self.storage,
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
         }
-        env.pop("CLOUDLESS_EMULATE", None)
+        env.pop(EMULATE_ENV, None)
         resources = self.resources(function)
         if resources is not None:
-            env["CLOUDLESS_EMULATE"] = json.dumps(resources.to_json())
-        region = Path(function["package"]).parts[1]  # regions/<region>/functions/<function>
-        start, attempt = invocation.event["start"], invocation.attempt
-        stem = f"{region}-{function['name']}-r{invocation.replica}-from{start}-a{attempt}"
+            env[EMULATE_ENV] = json.dumps(resources.to_json())
+        region = Path(function.package).parts[1]  # regions/<region>/functions/<function>
+        start, attempt = invocation.event.start, invocation.attempt
+        stem = f"{region}-{function.name}-r{invocation.replica}-from{start}-a{attempt}"
         invocation.log = self.logs / f"{stem}.log"
         output = self.logs / f"{stem}.json"  # a file, not a pipe: a large result must not block the child
         with invocation.log.open("wb") as log, output.open("wb") as out:
             process = subprocess.Popen(
-                [sys.executable, str(self.build / function["package"] / "handler.py"), json.dumps(invocation.event)],
+                [sys.executable, str(self.build / function.package / "handler.py"), _wire(invocation)],
                 stdout=out,
                 stderr=log,
                 env=env,
-                cwd=self.build / function["package"],
+                cwd=self.build / function.package,
             )
-        return _ProcessHandle(process, invocation, output, time.monotonic() + function["timeout_s"])
+        return _ProcessHandle(process, invocation, output, time.monotonic() + function.timeout_s)
 
 
 # --- asynchronous remote invokers ----------------------------------------------------------------
@@ -200,8 +204,15 @@ class _MarkerHandle(Handle):
         return None
 
 
-def done_key(namespace: str, function: str, replica: int, start: int) -> str:
-    return f"{namespace}/done/{function}/r{replica}/from{start}"
+def _wire(invocation: Invocation) -> str:
+    """The invocation's payload as the functions receive it."""
+    return json.dumps(invocation.event.to_json())
+
+
+def _marker(channel: Channel, namespace: str, invocation: Invocation) -> _MarkerHandle:
+    """Follow an asynchronous invocation through its completion marker (timeout + 60 s to appear)."""
+    key = protocol.done_key(namespace, invocation.function.name, invocation.replica, invocation.event.start)
+    return _MarkerHandle(channel, key, invocation, time.monotonic() + invocation.function.timeout_s + 60)
 
 
 class OpenFaaSInvoker(Invoker):
@@ -214,10 +225,10 @@ class OpenFaaSInvoker(Invoker):
         self.names = names or {}
 
     def start(self, invocation: Invocation) -> Handle:
-        name = self.names.get(invocation.function["name"], invocation.function["name"])
+        name = self.names.get(invocation.function.name, invocation.function.name)
         request = urllib.request.Request(
             f"{self.gateway}/async-function/{name}",
-            data=json.dumps(invocation.event).encode(),
+            data=_wire(invocation).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
@@ -227,8 +238,7 @@ class OpenFaaSInvoker(Invoker):
                     raise InvocationFailed(f"{invocation.label}: gateway answered {response.status}, expected 202")
         except urllib.error.URLError as exc:
             raise InvocationFailed(f"{invocation.label}: {self.gateway}: {exc}") from exc
-        key = done_key(self.namespace, invocation.function["name"], invocation.replica, invocation.event["start"])
-        return _MarkerHandle(self.channel, key, invocation, time.monotonic() + invocation.function["timeout_s"] + 60)
+        return _marker(self.channel, self.namespace, invocation)
 
 
 class LambdaInvoker(Invoker):
@@ -243,15 +253,14 @@ class LambdaInvoker(Invoker):
         self.channel, self.namespace, self.names = channel, namespace, names or {}
 
     def start(self, invocation: Invocation) -> Handle:
-        name = self.names.get(invocation.function["name"], invocation.function["name"])
+        name = self.names.get(invocation.function.name, invocation.function.name)
         try:
-            reply = self.client.invoke(FunctionName=name, InvocationType="Event", Payload=json.dumps(invocation.event))
+            reply = self.client.invoke(FunctionName=name, InvocationType="Event", Payload=_wire(invocation))
         except Exception as exc:  # noqa: BLE001 - botocore's errors (throttling, network) are retried
             raise InvocationFailed(f"{invocation.label}: Lambda {name}: {exc}") from exc
         if reply.get("StatusCode") != 202:
             raise InvocationFailed(f"{invocation.label}: Lambda answered {reply.get('StatusCode')}, expected 202")
-        key = done_key(self.namespace, invocation.function["name"], invocation.replica, invocation.event["start"])
-        return _MarkerHandle(self.channel, key, invocation, time.monotonic() + invocation.function["timeout_s"] + 60)
+        return _marker(self.channel, self.namespace, invocation)
 
 
 # --- the controller ------------------------------------------------------------------------------
@@ -272,7 +281,7 @@ class RunSettings:
     iterations: int
     run_id: str
     time_limit_s: float | None = None  # a worker's time limit per invocation (default: its timeout)
-    key_timeout_s: float = 600.0
+    key_timeout_s: float = protocol.DEFAULT_KEY_TIMEOUT_S
     retries: int = 3
     fault_rate: float = 0.0
     fault_seed: int = 0
@@ -294,7 +303,7 @@ class RegionRun:
 class Controller:
     def __init__(
         self,
-        workflow: dict[str, Any],
+        workflow: Workflow,
         channel: Channel,
         invoker: Invoker,
         settings: RunSettings,
@@ -304,43 +313,43 @@ class Controller:
         self.on_progress = on_progress
         if settings.fault_rate and not invoker.can_kill:
             raise RunError(f"--inject-faults needs an invoker that can kill invocations; {invoker.name} cannot")
-        unknown = sorted({s["kind"] for s in workflow["steps"]} - FUNCTION_STEPS)
+        unknown = sorted({s.kind for s in workflow.steps} - FUNCTION_STEPS)
         if unknown:
             raise RunError(f"workflow.yaml: step kinds {unknown} are not run by this controller yet")
         # One fault generator per region (regions run in threads), so each region's faults replay
         # however the threads interleave; the first region's are those of a one-region run.
         self.random = {
-            region["name"]: random.Random(settings.fault_seed + index)
-            for index, region in enumerate(workflow["regions"])
+            region.name: random.Random(settings.fault_seed + index) for index, region in enumerate(workflow.regions)
         }
 
     def namespace(self, region: str) -> str:
-        return f"{self.settings.run_id}/{region}"
+        return protocol.namespace(self.settings.run_id, region)
 
-    def region_iterations(self, region: dict[str, Any]) -> int:
+    def region_iterations(self, region: Region) -> int:
         """Iterations a region runs. One region: the settings'. Several: whole rounds of the region's
         round length, the same number of rounds in every region (model averaging meets in each),
         scaled from the workflow's by settings.iterations / run.iterations."""
-        if len(self.workflow["regions"]) == 1:
+        if len(self.workflow.regions) == 1:
             return self.settings.iterations
-        planned = self.workflow["sync"]["rounds"]
-        rounds = max(1, round(planned * self.settings.iterations / self.workflow["run"]["iterations"]))
-        return rounds * int(region["round_iterations"])
+        planned = self.workflow.sync.rounds
+        assert planned is not None and region.round_iterations is not None, "several regions: rounds are planned"
+        rounds = max(1, round(planned * self.settings.iterations / self.workflow.run.iterations))
+        return rounds * region.round_iterations
 
     def run(self) -> dict[str, RegionRun]:
         """Every region's range at once (each its own invocations); what happened, per region."""
-        records = {region["name"]: RegionRun() for region in self.workflow["regions"]}
+        records = {region.name: RegionRun() for region in self.workflow.regions}
         errors: list[BaseException] = []
 
-        def run_region(region: dict[str, Any]) -> None:
+        def run_region(region: Region) -> None:
             try:
                 at, stop = 0, self.region_iterations(region)
                 while at < stop:
-                    at = self._invoke_range(region, at, stop, records[region["name"]])
+                    at = self._invoke_range(region, at, stop, records[region.name])
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run_region, args=(r,)) for r in self.workflow["regions"]]
+        threads = [threading.Thread(target=run_region, args=(r,)) for r in self.workflow.regions]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -349,19 +358,19 @@ class Controller:
             raise errors[0]
         return records
 
-    def _event(self, function: dict[str, Any], replica: int, start: int, stop: int, attempt: int) -> dict[str, Any]:
-        limit = self.settings.time_limit_s or max(1.0, function["timeout_s"] - 30.0)
-        return {
-            "run": self.settings.run_id,
-            "start": start,
-            "stop": stop,
-            "replica": replica,
-            "attempt": attempt,
-            "time_limit_s": limit,
-            "timeout": self.settings.key_timeout_s,
-        }
+    def _event(self, function: Function, replica: int, start: int, stop: int, attempt: int) -> protocol.Invocation:
+        limit = self.settings.time_limit_s or max(1.0, function.timeout_s - 30.0)
+        return protocol.Invocation(
+            start=start,
+            stop=stop,
+            replica=replica,
+            run=self.settings.run_id,
+            attempt=attempt,
+            time_limit_s=float(limit),
+            timeout=float(self.settings.key_timeout_s),
+        )
 
-    def _launch(self, function: dict[str, Any], replica: int, start: int, stop: int, attempt: int) -> tuple:
+    def _launch(self, function: Function, replica: int, start: int, stop: int, attempt: int) -> tuple:
         invocation = Invocation(function, replica, self._event(function, replica, start, stop, attempt), attempt)
         invocation.launched = time.time()
         try:
@@ -370,17 +379,14 @@ class Controller:
             handle = _Failed(exc)
         return invocation, handle
 
-    def _invoke_range(self, region: dict[str, Any], start: int, stop: int, record: RegionRun) -> int:
+    def _invoke_range(self, region: Region, start: int, stop: int, record: RegionRun) -> int:
         """Invoke every replica of every function for start..stop-1; returns where they stopped."""
-        namespace = self.namespace(region["name"])
         pending = {
-            (f["name"], r): self._launch(f, r, start, stop, 0)
-            for f in region["functions"]
-            for r in range(f["replicas"])
+            (f.name, r): self._launch(f, r, start, stop, 0) for f in region.functions for r in range(f.replicas)
         }
-        kills = self._plan_faults(self.random[region["name"]], list(pending), start, stop)
+        kills = self._plan_faults(self.random[region.name], list(pending), start, stop)
         range_began = time.time()
-        last = max(region["functions"], key=lambda f: f["stage"])
+        last = region.functions[-1]  # in stage order
         stopped: list[int] = []
         next_iteration = start
         while pending:
@@ -405,7 +411,7 @@ class Controller:
                 record.results.append(result)
                 record.invocations.append(self._summary(invocation, "done", ""))
                 stopped.append(int(result["stop"]))
-            next_iteration = self._follow(namespace, last, next_iteration, stop, record)
+            next_iteration = self._follow(region.name, last, next_iteration, stop, record)
             now = time.time()
             for key, when in list(kills.items()):
                 handle = pending[key][1] if key in pending else None
@@ -418,19 +424,20 @@ class Controller:
         if len(set(stopped)) != 1:
             raise RunError(f"the functions stopped at different iterations {sorted(set(stopped))}; expected one")
         # Progress of the last iterations may land just before the results: read it all.
-        self._follow(namespace, last, next_iteration, stopped[0], record, wait=True)
+        self._follow(region.name, last, next_iteration, stopped[0], record, wait=True)
         return stopped[0]
 
     def _follow(
-        self, namespace: str, last: dict[str, Any], iteration: int, stop: int, record: RegionRun, wait: bool = False
+        self, region: str, last: Function, iteration: int, stop: int, record: RegionRun, wait: bool = False
     ) -> int:
         """Read the last stage's per-iteration reports from `iteration` on; returns the next unread.
         With `wait` (every invocation is done), a report a killed invocation never sent is rebuilt
         from the losses its retry returned."""
+        namespace = self.namespace(region)
         while iteration < stop:
             reports = []
-            for replica in range(last["replicas"]):
-                key = f"{namespace}/it{iteration}/metrics/r{replica}"
+            for replica in range(last.replicas):
+                key = protocol.metrics_key(namespace, iteration, replica)
                 data = self.channel.try_get(key)
                 if data is None and wait:
                     try:
@@ -439,29 +446,27 @@ class Controller:
                         data = self._report_from_results(last, replica, iteration, record)
                 if data is None:
                     return iteration
-                reports.append(json.loads(data))
-            losses = [x for r in reports for x in r["losses"]]
+                reports.append(MetricsReport.decode(data))
+            losses = [x for r in reports for x in r.losses]
             loss = sum(losses) / len(losses) if losses else math.nan
-            progress = Progress(iteration, loss, max(r["time"] for r in reports), namespace.rsplit("/", 1)[-1])
+            progress = Progress(iteration, loss, max(r.time for r in reports), region)
             record.progress.append(progress)
             self.on_progress(progress)
             iteration += 1
         return iteration
 
-    def _report_from_results(
-        self, last: dict[str, Any], replica: int, iteration: int, record: RegionRun
-    ) -> bytes:
-        per_iteration = len(local_micro_batches(self.workflow["run"]["micro_batches"], last["replicas"], replica))
+    def _report_from_results(self, last: Function, replica: int, iteration: int, record: RegionRun) -> bytes:
+        per_iteration = len(local_micro_batches(self.workflow.run.micro_batches, last.replicas, replica))
+        when = record.progress[-1].time if record.progress else time.time()
         for result in reversed(record.results):
-            if result["function"] == last["name"] and result["replica"] == replica:
+            if result["function"] == last.name and result["replica"] == replica:
                 if result["resumed"] <= iteration < result["stop"]:
                     at = (iteration - result["resumed"]) * per_iteration
-                    when = record.progress[-1].time if record.progress else time.time()
-                    return json.dumps({"losses": result["losses"][at : at + per_iteration], "time": when}).encode()
+                    return MetricsReport(tuple(result["losses"][at : at + per_iteration]), when).encode()
         # Its invocation was killed after the report's iteration and its retry resumed from a later
         # checkpoint: training is whole, only this progress report is gone.
         record.lost_reports += 1
-        return json.dumps({"losses": [], "time": record.progress[-1].time if record.progress else time.time()}).encode()
+        return MetricsReport((), when).encode()
 
     def _plan_faults(
         self, rng: random.Random, keys: list[tuple[str, int]], start: int, stop: int
@@ -489,9 +494,9 @@ class Controller:
     @staticmethod
     def _summary(invocation: Invocation, status: str, error: str) -> dict[str, Any]:
         return {
-            "function": invocation.function["name"],
+            "function": invocation.function.name,
             "replica": invocation.replica,
-            "start": invocation.event["start"],
+            "start": invocation.event.start,
             "attempt": invocation.attempt,
             "launched": invocation.launched,
             "ended": time.time(),

@@ -1,7 +1,8 @@
 """Training data in storage, and the order a run reads it in.
 
-A region's split is written once as safetensors shards (`data/<region>/<split>/shard-NNNNN`: each
-flat input and target leaf stacked over the shard's samples) with a JSON `meta` beside them. Sample
+A region's split is written once as safetensors shards (`protocol.data_key(name, split,
+shard_name(n))`: each flat input and target leaf stacked over the shard's samples) with a JSON
+`DATA_META` beside them. Sample
 order: iteration i reads global positions i*G .. i*G+G-1 (G the global batch); position g falls in
 epoch g // N (N samples) and is sample perm_e[g % N] of that epoch's seeded permutation. The first
 stage reads a micro-batch's inputs, the last its targets, and a plain PyTorch loop (the reference in
@@ -17,24 +18,22 @@ from typing import Any
 
 import torch
 
+from cloudless.ir.protocol import DATA_META, data_key, shard_name
 from cloudless.ir.schedule import SHARD_SAMPLES
+from cloudless.ir.workflow import Region
 
 from .storage import Channel
 from .tensors import pack, unpack
 
 
-def data_key(region: str, split: str, name: str) -> str:
-    return f"data/{region}/{split}/{name}"
-
-
-def data_name(entry: dict[str, Any]) -> str:
+def data_name(region: Region) -> str:
     """Where a workflow region's training data is kept: under the region's name when it trains on its
     own shard, else (data moved between regions) under a name that also says which slices."""
-    sources = entry.get("data_sources")
-    if not sources:
-        return str(entry["name"])
+    if not region.data_sources:
+        return region.name
+    sources = [source.to_json() for source in region.data_sources]
     digest = hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{entry['name']}-{digest}"
+    return f"{region.name}-{digest}"
 
 
 def write_split(
@@ -53,7 +52,7 @@ def write_split(
         n_inputs, n_targets = shapes or (0, 0)
         values = {f"input_{j}": torch.stack([s[0][j] for s in shard]) for j in range(n_inputs)}
         values.update({f"target_{j}": torch.stack([s[1][j] for s in shard]) for j in range(n_targets)})
-        channel.put(data_key(region, split, f"shard-{index:05d}"), pack(values))
+        channel.put(data_key(region, split, shard_name(index)), pack(values))
         shard.clear()
 
     for inputs, targets in samples:
@@ -68,7 +67,7 @@ def write_split(
     if shapes is None:
         raise ValueError(f"the {split} split of {region} has no samples")
     meta = {"samples": count, "shard_samples": shard_samples, "inputs": shapes[0], "targets": shapes[1]}
-    channel.put(data_key(region, split, "meta"), json.dumps(meta, sort_keys=True).encode())
+    channel.put(data_key(region, split, DATA_META), json.dumps(meta, sort_keys=True).encode())
     return count
 
 
@@ -77,7 +76,7 @@ class SplitReader:
 
     def __init__(self, channel: Channel, region: str, split: str = "train") -> None:
         self.channel, self.region, self.split = channel, region, split
-        self.meta: dict[str, Any] = json.loads(channel.get(data_key(region, split, "meta")))
+        self.meta: dict[str, Any] = json.loads(channel.get(data_key(region, split, DATA_META)))
         self._shards: dict[int, dict[str, torch.Tensor]] = {}
 
     @property
@@ -86,7 +85,7 @@ class SplitReader:
 
     def _shard(self, index: int) -> dict[str, torch.Tensor]:
         if index not in self._shards:
-            self._shards[index] = unpack(self.channel.get(data_key(self.region, self.split, f"shard-{index:05d}")))
+            self._shards[index] = unpack(self.channel.get(data_key(self.region, self.split, shard_name(index))))
         return self._shards[index]
 
     def gather(self, indices: list[int], kind: str) -> list[torch.Tensor]:

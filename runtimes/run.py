@@ -18,15 +18,17 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from cloudless.ir import protocol
 from cloudless.ir.files import load_workflow
 from cloudless.ir.schema import SchemaError
+from cloudless.ir.workflow import Function, Workflow
 
 from .controller import (
     Controller,
@@ -98,32 +100,32 @@ def fail(message: str) -> int:
     return 2
 
 
-def resources_of(workflow: dict[str, Any], args: argparse.Namespace) -> Any:
+def resources_of(workflow: Workflow, args: argparse.Namespace) -> Callable[[Function], Resources | None]:
     """Per function, what --emulate / --bandwidth / --latency-ms give it (None: the machine's own)."""
     if not (args.emulate or args.bandwidth or args.latency_ms):
         return lambda function: None
-    latency = workflow["regions"][0]["request_latency_s"]
+    latency = workflow.regions[0].request_latency_s
 
-    def resources(function: dict[str, Any]) -> Resources:
-        mbps = args.bandwidth or (function["network_mbps"] if args.emulate else None)
+    def resources(function: Function) -> Resources:
+        mbps = args.bandwidth or (function.network_mbps if args.emulate else None)
         return Resources(
             bytes_per_s=mbps * 1e6 if mbps else None,
             latency_s=args.latency_ms / 1000 if args.latency_ms is not None else (latency if args.emulate else 0.0),
-            vcpus=function["cpu_millis"] / 1000 if args.emulate else None,
+            vcpus=function.cpu_millis / 1000 if args.emulate else None,
         )
 
     return resources
 
 
-def chrome_trace(record: RegionRun, workflow: dict[str, Any], origin: float) -> dict[str, Any]:
+def chrome_trace(record: RegionRun, workflow: Workflow, origin: float) -> dict[str, Any]:
     """The timeline: one process row per function, one thread row per replica; each invocation with
     the forward/backward of each micro-batch, sync, step and checkpoint inside it."""
-    functions = {f["name"]: f for r in workflow["regions"] for f in r["functions"]}
+    functions = {f.name: f for _, f in workflow.functions()}
     events: list[dict[str, Any]] = []
-    for name, function in sorted(functions.items(), key=lambda kv: kv[1]["stage"]):
-        pid = function["stage"]
+    for name, function in sorted(functions.items(), key=lambda kv: kv[1].stage):
+        pid = function.stage
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"stage {pid}: {name}"}})
-        for replica in range(function["replicas"]):
+        for replica in range(function.replicas):
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": pid, "tid": replica, "args": {"name": f"replica {replica}"}}
             )
@@ -141,7 +143,7 @@ def chrome_trace(record: RegionRun, workflow: dict[str, Any], origin: float) -> 
         }
 
     for inv in record.invocations:
-        pid = functions[inv["function"]]["stage"]
+        pid = functions[inv["function"]].stage
         events.append(
             span(
                 f"invocation from {inv['start']} (attempt {inv['attempt']}, {inv['status']})",
@@ -154,7 +156,7 @@ def chrome_trace(record: RegionRun, workflow: dict[str, Any], origin: float) -> 
             )
         )
     for result in record.results:
-        pid = functions[result["function"]]["stage"]
+        pid = functions[result["function"]].stage
         for name, began, ended in result.get("spans", []):
             cat = name.split()[0]
             events.append(span(name, pid, result["replica"], began, ended, cat))
@@ -162,7 +164,7 @@ def chrome_trace(record: RegionRun, workflow: dict[str, Any], origin: float) -> 
 
 
 def summarise(
-    record: RegionRun, workflow: dict[str, Any], settings: RunSettings, seconds: float, test: dict | None
+    record: RegionRun, workflow: Workflow, settings: RunSettings, seconds: float, test: dict | None
 ) -> dict[str, Any]:
     times = [p.time for p in record.progress]
     steps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
@@ -172,7 +174,7 @@ def summarise(
         counts = storage.setdefault(result["function"], {})
         for k, v in result.get("storage", {}).items():
             counts[k] = counts.get(k, 0) + v
-    batch = workflow["run"]["global_batch"]
+    batch = workflow.run.global_batch
     return {
         "run_id": settings.run_id,
         "iterations": settings.iterations,
@@ -196,26 +198,27 @@ def summarise(
 
 
 def final_model(
-    channel: Channel, workflow: dict[str, Any], run_id: str, iterations: dict[str, int]
+    channel: Channel, workflow: Workflow, run_id: str, iterations: dict[str, int]
 ) -> dict[str, torch.Tensor]:
     """The trained model (original names). Several regions: after model averaging every region
     holds the same model; under ASGD-GA each stage's newest global version is the model, and the
     region that wrote it last holds it."""
-    regions = workflow["regions"]
-    stages = len(regions[0]["functions"])
-    if len(regions) == 1 or workflow["sync"]["inter_region"] != "asgd-ga":
-        name = regions[0]["name"]
-        return trained_state(channel, f"{run_id}/{name}", stages, iterations[name])
+    regions = workflow.regions
+    stages = regions[0].stages
+    if len(regions) == 1 or workflow.sync.inter_region != "asgd-ga":
+        name = regions[0].name
+        return trained_state(channel, protocol.namespace(run_id, name), stages, iterations[name])
     state: dict[str, torch.Tensor] = {}
     for s in range(stages):
         newest: tuple[int, dict[str, torch.Tensor]] | None = None
         for entry in regions:
-            values = unpack(channel.get(f"{run_id}/{entry['name']}/state/s{s}/it{iterations[entry['name']]}", 60))
-            version = int(values.get("meta/base_version", torch.tensor(0)))
+            key = protocol.state_key(protocol.namespace(run_id, entry.name), s, iterations[entry.name])
+            values = unpack(channel.get(key, 60))
+            version = int(values.get(protocol.BASE_VERSION, torch.tensor(0)))
             if newest is None or version > newest[0]:
                 newest = (version, values)
         assert newest is not None
-        state.update({k.removeprefix("module/"): v for k, v in newest[1].items() if k.startswith("module/")})
+        state.update(protocol.module_values(newest[1]))
     return state
 
 
@@ -223,34 +226,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     build: Path = args.build
     try:
-        workflow = load_workflow(build / "workflow.yaml").to_json()
+        workflow = load_workflow(build / "workflow.yaml")
     except FileNotFoundError:
         return fail(f"{build}/workflow.yaml: not found; expected a build folder written by cloudless-compile")
     except SchemaError as exc:
         return fail(str(exc))
-    iterations = args.iterations or workflow["run"]["iterations"]
+    iterations = args.iterations or workflow.run.iterations
     if iterations < 1:
         return fail(f"--iterations {iterations}: expected at least 1")
     if not 0 <= args.inject_faults < 1:
         return fail(f"--inject-faults {args.inject_faults}: expected a share in [0, 1)")
-    for function in (f for r in workflow["regions"] for f in r["functions"]):
-        if not (build / function["package"] / "handler.py").is_file():
-            return fail(f"{build / function['package']}: no handler.py; was the build written with --target?")
+    for _, function in workflow.functions():
+        if not (build / function.package / "handler.py").is_file():
+            return fail(f"{build / function.package}: no handler.py; was the build written with --target?")
     out = args.out or build / "run"
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or str((out / "storage").resolve())
     run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
-    regions = workflow["regions"]
-    region = regions[0]["name"]
+    regions = workflow.regions
+    region = regions[0].name
     if len(regions) > 1 and args.invoker != "local":
         return fail(f"--invoker {args.invoker}: a workflow of several regions runs here with --invoker local")
     try:
         channel = open_channel(storage)
-        model = args.model or Path(workflow["data"]["model_file"])
+        model = args.model or Path(workflow.data.model_file)
         staged_by_region = {
-            entry["name"]: stage_data(
-                channel, entry["name"], model, sources=entry.get("data_sources"), name=data_name(entry)
-            )
+            entry.name: stage_data(channel, entry.name, model, sources=entry.data_sources, name=data_name(entry))
             for entry in regions
         }
         staged = staged_by_region[region] if len(regions) == 1 else staged_by_region
@@ -264,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fault_rate=args.inject_faults,
         fault_seed=args.fault_seed,
     )
-    namespace = f"{run_id}/{region}"
+    namespace = protocol.namespace(run_id, region)
     invoker: Invoker
     if args.invoker == "local":
         invoker = LocalProcessInvoker(
@@ -277,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     every = args.log_every or max(1, iterations // 20)
     began = time.time()
     # Per region: (time, iterations done) of the last line; the rate excludes start-up.
-    last_prints: dict[str, list[float]] = {entry["name"]: [] for entry in regions}
+    last_prints: dict[str, list[float]] = {entry.name: [] for entry in regions}
     totals: dict[str, int] = {}
 
     def report(progress: Progress) -> None:
@@ -289,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return
         rate = ""
         if done > last_print[1]:
-            per_s = (done - last_print[1]) * workflow["run"]["global_batch"] / max(progress.time - last_print[0], 1e-9)
+            per_s = (done - last_print[1]) * workflow.run.global_batch / max(progress.time - last_print[0], 1e-9)
             rate = f"  {per_s:,.0f} samples/s"
         where = f"{progress.region}  " if len(regions) > 1 else ""
         print(f"{where}iteration {done:>6}/{totals[progress.region]}  loss {progress.loss:.4f}{rate}", flush=True)
@@ -299,15 +300,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         controller = Controller(workflow, channel, invoker, settings, on_progress=report)
     except RunError as exc:
         return fail(str(exc))
-    totals.update({entry["name"]: controller.region_iterations(entry) for entry in regions})
+    totals.update({entry.name: controller.region_iterations(entry) for entry in regions})
     if not args.quiet:
         for entry in regions:
-            functions = entry["functions"]
-            shape = " + ".join(f"{f['replicas']}" for f in functions)
-            where = f" in {entry['name']}" if len(regions) > 1 else ""
+            functions = entry.functions
+            shape = " + ".join(f"{f.replicas}" for f in functions)
+            where = f" in {entry.name}" if len(regions) > 1 else ""
             print(
-                f"run {run_id}{where}: {len(functions)} stage(s), replicas {shape}, {totals[entry['name']]} "
-                f"iterations of {workflow['run']['global_batch']} samples; storage {storage}",
+                f"run {run_id}{where}: {len(functions)} stage(s), replicas {shape}, {totals[entry.name]} "
+                f"iterations of {workflow.run.global_batch} samples; storage {storage}",
                 flush=True,
             )
         print(f"data {staged}", flush=True)
@@ -323,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = records[region]
     metrics = summarise(record, workflow, settings, seconds, test)
     if len(regions) > 1:
-        metrics["inter_region"] = workflow["sync"]["inter_region"]
+        metrics["inter_region"] = workflow.sync.inter_region
         metrics["regions"] = {
             name: {k: v for k, v in summarise(r, workflow, settings, seconds, None).items() if k != "test"}
             | {"iterations": totals[name]}

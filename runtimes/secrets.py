@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SECRETS_DIR = Path("/var/openfaas/secrets")
-STORAGE_SECRET = "cloudless-storage"
+from cloudless.ir.protocol import SECRETS_DIR, STORAGE_SECRET
 
 
-def load_openfaas_secret(name: str = STORAGE_SECRET, folder: Path = SECRETS_DIR) -> list[str]:
+def load_openfaas_secret(name: str = STORAGE_SECRET, folder: Path = Path(SECRETS_DIR)) -> list[str]:
     """Set the secret's variables in the environment; returns their names (none if not mounted)."""
     path = folder / name
     if not path.is_file():

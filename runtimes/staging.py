@@ -2,7 +2,7 @@
 
 The data comes from the user's model file: `load_shard(region, split)` returns a torch Dataset whose
 items are (inputs, target), each a tensor or a nested structure of tensors. It is written once per
-storage (`data/<region>/<split>/...`, see data.py) and shared by the runs that use that storage.
+storage (`protocol.data_key`, see data.py) and shared by the runs that use that storage.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,7 +18,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .data import SplitReader, data_key, write_split
+from cloudless.ir import protocol
+from cloudless.ir.protocol import DATA_META, data_key
+from cloudless.ir.workflow import DataSource, Workflow
+
+from .data import SplitReader, write_split
 from .storage import Channel
 from .tensors import unpack
 from .worker import load_module
@@ -67,7 +72,7 @@ def stage_data(
     model_path: Path,
     *,
     force: bool = False,
-    sources: list[dict[str, Any]] | None = None,
+    sources: Sequence[DataSource] = (),
     name: str | None = None,
 ) -> dict[str, int | str]:
     """Write the region's train split (required) and test split (if load_shard gives one) unless
@@ -78,15 +83,13 @@ def stage_data(
     module: ModuleType | None = None
     for split in ("train", "test"):
         where = name if name and split == "train" else region
-        meta = channel.try_get(data_key(where, split, "meta"))
+        meta = channel.try_get(data_key(where, split, DATA_META))
         if meta is not None and not force:
             staged[split] = int(json.loads(meta)["samples"])
             continue
         module = module or load_model_module(model_path)
         if split == "train" and sources:
-            slices = [
-                _samples(module, model_path, s["region"], split, s["first"], s["count"]) for s in sources
-            ]
+            slices = [_samples(module, model_path, s.region, split, s.first, s.count) for s in sources]
             samples: Any = (sample for part in slices for sample in part)
         else:
             samples = _samples(module, model_path, region, split)
@@ -99,12 +102,11 @@ def stage_data(
     return staged
 
 
-def load_stages(build: Path, workflow: dict[str, Any], region: str) -> tuple[list[Any], torch.nn.Module]:
+def load_stages(build: Path, workflow: Workflow, region: str) -> tuple[list[Any], torch.nn.Module]:
     """The region's stage modules, in order, and its loss module (as the packages hold them)."""
-    entry = next(r for r in workflow["regions"] if r["name"] == region)
-    functions = sorted(entry["functions"], key=lambda f: f["stage"])
-    stages = [load_module(build / f["package"] / "stage.py", f"cloudless_eval_{f['stage']}") for f in functions]
-    loss = load_module(build / functions[-1]["package"] / f"{workflow['data']['loss']}.py", "cloudless_eval_loss")
+    functions = workflow.region(region).functions  # in stage order
+    stages = [load_module(build / f.package / "stage.py", f"cloudless_eval_{f.stage}") for f in functions]
+    loss = load_module(build / functions[-1].package / f"{workflow.data.loss}.py", "cloudless_eval_loss")
     return stages, loss.Stage()
 
 
@@ -112,33 +114,33 @@ def trained_state(channel: Channel, namespace: str, stages: int, iteration: int)
     """The whole model's parameters and buffers after `iteration` iterations (original names)."""
     state: dict[str, torch.Tensor] = {}
     for s in range(stages):
-        values = unpack(channel.get(f"{namespace}/state/s{s}/it{iteration}", timeout=60))
-        state.update({k.removeprefix("module/"): v for k, v in values.items() if k.startswith("module/")})
+        values = unpack(channel.get(protocol.state_key(namespace, s, iteration), timeout=60))
+        state.update(protocol.module_values(values))
     return state
 
 
 @torch.no_grad()
 def evaluate(
-    build: Path, workflow: dict[str, Any], region: str, channel: Channel, state: dict[str, torch.Tensor]
+    build: Path, workflow: Workflow, region: str, channel: Channel, state: dict[str, torch.Tensor]
 ) -> dict[str, Any] | None:
     """Mean loss on the region's test split, and accuracy when the model's one output is class
     scores (batch x classes) for one integer target; None without a test split. It runs the stages
     chained in whole micro-batches, the shapes the stages were generated for."""
-    if channel.try_get(data_key(region, "test", "meta")) is None:
+    if channel.try_get(data_key(region, "test", DATA_META)) is None:
         return None
     modules, loss_module = load_stages(build, workflow, region)
     stages = []
     for module in modules:
         stage = module.Stage()
-        names = set(stage.state_dict())
-        stage.load_state_dict({k: v for k, v in state.items() if k in names}, strict=True)
+        own = set(stage.state_dict())
+        stage.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
         stages.append((stage.eval(), list(module.INPUTS), list(module.OUTPUTS)))
     reader = SplitReader(channel, region, "test")
-    size = workflow["run"]["micro_batch"]
+    size = workflow.run.micro_batch
     total_loss, correct, counted, batches = 0.0, 0, 0, 0
     for first in range(0, reader.samples - size + 1, size):
         indices = list(range(first, first + size))
-        values = dict(zip(workflow["data"]["inputs"], reader.gather(indices, "input"), strict=True))
+        values = dict(zip(workflow.data.inputs, reader.gather(indices, "input"), strict=True))
         outputs: tuple[Any, ...] = ()
         for stage, inputs, names in stages:
             outputs = tuple(stage(*[values[n] for n in inputs]))

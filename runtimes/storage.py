@@ -17,7 +17,10 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import cast
 from urllib.parse import urlparse
+
+from cloudless.ir.protocol import S3_ENDPOINT_ENV
 
 
 class KeyTimeout(TimeoutError):
@@ -126,7 +129,7 @@ class S3Channel(Channel):
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("CLOUDLESS_S3_ENDPOINT"))
+        self.client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get(S3_ENDPOINT_ENV))
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -170,7 +173,7 @@ class RedisChannel(Channel):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def try_get(self, key: str) -> bytes | None:
-        return self.client.get(self._key(key))
+        return cast("bytes | None", self.client.get(self._key(key)))  # bytes: decode_responses is off
 
     def put(self, key: str, data: bytes) -> None:
         self.client.set(self._key(key), data)  # SET replaces the value atomically

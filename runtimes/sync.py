@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from cloudless.ir.protocol import reduced_piece_key, scatter_piece_key
 from cloudless.ir.schedule import SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, gather_sources, scatter_order, sync_pieces
 
 from .storage import Channel, KeyTimeout
@@ -73,7 +74,8 @@ def scatter_reduce(
     timeout: float = 600.0,
     in_flight: int = SYNC_IN_FLIGHT,
 ) -> torch.Tensor:
-    """The sum of `flat` over the stage's replicas (every replica calls this with its own)."""
+    """The sum of `flat` over the stage's replicas (every replica calls this with its own); its
+    pieces go under `key` (`protocol.sync_key`)."""
     if replicas == 1:
         return flat
     pieces = sync_pieces(flat.numel() * flat.element_size(), replicas, piece_bytes, max_pieces)
@@ -112,12 +114,12 @@ def scatter_reduce(
 
     out = torch.empty_like(flat)
     slots = [list(torch.tensor_split(chunk, pieces)) for chunk in torch.tensor_split(out, replicas)]
-    scattered = [f"{key}/c{replica}/from{j}/p{p}" for p in range(pieces) for j in sources]
-    gathered = [f"{key}/r{c}/p{p}" for c in sources for p in range(pieces)]
+    scattered = [scatter_piece_key(key, replica, j, p) for p in range(pieces) for j in sources]
+    gathered = [reduced_piece_key(key, c, p) for c in sources for p in range(pieces)]
     try:
         for p in range(pieces):
             for c in scatter_order(replica, replicas):
-                send(f"{key}/c{c}/from{replica}/p{p}", chunks[c][p])
+                send(scatter_piece_key(key, c, replica, p), chunks[c][p])
         if not pipelined:
             drain()
         # Pipelined, the downloads of the reduced chunks queue right behind those of the own chunk.
@@ -130,7 +132,7 @@ def scatter_reduce(
             total.copy_(parts[0])
             for j in range(1, replicas):
                 total += parts[j]
-            send(f"{key}/r{replica}/p{p}", total)
+            send(reduced_piece_key(key, replica, p), total)
         if not pipelined:
             drain()
             arriving = iter(_Prefetch(downlink, receive, gathered, in_flight))

@@ -5,10 +5,14 @@ the loss module on the last stage (`loss.py`) and `function.json` (its name, reg
 workflow). An invocation `{"start": a, "stop": b, "replica": k}` (or `{"iteration": i, ...}`, one
 iteration) runs iterations a..b-1 as replica k: for each, its micro-batches in schedule order,
 activations forward and gradients backward through storage, the stage's scatter-reduce, the sum of
-tied parameters' gradients with the other stages holding them, and the optimizer step.
+tied parameters' gradients with the other stages holding them, and the optimizer step; with several
+regions, every `round_iterations` the inter-region sync; every `checkpoint_every`, a checkpoint.
+That is the order of the workflow's `steps` for one function, which the worker follows by itself
+(the steps describe it; `span_step` maps the spans it records to them). Every key it reads or
+writes, and the invocation's fields, are spelled in `cloudless.ir.protocol`.
 
 State between invocations: the parameters, buffers and optimizer state before iteration i are at
-`state/s<stage>/it<i>` (replica 0 writes them at each checkpoint and when the invocation returns);
+`protocol.state_key` (replica 0 writes them at each checkpoint and when the invocation returns);
 a warm process keeps them in memory. Every tensor written is a function of the iteration, stage,
 replica and micro-batch, and the computation is deterministic, so a duplicate or retried invocation
 writes the same tensors and changes nothing (only reports, with their times, differ).
@@ -29,17 +33,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from cloudless.ir import protocol
+from cloudless.ir.protocol import DEFAULT_KEY_TIMEOUT_S, EMULATE_ENV, STORAGE_ENV, GlobalPart, Invocation
 from cloudless.ir.schedule import compute_order, local_micro_batches, one_f_one_b_windows, sample_indices
+from cloudless.ir.workflow import SYNC_STEP_KIND, Function, StepKind, Workflow
 
 from .data import SplitReader, data_name
 from .emulation import CpuShare, EmulatedChannel, Resources
 from .storage import Channel, open_channel
 from .sync import scatter_reduce
 from .tensors import pack, unpack
-
-STORAGE_ENV = "CLOUDLESS_STORAGE"
-# Set only by `cloudless-run --emulate`: the function's link and CPU share, as Resources JSON.
-EMULATE_ENV = "CLOUDLESS_EMULATE"
 
 
 def load_module(path: Path, name: str) -> ModuleType:
@@ -68,43 +71,44 @@ class StageWorker:
         self.cpu = CpuShare(resources.vcpus if resources else None)
         self.pipelined_sync = pipelined_sync
         spec = json.loads((self.package / "function.json").read_text())
-        workflow = spec["workflow"]
-        self.region = spec["region"]
-        region = next(r for r in workflow["regions"] if r["name"] == self.region)
-        functions = sorted(region["functions"], key=lambda f: f["stage"])
-        self.function = next(f for f in functions if f["name"] == spec["function"])
-        self.stage = self.function["stage"]
-        self.stages = len(functions)
-        self.replicas = self.function["replicas"]
+        workflow = Workflow.from_json(spec["workflow"])
+        self.workflow = workflow
+        region = workflow.region(spec["region"])
+        self.region = region.name
+        functions = region.functions  # in stage order
+        self.function: Function = region.function(spec["function"])
+        self.stage = self.function.stage
+        self.stages = region.stages
+        self.replicas = self.function.replicas
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
-        run = workflow["run"]
-        self.seed = run["seed"]
-        self.global_batch, self.micro_batch = run["global_batch"], run["micro_batch"]
-        self.micro_batches = run["micro_batches"]
-        self.schedule = run["schedule"]
-        self.checkpoint_every = run["checkpoint_every"]
-        self.window = one_f_one_b_windows([f["replicas"] for f in functions])[self.stage]
-        self.sync = workflow["sync"]
+        run = workflow.run
+        self.seed = run.seed
+        self.global_batch, self.micro_batch = run.global_batch, run.micro_batch
+        self.micro_batches = run.micro_batches
+        self.schedule = run.schedule
+        self.checkpoint_every = run.checkpoint_every
+        self.window = one_f_one_b_windows([f.replicas for f in functions])[self.stage]
+        self.sync = workflow.sync
         self.data_name = data_name(region)
         # Several regions: this stage meets its counterparts every `round_iterations` iterations.
-        self.inter_region: str | None = self.sync.get("inter_region")
-        self.round_iterations: int = region.get("round_iterations") or 0
-        self.peers = [(r["name"], float(r.get("weight") or 0.0)) for r in workflow["regions"]]
-        self.server: str | None = self.sync.get("server")
+        self.inter_region: str | None = self.sync.inter_region
+        self.round_iterations: int = region.round_iterations or 0
+        self.peers = [(r.name, float(r.weight or 0.0)) for r in workflow.regions]
+        self.server: str | None = self.sync.server
         self.base_version = 0  # ASGD-GA: the global version this region's model started its round from
-        self.optimizer_spec = workflow["optimizer"]
+        self.optimizer_spec = workflow.optimizer
         self.holders = {
-            name: [f["stage"] for f in functions if name in f["shared_parameters"]]
-            for name in self.function["shared_parameters"]
+            name: [f.stage for f in functions if name in f.shared_parameters]
+            for name in self.function.shared_parameters
         }
         stage_module = load_module(self.package / "stage.py", f"cloudless_stage_{self.stage}")
         self.inputs, self.outputs = list(stage_module.INPUTS), list(stage_module.OUTPUTS)
         self.module: torch.nn.Module = stage_module.Stage()
         self.loss: torch.nn.Module | None = None
         if self.last:
-            self.loss = load_module(self.package / f"{workflow['data']['loss']}.py", "cloudless_loss").Stage()
-        self.optimizer = getattr(torch.optim, self.optimizer_spec["class"])(
-            list(self.module.parameters()), **self.optimizer_spec["options"]
+            self.loss = load_module(self.package / f"{workflow.data.loss}.py", "cloudless_loss").Stage()
+        self.optimizer = getattr(torch.optim, self.optimizer_spec.class_name)(
+            list(self.module.parameters()), **self.optimizer_spec.options
         )
         self._reader: SplitReader | None = None
         self._batch: tuple[int, list[int]] = (-1, [])  # (iteration, its samples in order)
@@ -112,28 +116,22 @@ class StageWorker:
         self._reports: list[Future[None]] = []
         self._link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._ready: tuple[str, int, int] | None = None  # (namespace, replica, iteration) memory is before
-        self.namespace = self.region  # keys of one run: "<run>/<region>"
+        self.namespace = protocol.namespace("", self.region)  # keys of one run: "<run>/<region>"
         self.replica = 0
 
     # -- keys --------------------------------------------------------------------------------------
-    def _key(self, iteration: int, *parts: object) -> str:
-        return "/".join([self.namespace, f"it{iteration}", *map(str, parts)])
-
     def state_key(self, iteration: int) -> str:
-        return f"{self.namespace}/state/s{self.stage}/it{iteration}"
-
-    def _invocation_key(self, kind: str, replica: int, start: int) -> str:
-        return f"{self.namespace}/{kind}/{self.function['name']}/r{replica}/from{start}"
+        return protocol.state_key(self.namespace, self.stage, iteration)
 
     # -- state -------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        values: dict[str, Any] = {f"module/{k}": v for k, v in self.module.state_dict().items()}
+        values: dict[str, Any] = {f"{protocol.MODULE_PREFIX}{k}": v for k, v in self.module.state_dict().items()}
         names = {id(p): n for n, p in self.module.named_parameters()}
         for param, state in self.optimizer.state.items():
             for key, value in state.items():
-                values[f"optimizer/{names[id(param)]}/{key}"] = value
+                values[f"{protocol.OPTIMIZER_PREFIX}{names[id(param)]}/{key}"] = value
         if self.inter_region == "asgd-ga":
-            values["meta/base_version"] = torch.tensor(self.base_version)
+            values[protocol.BASE_VERSION] = torch.tensor(self.base_version)
         return values
 
     def save_state(self, iteration: int) -> None:
@@ -146,15 +144,13 @@ class StageWorker:
             self.base_version = 0
             return
         values = unpack(self.channel.get(self.state_key(iteration), timeout))
-        self.module.load_state_dict(
-            {k.removeprefix("module/"): v for k, v in values.items() if k.startswith("module/")}, strict=True
-        )
+        self.module.load_state_dict(protocol.module_values(values), strict=True)
         params = dict(self.module.named_parameters())
         self.optimizer.state.clear()
-        self.base_version = int(values["meta/base_version"]) if "meta/base_version" in values else 0
+        self.base_version = int(values[protocol.BASE_VERSION]) if protocol.BASE_VERSION in values else 0
         for key, value in values.items():
-            if key.startswith("optimizer/"):
-                name, field = key.removeprefix("optimizer/").rsplit("/", 1)
+            if key.startswith(protocol.OPTIMIZER_PREFIX):
+                name, field = key.removeprefix(protocol.OPTIMIZER_PREFIX).rsplit("/", 1)
                 self.optimizer.state[params[name]][field] = value
 
     def _resume_point(self, start: int, stop: int) -> int:
@@ -174,9 +170,6 @@ class StageWorker:
     # written (each needs a micro-batch or a sync piece descending from stage 0 replica 0's work on
     # i), so a read issued once a function finished iteration i sees it; it runs in the background
     # during iteration i + 1 and is looked at before iteration i + 2: no request on the critical path.
-    def _stop_key(self, start: int) -> str:
-        return f"{self.namespace}/stop/from{start}"
-
     def _background(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="control")
@@ -189,7 +182,7 @@ class StageWorker:
         stop: int,
         replica: int,
         *,
-        timeout: float = 600.0,
+        timeout: float = DEFAULT_KEY_TIMEOUT_S,
         time_limit_s: float | None = None,
         run: str = "",
         attempt: int | None = None,
@@ -197,20 +190,20 @@ class StageWorker:
         """Iterations start..stop-1 as `replica`, ending early (at the iteration every function of the
         region agrees on) when `time_limit_s` would be passed. The result says where it stopped."""
         if not 0 <= replica < self.replicas:
-            raise ValueError(f"replica {replica}: {self.function['name']} has replicas 0..{self.replicas - 1}")
+            raise ValueError(f"replica {replica}: {self.function.name} has replicas 0..{self.replicas - 1}")
         if not 0 <= start < stop:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
         began, wall = time.monotonic(), time.time()
-        self.namespace = f"{run}/{self.region}" if run else self.region
+        self.namespace = protocol.namespace(run, self.region)
         self.replica = replica
-        done_key = self._invocation_key("done", replica, start)
+        done_key = protocol.done_key(self.namespace, self.function.name, replica, start)
         done = self.channel.try_get(done_key)
         if done is not None:
             return {**json.loads(done), "duplicate": True}  # it already ran: change nothing
         if attempt is not None and not self.channel.claim(
-            f"{self._invocation_key('claim', replica, start)}/a{attempt}", str(wall).encode()
+            protocol.claim_key(self.namespace, self.function.name, replica, start, attempt), str(wall).encode()
         ):
-            return {"status": "duplicate", "function": self.function["name"], "replica": replica, "start": start}
+            return {"status": "duplicate", "function": self.function.name, "replica": replica, "start": start}
         spans: list[list[Any]] = []
         resume = self._resume_point(start, stop)
         if self._ready != (self.namespace, replica, resume):
@@ -220,7 +213,7 @@ class StageWorker:
         longest = 0.0
         reached = resume
         counted = dict(getattr(self.channel, "counts", {}))
-        stop_key, decided = self._stop_key(start), False
+        stop_key, decided = protocol.stop_key(self.namespace, start), False
         lookups: dict[int, Future[bytes | None]] = {}  # iteration -> read of the stop key for it
         self._ready = None  # until an iteration completes, memory holds no state to reuse
         try:
@@ -250,13 +243,13 @@ class StageWorker:
             for future in self._reports:
                 future.result()
         finally:
-            for future in lookups.values():
-                future.cancel()
+            for lookup in lookups.values():
+                lookup.cancel()
             self._reports.clear()
         self._ready = (self.namespace, replica, reached)
         result = {
             "status": "done",
-            "function": self.function["name"],
+            "function": self.function.name,
             "stage": self.stage,
             "replica": replica,
             "start": start,
@@ -287,9 +280,9 @@ class StageWorker:
         arriving: dict[tuple[str, int], Future[bytes]] = {}
         for kind, m in order:
             if kind == "forward" and not self.first:
-                key = self._key(iteration, "act", f"s{self.stage - 1}", f"mb{m}")
+                key = protocol.activation_key(self.namespace, iteration, self.stage - 1, m)
             elif kind == "backward" and not self.last:
-                key = self._key(iteration, "grad", f"s{self.stage + 1}", f"mb{m}")
+                key = protocol.gradient_key(self.namespace, iteration, self.stage + 1, m)
             else:
                 continue
             arriving[(kind, m)] = downlink.submit(self.channel.get, key, timeout, cancelled)
@@ -316,8 +309,8 @@ class StageWorker:
             # done, sent in the background (a crash may lose the last few; the controller copes).
             while len(self._reports) > 2:
                 self._reports.pop(0).result()
-            record = json.dumps({"losses": values, "time": time.time()}).encode()
-            key = self._key(iteration, "metrics", f"r{replica}")
+            record = protocol.MetricsReport(tuple(values), time.time()).encode()
+            key = protocol.metrics_key(self.namespace, iteration, replica)
             self._reports.append(self._background().submit(self.channel.put, key, record))
         with self._span(spans, "sync"):
             self._synchronise(iteration, replica, timeout)
@@ -330,11 +323,14 @@ class StageWorker:
         return values
 
     # -- between regions ---------------------------------------------------------------------------
-    # Keys of the run (not of a region) are "<run>/<region>/..." of the region that writes them; a
+    # Keys of the run (not of a region) are under the namespace of the region that writes them; a
     # local run keeps every region in one storage, a deployment reads a peer's keys across the WAN.
-    def _run_key(self, region: str, *parts: object) -> str:
-        run = self.namespace.rsplit("/", 1)[0] if "/" in self.namespace else ""
-        return "/".join([p for p in (run, region) if p] + [str(p) for p in parts])
+    def _peer_namespace(self, region: str) -> str:
+        return protocol.namespace(protocol.run_of(self.namespace), region)
+
+    def _round_key(self, region: str, round_index: int, part: protocol.RoundPart) -> str:
+        assert self.inter_region is not None
+        return protocol.round_key(self._peer_namespace(region), self.inter_region, self.stage, round_index, part)
 
     def _model(self) -> dict[str, torch.Tensor]:
         """What regions share: parameters and floating-point buffers (optimizer state stays local)."""
@@ -349,40 +345,39 @@ class StageWorker:
     def _meet(self, round_index: int, replica: int, timeout: float) -> None:
         """This stage's round-end sync with the other regions. Replica 0 talks across regions and
         leaves the result in its own region's storage; the other replicas read it there."""
-        local = self._run_key(self.region, self.inter_region, f"s{self.stage}", f"round{round_index}")
+        result_key = self._round_key(self.region, round_index, "result")
         if replica != 0:
-            result = unpack(self.channel.get(f"{local}/result", timeout))
-            self.base_version = int(result.pop("meta/version", torch.tensor(0)))
+            result = unpack(self.channel.get(result_key, timeout))
+            self.base_version = int(result.pop(protocol.ROUND_VERSION, torch.tensor(0)))
             self._adopt(result)
             return
         if self.inter_region == "model-average":
-            merged = self._model_average(round_index, local, timeout)
+            merged = self._model_average(round_index, timeout)
         else:
             merged = self._asgd_push(round_index, timeout)
         self._adopt(merged)
         if self.replicas > 1:
-            extra = {"meta/version": torch.tensor(self.base_version)} if self.inter_region == "asgd-ga" else {}
-            self.channel.put(f"{local}/result", pack({**merged, **extra}))
+            extra = {protocol.ROUND_VERSION: torch.tensor(self.base_version)} if self.inter_region == "asgd-ga" else {}
+            self.channel.put(result_key, pack({**merged, **extra}))
 
-    def _model_average(self, round_index: int, local: str, timeout: float) -> dict[str, torch.Tensor]:
+    def _model_average(self, round_index: int, timeout: float) -> dict[str, torch.Tensor]:
         """Every region writes its model for the round, reads the others' and takes the mean
         weighted by the samples of their rounds, in region order (so every region gets the same bits)."""
         mine = self._model()
-        self.channel.put(f"{local}/model", pack(mine))
+        self.channel.put(self._round_key(self.region, round_index, "model"), pack(mine))
         total: dict[str, torch.Tensor] = {}
         for region, weight in self.peers:
             if region == self.region:
                 theirs = mine
             else:
-                key = self._run_key(region, self.inter_region, f"s{self.stage}", f"round{round_index}", "model")
-                theirs = unpack(self.channel.get(key, timeout))
+                theirs = unpack(self.channel.get(self._round_key(region, round_index, "model"), timeout))
             for name, value in theirs.items():
                 total[name] = total[name] + weight * value if name in total else weight * value
         return {name: value.to(mine[name].dtype) for name, value in total.items()}
 
-    def _global_key(self, version: int, part: str) -> str:
+    def _global_key(self, version: int, part: GlobalPart) -> str:
         assert self.server is not None
-        return self._run_key(self.server, "global", f"s{self.stage}", f"v{version}", part)
+        return protocol.global_key(self._peer_namespace(self.server), self.stage, version, part)
 
     def _global(self, version: int, timeout: float) -> dict[str, torch.Tensor]:
         if version == 0:  # every region starts from the package's weights
@@ -395,7 +390,7 @@ class StageWorker:
         started from) to the newest global version, as the next version, without waiting for any
         other region. Versions are claimed with create-if-absent; a retried push finds its own claim
         and rewrites the same bytes, so an update is never applied twice."""
-        me = f"{self.region}/round{round_index}".encode()
+        me = protocol.global_owner(self.region, round_index)
         base = self._global(self.base_version, timeout)
         mine = self._model()
         delta = {name: mine[name] - base[name] for name in mine}
@@ -465,7 +460,7 @@ class StageWorker:
             with self.cpu.compute():
                 (losses[m],) = self.loss(*outputs, *targets)
         else:
-            key = self._key(iteration, "act", f"s{self.stage}", f"mb{m}")
+            key = protocol.activation_key(self.namespace, iteration, self.stage, m)
             sending.append(uplink.submit(self.channel.put, key, pack(dict(zip(self.outputs, outputs, strict=True)))))
         return taken, outputs
 
@@ -502,7 +497,7 @@ class StageWorker:
                 for name, value in taken.items()
                 if isinstance(value, torch.Tensor) and value.grad is not None
             }
-            key = self._key(iteration, "grad", f"s{self.stage}", f"mb{m}")
+            key = protocol.gradient_key(self.namespace, iteration, self.stage, m)
             sending.append(uplink.submit(self.channel.put, key, pack(sent)))
 
     def _synchronise(self, iteration: int, replica: int, timeout: float) -> None:
@@ -517,12 +512,12 @@ class StageWorker:
             )
             total = scatter_reduce(
                 self.channel,
-                self._key(iteration, "sync", f"s{self.stage}"),
+                protocol.sync_key(self.namespace, iteration, self.stage),
                 flat,
                 replica,
                 self.replicas,
-                piece_bytes=self.sync["piece_bytes"],
-                max_pieces=self.sync["max_pieces"],
+                piece_bytes=self.sync.piece_bytes,
+                max_pieces=self.sync.max_pieces,
                 pipelined=self.pipelined_sync,
                 timeout=timeout,
             )
@@ -536,12 +531,12 @@ class StageWorker:
                     offset += b.numel()
         if self.holders:
             by_name = dict(params)
-            mine = {
-                n: (by_name[n].grad if by_name[n].grad is not None else torch.zeros_like(by_name[n]))
+            mine: dict[str, torch.Tensor] = {
+                n: (by_name[n].grad if by_name[n].grad is not None else torch.zeros_like(by_name[n]))  # type: ignore[misc]
                 for n in self.holders
             }
             if replica == 0:
-                self.channel.put(self._key(iteration, "shared", f"s{self.stage}"), pack(mine))
+                self.channel.put(protocol.shared_gradient_key(self.namespace, iteration, self.stage), pack(mine))
             partners: dict[int, dict[str, Any]] = {}
             for name, stages in self.holders.items():
                 total_grad: torch.Tensor | None = None
@@ -550,10 +545,30 @@ class StageWorker:
                         part = mine[name]
                     else:
                         if s not in partners:
-                            partners[s] = unpack(self.channel.get(self._key(iteration, "shared", f"s{s}"), timeout))
+                            key = protocol.shared_gradient_key(self.namespace, iteration, s)
+                            partners[s] = unpack(self.channel.get(key, timeout))
                         part = partners[s][name]
                     total_grad = part.clone() if total_grad is None else total_grad + part
                 by_name[name].grad = total_grad
+
+
+def span_step(name: str, replicas: int) -> StepKind | None:
+    """The workflow step (`Step.kind`) whose work a span of a worker's result times, for a function
+    of `replicas` replicas; None for work outside an iteration's steps (loading state). The `sync`
+    span is the scatter-reduce, then the exchange of tied parameters' gradients, which is the
+    optimizer step's wait for its partner stages (all of it, with one replica)."""
+    kind = name.split()[0]
+    if kind in ("forward", "backward"):
+        return "compute"
+    if kind == "sync":
+        return "scatter-reduce" if replicas > 1 else None
+    if kind == "step":
+        return "optimizer-step"
+    if name in SYNC_STEP_KIND:  # the inter-region strategy's own name
+        return SYNC_STEP_KIND[name]
+    if name == "checkpoint":
+        return "checkpoint"
+    return None
 
 
 class _Span:
@@ -576,42 +591,17 @@ _IDLE_LOCK = threading.Lock()
 
 
 def handle_request(package: Path, event: Any, storage: str | None = None) -> dict[str, Any]:
-    """Run the invocation `event` on the function in `package`; a warm process reuses its worker.
-
-    The event: {"start": a, "stop": b} (or {"iteration": i}), "replica" (default 0), and optionally
-    "run" (namespaces the keys), "attempt" (a duplicate of the same attempt does nothing),
-    "time_limit_s" (end early, where every function agrees, before this many seconds) and "timeout"
-    (how long to wait for any one key)."""
-    if not isinstance(event, dict):
-        raise ValueError(f'expected a JSON object like {{"iteration": 0, "replica": 0}}, got {type(event).__name__}')
+    """Run the invocation `event` (`protocol.Invocation`'s wire form) on the function in `package`;
+    a warm process reuses its worker. A bad event or no storage is a ValueError (a bad request)."""
+    invocation = Invocation.from_json(event)
     location = storage or os.environ.get(STORAGE_ENV)
     if not location:
         raise ValueError(f"no storage: set {STORAGE_ENV} (a folder, s3://bucket/prefix or redis://host:port/db)")
-    if "iteration" in event:
-        fields = {"start": event["iteration"], "replica": event.get("replica", 0)}
-    else:
-        fields = {"start": event.get("start"), "stop": event.get("stop"), "replica": event.get("replica", 0)}
-    if event.get("attempt") is not None:
-        fields["attempt"] = event["attempt"]
-    for name, value in fields.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name}: expected an integer, got {value!r}")
-    run = event.get("run", "")
-    if not isinstance(run, str) or "/" in run or ".." in run:
-        raise ValueError(f"run: expected a name without '/', got {run!r}")
-    numbers = {}
-    for name in ("time_limit_s", "timeout"):
-        value = event.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-        numbers[name] = value
-    start, replica = fields["start"], fields["replica"]
-    stop = fields.get("stop", start + 1)
     cache_key = (str(package), location)
     with _IDLE_LOCK:
         idle = _IDLE.setdefault(cache_key, [])
         # Prefer the one warm for this replica (its state in memory is that replica's).
-        worker = next((w for w in idle if w._ready and w._ready[1] == replica), idle[-1] if idle else None)
+        worker = next((w for w in idle if w._ready and w._ready[1] == invocation.replica), idle[-1] if idle else None)
         if worker is not None:
             idle.remove(worker)
     if worker is None:
@@ -620,13 +610,13 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
         worker = StageWorker(package, open_channel(location), resources=resources)
     try:
         return worker.run(
-            start,
-            stop,
-            replica,
-            timeout=float(numbers["timeout"] or 600.0),
-            time_limit_s=numbers["time_limit_s"],
-            run=run,
-            attempt=fields.get("attempt"),
+            invocation.start,
+            invocation.stop,
+            invocation.replica,
+            timeout=invocation.timeout or DEFAULT_KEY_TIMEOUT_S,
+            time_limit_s=invocation.time_limit_s,
+            run=invocation.run,
+            attempt=invocation.attempt,
         )
     finally:
         with _IDLE_LOCK:

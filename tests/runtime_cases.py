@@ -11,23 +11,24 @@ import torch
 from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
-from cloudless.compiler.pipeline import FrontEndOptions, FrontEndResult, lower_trainings, run_front_end
-from cloudless.compiler.reference import plain_training
+from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, run_front_end
 from cloudless.ir.catalog import load_catalog
+from cloudless.ir.workflow import Function, StepKind, Workflow
 from cloudless.runtimes.staging import stage_data
 from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.worker import StageWorker
+from cloudless.runtimes.worker import StageWorker, span_step
+from tests.reference import plain_training
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "samples" / "mlp_digits.py"
 
 
-def front_end(model: Path = MLP, batch_size: int = 8) -> FrontEndResult:
+def front_end(model: Path = MLP, batch_size: int = 8) -> FrontEnd:
     return run_front_end(FrontEndOptions(model_path=model, batch_size=batch_size, profile_repeats=0))
 
 
 def write_packages(
-    result: FrontEndResult,
+    result: FrontEnd,
     build: Path,
     stages: list[tuple[int, int, int]],
     *,
@@ -35,11 +36,11 @@ def write_packages(
     global_batch: int,
     iterations: int,
     schedule: str = "gpipe",
-) -> dict[str, Any]:
+) -> Workflow:
     """Lower a plan of (first block, last block, replicas) stages and write its packages."""
     region = load_catalog(None).region(None)
     plan = Plan(micro_batch, tuple(StageChoice(first, last, 1024, r) for first, last, r in stages))
-    lower_trainings(
+    lowered = lower(
         result,
         [RegionTraining(region, plan, iterations, None)],
         None,
@@ -47,29 +48,30 @@ def write_packages(
         global_batch=global_batch,
         schedule=schedule,  # type: ignore[arg-type]
     )
-    write_build(package_files(result), build)
-    assert result.workflow is not None
-    return result.workflow
+    write_build(package_files(lowered), build)
+    return lowered.workflow
 
 
-def write_training_data(result: FrontEndResult, channel: DirectoryChannel, region: str) -> int:
+def write_training_data(result: FrontEnd, channel: DirectoryChannel, region: str) -> int:
     return int(stage_data(channel, region, result.model_file.path)["train"])
 
 
-def run_workers(build: Path, workflow: dict[str, Any], storage: Path, start: int, stop: int) -> list[dict]:
+def run_workers(
+    build: Path, workflow: Workflow, storage: Path, start: int, stop: int, *, run: str = ""
+) -> list[dict]:
     """Every replica of every stage in its own thread, as the functions would run at once."""
-    region = workflow["regions"][0]
+    region = workflow.regions[0]
     results: list[dict] = []
     errors: list[BaseException] = []
 
-    def work(function: dict[str, Any], replica: int) -> None:
+    def work(function: Function, replica: int) -> None:
         try:
-            worker = StageWorker(build / function["package"], DirectoryChannel(storage))
-            results.append(worker.run(start, stop, replica, timeout=60))
+            worker = StageWorker(build / function.package, DirectoryChannel(storage))
+            results.append(worker.run(start, stop, replica, timeout=60, run=run))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(f, r)) for f in region["functions"] for r in range(f["replicas"])]
+    threads = [threading.Thread(target=work, args=(f, r)) for f in region.functions for r in range(f.replicas)]
     for t in threads:
         t.start()
     for t in threads:
@@ -79,6 +81,66 @@ def run_workers(build: Path, workflow: dict[str, Any], storage: Path, start: int
     return results
 
 
-def reference_training(result: FrontEndResult, workflow: dict[str, Any], region: str) -> dict[str, torch.Tensor]:
+def reference_training(result: FrontEnd, workflow: Workflow, region: str) -> dict[str, torch.Tensor]:
     """Plain single-process PyTorch on the same samples in the same order: the expected parameters."""
     return plain_training(result.model_file, workflow, region)
+
+
+# --- the worker's order against the workflow's steps ----------------------------------------------
+
+
+#: one iteration of a worker: (step kind, start, end) of each span, in order
+IterationSpans = list[tuple[StepKind, float, float]]
+
+
+def worker_iterations(spans: list[list[Any]], replicas: int) -> list[IterationSpans]:
+    """A worker's spans (its result's, in the order recorded) as the steps they time, one list per
+    iteration: (step kind, start, end) per span, by the worker's own `span_step`. An iteration ends
+    with its optimizer step and whatever follows it before the next iteration's compute."""
+    iterations: list[IterationSpans] = []
+    for name, began, ended in spans:
+        kind = span_step(name, replicas)
+        if kind is None:
+            continue
+        if not iterations or (kind == "compute" and any(k == "optimizer-step" for k, _, _ in iterations[-1])):
+            iterations.append([])
+        iterations[-1].append((kind, began, ended))
+    return iterations
+
+
+def check_step_order(workflow: Workflow, region: str, result: dict[str, Any]) -> list[IterationSpans]:
+    """Assert that one invocation ran, in each of its iterations, exactly the workflow's steps of its
+    function that fall on that iteration, each once, in an order that is a topological order of the
+    steps' `depends_on` among themselves. A step with `every` runs after iterations i with
+    (i + 1) % every == 0; a checkpoint is replica 0's, and also ends every invocation. Returns the
+    iterations' spans (for checks across functions)."""
+    function = workflow.region(region).function(result["function"])
+    steps = [s for s in workflow.steps if s.region == region and s.function == function.name]
+    assert len({s.kind for s in steps}) == len(steps), f"{function.name}: a step kind listed twice"
+    by_id = {s.id: s for s in steps}
+    iterations = worker_iterations(result["spans"], function.replicas)
+    first, stop = result["resumed"], result["stop"]
+    assert len(iterations) == stop - first, f"{function.name} r{result['replica']}: {len(iterations)} iterations"
+    for offset, spans in enumerate(iterations):
+        i = first + offset
+        order: list[str] = []
+        for kind, _, _ in spans:
+            if not order or order[-1] != kind:
+                order.append(kind)
+        wanted = set()
+        for step in steps:
+            due = step.every is None or (i + 1) % step.every == 0
+            if step.kind == "checkpoint":
+                due = result["replica"] == 0 and (due or i + 1 == stop)
+            if due:
+                wanted.add(step.kind)
+        where = f"{function.name} replica {result['replica']} iteration {i}"
+        assert len(order) == len(set(order)), f"{where}: a step's work is split: {order}"
+        assert set(order) == wanted, f"{where}: ran {order}, the workflow's steps due are {sorted(wanted)}"
+        position = {kind: index for index, kind in enumerate(order)}
+        for step in steps:
+            for dependency in step.depends_on:
+                before = by_id.get(dependency)
+                if step.kind in position and before is not None and before.kind in position:
+                    assert position[before.kind] < position[step.kind], f"{where}: {step.id} ran before {dependency}"
+    return iterations

@@ -11,16 +11,30 @@ import pytest
 import torch
 
 from cloudless.compiler.coarsen import block_cuts, crossing_values, liveness
-from cloudless.compiler.pipeline import FrontEndOptions, generate_stages, run_front_end
+from cloudless.compiler.pipeline import (
+    Compiled,
+    CompileOptions,
+    FrontEnd,
+    FrontEndOptions,
+    compile_model,
+    generate_stages,
+    run_front_end,
+)
 from cloudless.compiler.verify import verify_stages
 from cloudless.ir import BlockChain, OpGraph, SchemaError, validate
 
 from .conftest import MODELS
 
 
-def front_end(name: str, **options) -> object:
+def front_end(name: str, **options) -> FrontEnd:
     options.setdefault("profile_repeats", 0)
     return run_front_end(FrontEndOptions(MODELS / f"{name}.py", **options))
+
+
+def verified(name: str, stages: int, **options) -> Compiled:
+    """The whole compile without a plan: split into `stages` and verified (nothing written)."""
+    options.setdefault("profile_repeats", 0)
+    return compile_model(CompileOptions(FrontEndOptions(MODELS / f"{name}.py", **options), verify_stages=stages))
 
 
 def verify_ranges(result, ranges):
@@ -119,15 +133,15 @@ def test_in_place_ops_constrain_cuts_and_verify() -> None:
 
 
 def test_fx_failure_falls_back_to_export() -> None:
-    result = front_end("loop", num_blocks=4, verify_stages=3)
-    assert result.graph.tracer == "export"
-    assert "TypeError" in result.program.fx_error or "TraceError" in result.program.fx_error
+    result = verified("loop", 3, num_blocks=4)
+    assert result.front.graph.tracer == "export"
+    assert "TypeError" in result.front.program.fx_error or "TraceError" in result.front.program.fx_error
     assert result.verify.max_error <= 1e-6
 
 
 def test_leaf_modules_stay_single_nodes_and_stages_import_only_torch() -> None:
-    result = front_end("tricky", num_blocks=6, leaf_modules=("Linear",), verify_stages=3)
-    linear_nodes = [n for n in result.graph.nodes if n.op == "call_module"]
+    result = verified("tricky", 3, num_blocks=6, leaf_modules=("Linear",))
+    linear_nodes = [n for n in result.front.graph.nodes if n.op == "call_module"]
     assert {n.target for n in linear_nodes} >= {"proj", "mix.0", "mix.2", "head"}
     assert result.verify.max_error <= 1e-6
     for stage in result.stages:
@@ -147,11 +161,11 @@ def imported_modules(source: str) -> set[str]:
 
 @pytest.mark.parametrize("name", ["hf_bert_tiny", "hf_gpt2_tiny"])
 def test_transformers_models_go_through_export(name: str) -> None:
-    result = front_end(name, num_blocks=10, verify_stages=4)
-    assert result.graph.tracer == "export"
+    result = verified(name, 4, num_blocks=10)
+    assert result.front.graph.tracer == "export"
     assert result.verify.max_error <= 1e-5
     # BERT ties its decoder to the word embeddings, GPT-2 its head to wte: one entry, shared across blocks.
-    shared = result.chain.shared_params
+    shared = result.front.chain.shared_params
     assert len(shared) >= 1, shared
     for stage in result.stages:
         assert imported_modules(stage.source) <= {"torch", "operator", "math", "builtins"}
@@ -177,13 +191,14 @@ def test_ir_round_trip_and_schema(tmp_path: Path) -> None:
 
 
 def test_same_inputs_give_identical_graph_and_stage_source() -> None:
-    first = front_end("tricky", num_blocks=6, verify_stages=3)
-    second = front_end("tricky", num_blocks=6, verify_stages=3)
-    assert json.dumps(first.graph.to_json(), sort_keys=True) == json.dumps(second.graph.to_json(), sort_keys=True)
+    first = verified("tricky", 3, num_blocks=6)
+    second = verified("tricky", 3, num_blocks=6)
+    graphs = [json.dumps(c.front.graph.to_json(), sort_keys=True) for c in (first, second)]
+    assert graphs[0] == graphs[1]
     assert [s.source for s in first.stages] == [s.source for s in second.stages]
     # Block structure (not the measured times) is deterministic too.
     strip = lambda c: [{k: v for k, v in b.items() if not k.endswith("_s")} for b in c.to_json()["blocks"]]  # noqa: E731
-    assert strip(first.chain) == strip(second.chain)
+    assert strip(first.front.chain) == strip(second.front.chain)
 
 
 def test_block_cuts_reject_non_contiguous_ranges() -> None:

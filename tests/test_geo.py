@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from cloudless.compiler import geo
 from cloudless.compiler.cost_model import Plan
 from cloudless.compiler.geo import (
     GeoInfeasible,
@@ -18,8 +19,10 @@ from cloudless.compiler.geo import (
     evaluate,
     objective_value,
     solve_geo,
+    sync_coefficients,
     within,
 )
+from cloudless.compiler.solver import Goal, solve_program
 from cloudless.ir.catalog import Link
 
 
@@ -62,7 +65,7 @@ def random_geo_problem(seed: int, sync: str, regions: int | None = None) -> GeoP
         links=links,
         global_batch=64,
         iterations=rng.choice([50, 200, 1000]),
-        sync=sync,  # type: ignore[arg-type]
+        sync=sync,
         sync_every=rng.choice([5, 20, 100]),
         sample_bytes=rng.choice([3e3, 6e5]),
         parts=2,
@@ -81,7 +84,7 @@ def brute_force(problem: GeoProblem, objective: str, deadline=None, budget=None)
     return best
 
 
-@pytest.mark.parametrize("sync", ["asgd-ga", "model-average"])
+@pytest.mark.parametrize("sync", [pytest.param("asgd-ga", marks=pytest.mark.slow), "model-average"])
 def test_geo_milp_matches_enumeration(sync: str) -> None:
     for seed in range(12):
         problem = random_geo_problem(seed, sync)
@@ -136,3 +139,62 @@ def test_infeasible_deadline_is_an_error() -> None:
     problem = random_geo_problem(1, "asgd-ga")
     with pytest.raises(GeoInfeasible):
         solve_geo(problem, "cost-under-deadline", deadline=1e-6)
+
+
+@pytest.mark.parametrize("sync", ["asgd-ga", "model-average"])
+def test_milp_value_is_the_closed_form_of_its_plan(sync: str) -> None:
+    """The MILP's optimum is the closed form's value of the plan it returns, for every server: its
+    sync terms are the closed form's (sync_coefficients), not a second derivation."""
+    checked = 0
+    for seed in range(10):
+        problem = random_geo_problem(seed, sync)
+        servers = range(len(problem.sites)) if sync == "asgd-ga" else [None]
+        for objective in ("cost", "time"):
+            for server in servers:
+                allowed = set(range(len(problem.sites)))
+                plan, status, value, _ = geo._solve_one(problem, Goal(objective), server, None, True, allowed)
+                if plan is None:
+                    assert status == "infeasible"
+                    continue
+                assert status == "optimal"
+                evaluation = evaluate(problem, plan)
+                assert evaluation.feasible
+                assert value == pytest.approx(objective_value(objective, evaluation)[0], rel=1e-6), (seed, server)
+                checked += 1
+    assert checked >= 20
+
+
+def test_sync_coefficients_charge_each_other_region() -> None:
+    """Model averaging reads every other training region's model; ASGD-GA pays one round trip to the
+    server, whatever else trains."""
+    problem = random_geo_problem(2, "model-average", regions=3)
+    option = problem.sites[0].options[0]
+    terms = sync_coefficients(problem, 0, option, None)
+    assert set(terms.each) == {1, 2}
+    seconds, egress, requests = terms.per_round([1, 2])
+    assert seconds == pytest.approx(
+        problem.sites[0].local.transfer_s(option.largest_stage_bytes)
+        + sum(problem.link("region-0", f"region-{b}").transfer_s(option.largest_stage_bytes) for b in (1, 2))
+    )
+    gb = option.largest_stage_bytes * option.stages / 1e9
+    assert egress == pytest.approx(gb * (problem.sites[1].egress_usd_per_gb + problem.sites[2].egress_usd_per_gb))
+    assert requests == pytest.approx(option.stages * (problem.sites[0].put_usd + 2 * problem.sites[0].get_usd))
+    assert terms.per_round([]) == (0.0, 0.0, 0.0)
+    asgd = GeoProblem(**{**problem.__dict__, "sync": "asgd-ga"})
+    one, two = (sync_coefficients(asgd, 0, option, 1).per_round(others) for others in ([1], [1, 2]))
+    round_trip = 2 * asgd.link("region-0", "region-1").transfer_s(option.largest_stage_bytes)
+    assert one == two and one[0] == pytest.approx(round_trip)
+
+
+@pytest.mark.parametrize("sync", ["asgd-ga", "model-average"])
+def test_geo_milp_with_cbc_matches_enumeration(sync: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same program through the adapter's CBC path (when highspy is missing) finds the optimum."""
+    monkeypatch.setattr(geo, "solve_program", lambda program, limit: solve_program(program, limit, backend="CBC"))
+    for seed in range(3):
+        problem = random_geo_problem(seed, sync)
+        for objective in ("cost", "time"):
+            expected = brute_force(problem, objective)
+            got = solve_geo(problem, objective)
+            assert got.solver == "CBC" and got.status == "optimal"
+            have = objective_value(objective, got.evaluation)[0]
+            assert have == pytest.approx(expected[0][0], rel=1e-6, abs=1e-12), (seed, objective)

@@ -13,8 +13,11 @@ import yaml
 from safetensors.torch import load_file
 
 from cloudless.compiler.model_file import load_model_file
-from cloudless.compiler.reference import plain_model_average
+from cloudless.ir.protocol import global_owner
+from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
+from tests.reference import plain_model_average
+from tests.runtime_cases import check_step_order
 
 GEO = Path(__file__).resolve().parent.parent / "samples" / "mlp_digits_geo.py"
 REGIONS = "aws-us-east-1,aws-eu-west-1"
@@ -50,11 +53,26 @@ def test_model_average_across_regions_matches_plain_pytorch(compile_cli, tmp_pat
     rounds = max(1, round(workflow["sync"]["rounds"] * 20 / workflow["run"]["iterations"]))
     for region in workflow["regions"]:
         assert metrics["regions"][region["name"]]["iterations"] == rounds * region["round_iterations"]
-    expected = plain_model_average(load_model_file(GEO), workflow, rounds)
+    expected = plain_model_average(load_model_file(GEO), Workflow.from_json(workflow), rounds)
     got = load_file(tmp_path / "run" / "model.safetensors")
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    # The first region's timeline: each replica ran its function's steps, model averaging included,
+    # in the order of the workflow's steps.
+    typed = Workflow.from_json(workflow)
+    region = typed.regions[0]
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())["traceEvents"]
+    ran = set()
+    for function in region.functions:
+        for replica in range(function.replicas):
+            mine = [e for e in trace if e["ph"] == "X" and e["pid"] == function.stage and e["tid"] == replica]
+            assert sum(e["cat"] == "invocation" for e in mine) == 1  # one invocation: spans from 0 on
+            spans = [[e["name"], e["ts"], e["ts"] + e["dur"]] for e in sorted(mine, key=lambda e: e["ts"])]
+            result = {"function": function.name, "replica": replica, "resumed": 0, "spans": spans}
+            iterations = check_step_order(typed, region.name, {**result, "stop": rounds * region.round_iterations})
+            ran |= {kind for iteration in iterations for kind, _, _ in iteration}
+    assert "model-average" in ran
 
 
 @pytest.mark.parametrize("faults", ["0", "0.3"])
@@ -75,7 +93,7 @@ def test_asgd_ga_applies_every_regions_every_round_once(compile_cli, tmp_path: P
         while (storage / f"s{stage}" / f"v{version}" / "owner").exists():
             owners.append((storage / f"s{stage}" / f"v{version}" / "owner").read_text())
             version += 1
-        wanted = sorted(f"{r['name']}/round{j}" for r in workflow["regions"] for j in range(rounds))
+        wanted = sorted(global_owner(r["name"], j).decode() for r in workflow["regions"] for j in range(rounds))
         assert sorted(owners) == wanted  # each round of each region, applied once
     losses = [p["loss"] for p in metrics["progress"]]
     assert losses[-1] < losses[0]

@@ -13,13 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cloudless.ir.protocol import STORAGE_ENV
+from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.storage import DirectoryChannel
 from tests.openfaas_server import load_handler, serve
 from tests.runtime_cases import front_end, write_packages, write_training_data
 
 
 @pytest.fixture(scope="module")
-def two_stage_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def two_stage_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow]:
     torch.set_num_threads(1)
     build = tmp_path_factory.mktemp("build")
     result = front_end()
@@ -40,19 +42,19 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
 def test_every_handler_runs_an_iteration_through_both_entry_points(two_stage_build, tmp_path, monkeypatch) -> None:
     build, workflow = two_stage_build
     storage = tmp_path / "storage"
-    region = workflow["regions"][0]
-    write_training_data(front_end(), DirectoryChannel(storage), region["name"])
-    monkeypatch.setenv("CLOUDLESS_STORAGE", str(storage))
-    first, last = region["functions"]
-    first_handler = load_handler(build / first["package"], "handler_s0")
-    last_handler = load_handler(build / last["package"], "handler_s1")
+    region = workflow.regions[0]
+    write_training_data(front_end(), DirectoryChannel(storage), region.name)
+    monkeypatch.setenv(STORAGE_ENV, str(storage))
+    first, last = region.functions
+    first_handler = load_handler(build / first.package, "handler_s0")
+    last_handler = load_handler(build / last.package, "handler_s1")
     results: dict[str, object] = {}
 
     def lambda_replica(replica: int) -> None:  # Lambda: the event is the invocation
         results[f"s0r{replica}"] = first_handler.handler({"iteration": 0, "replica": replica}, None)
 
     with serve(last_handler) as url:  # OpenFaaS: the body is the invocation, over real HTTP
-        threads = [threading.Thread(target=lambda_replica, args=(r,)) for r in range(first["replicas"])]
+        threads = [threading.Thread(target=lambda_replica, args=(r,)) for r in range(first.replicas)]
         for t in threads:
             t.start()
         status, body = _post(url, json.dumps({"iteration": 0, "replica": 0}).encode())
@@ -61,11 +63,11 @@ def test_every_handler_runs_an_iteration_through_both_entry_points(two_stage_bui
     assert status == 200, body
     assert body["status"] == "done" and body["stage"] == 1 and len(body["losses"]) == 4
     assert all(0 < loss < 5 for loss in body["losses"])
-    for replica in range(first["replicas"]):
+    for replica in range(first.replicas):
         assert results[f"s0r{replica}"]["status"] == "done"
     # The next iteration starts from the state each stage's replica 0 saved.
-    assert (storage / region["name"] / "state" / "s0" / "it1").is_file()
-    assert (storage / region["name"] / "state" / "s1" / "it1").is_file()
+    assert (storage / region.name / "state" / "s0" / "it1").is_file()
+    assert (storage / region.name / "state" / "s1" / "it1").is_file()
 
     # The in-process OpenFaaS entry point, a second time, for iteration 1 (stage 0 in threads again).
     threads = [
@@ -75,7 +77,7 @@ def test_every_handler_runs_an_iteration_through_both_entry_points(two_stage_bui
             ),
             args=(r,),
         )
-        for r in range(first["replicas"])
+        for r in range(first.replicas)
     ]
     for t in threads:
         t.start()
@@ -88,8 +90,8 @@ def test_every_handler_runs_an_iteration_through_both_entry_points(two_stage_bui
 
 def test_bad_invocations_get_a_clear_error(two_stage_build, tmp_path, monkeypatch) -> None:
     build, workflow = two_stage_build
-    monkeypatch.setenv("CLOUDLESS_STORAGE", str(tmp_path / "storage"))
-    handler = load_handler(build / workflow["regions"][0]["functions"][0]["package"], "handler_bad")
+    monkeypatch.setenv(STORAGE_ENV, str(tmp_path / "storage"))
+    handler = load_handler(build / workflow.regions[0].functions[0].package, "handler_bad")
     reply = handler.handle(SimpleNamespace(body=b"{not json"), None)
     assert reply["statusCode"] == 400 and "not JSON" in json.loads(reply["body"])["error"]
     reply = handler.handle(SimpleNamespace(body=b'{"iteration": "zero"}'), None)
@@ -98,6 +100,6 @@ def test_bad_invocations_get_a_clear_error(two_stage_build, tmp_path, monkeypatc
     assert reply["statusCode"] == 400 and "replicas 0..1" in json.loads(reply["body"])["error"]
     with pytest.raises(ValueError, match="expected a JSON object"):
         handler.handler(["iteration", 0], None)
-    monkeypatch.delenv("CLOUDLESS_STORAGE")
+    monkeypatch.delenv(STORAGE_ENV)
     with pytest.raises(ValueError, match="no storage: set CLOUDLESS_STORAGE"):
         handler.handler({"iteration": 0}, None)

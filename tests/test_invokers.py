@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cloudless.ir.protocol import STORAGE_ENV
+from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.storage import DirectoryChannel
 from tests.openfaas_server import load_handler, serve_gateway
@@ -26,7 +28,7 @@ ITERATIONS = 3
 
 
 @pytest.fixture(scope="module")
-def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], Any]:
+def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow, Any]:
     """A 2-stage build of the MLP with replicas (2, 1), and the front end's result."""
     torch.set_num_threads(1)  # the functions run as threads of this process
     result = front_end()
@@ -38,15 +40,15 @@ def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return build, workflow, result
 
 
-def handlers(build: Path, workflow: dict[str, Any]) -> dict[str, Any]:
+def handlers(build: Path, workflow: Workflow) -> dict[str, Any]:
     """Each function's handler.py, loaded once (one warm instance per function).
 
     Every handler puts its own package folder on sys.path and imports the top-level package
     `cloudless_runtime` from it; in one process the first import wins and the other packages share
     it. That is fine: each package vendors an identical copy of the runtime."""
     return {
-        f["name"]: load_handler(build / f["package"], f"handler_{f['name'].replace('-', '_')}")
-        for f in workflow["regions"][0]["functions"]
+        f.name: load_handler(build / f.package, f"handler_{f.name.replace('-', '_')}")
+        for f in workflow.regions[0].functions
     }
 
 
@@ -54,10 +56,10 @@ def test_openfaas_runs_over_http_match_plain_pytorch(two_stages, tmp_path: Path,
     """Two runs through one gateway: cold handlers, then the same handlers warm (as deployed functions
     stay between runs). Each trains exactly what plain PyTorch does."""
     build, workflow, result = two_stages
-    region = workflow["regions"][0]["name"]
+    region = workflow.regions[0].name
     storage = tmp_path / "storage"
     write_training_data(result, DirectoryChannel(storage), region)
-    monkeypatch.setenv("CLOUDLESS_STORAGE", str(storage))  # what the functions' deployment sets
+    monkeypatch.setenv(STORAGE_ENV, str(storage))  # what the functions' deployment sets
     expected = reference_training(result, workflow, region)
     began = time.monotonic()
     with serve_gateway(handlers(build, workflow)) as gateway:
@@ -98,20 +100,20 @@ def test_a_function_the_gateway_does_not_serve_fails_the_run(
     two_stages, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     build, workflow, _ = two_stages
-    first, last = workflow["regions"][0]["functions"]
+    first, last = workflow.regions[0].functions
     # Stage 0 is served by a stub that returns at once (a real one would wait for stage 1's
     # gradients until its key timeout); stage 1 is not served at all.
     stub = SimpleNamespace(handle=lambda event, context: {"statusCode": 200, "body": "{}"})
     began = time.monotonic()
-    with serve_gateway({first["name"]: stub}) as gateway:
+    with serve_gateway({first.name: stub}) as gateway:
         # The gateway's shape: 202 and a call id at once for a function it serves, 404 otherwise.
         with urllib.request.urlopen(
-            urllib.request.Request(f"{gateway.url}/async-function/{first['name']}", data=b"{}", method="POST")
+            urllib.request.Request(f"{gateway.url}/async-function/{first.name}", data=b"{}", method="POST")
         ) as response:
             assert response.status == 202 and response.headers["X-Call-Id"]
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(
-                urllib.request.Request(f"{gateway.url}/async-function/{last['name']}", data=b"{}", method="POST")
+                urllib.request.Request(f"{gateway.url}/async-function/{last.name}", data=b"{}", method="POST")
             )
         assert missing.value.code == 404
         code = run_main(
@@ -123,7 +125,7 @@ def test_a_function_the_gateway_does_not_serve_fails_the_run(
         assert gateway.wait(timeout=5)
     err = capsys.readouterr().err
     assert code == 1, err
-    assert f"the run failed: {last['name']} replica 0 from iteration 0" in err
-    assert [c.function for c in gateway.calls] == [first["name"]] * (1 + first["replicas"])
+    assert f"the run failed: {last.name} replica 0 from iteration 0" in err
+    assert [c.function for c in gateway.calls] == [first.name] * (1 + first.replicas)
     assert not (tmp_path / "out" / "metrics.json").exists()
     assert time.monotonic() - began < 20

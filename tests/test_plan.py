@@ -1,20 +1,34 @@
-"""The planning pass: plan.json, baselines never better than the plan, catalog and infeasibility errors."""
+"""The planning pass: plan.json, baselines never better than the plan, catalog and infeasibility errors;
+the typed plan (ir/plan.py) against plan.json's bytes and its schema."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 
 from cloudless.compiler.model_file import load_model_file
 from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_training
 from cloudless.ir import Block, BlockChain, MachineInfo
+from cloudless.ir import plan as ir_plan
 from cloudless.ir.catalog import load_catalog
-from cloudless.ir.files import load_plan
-from cloudless.ir.schema import SchemaError
+from cloudless.ir.files import load_plan, plan_text, save_plan
+from cloudless.ir.graph import dumps
+from cloudless.ir.plan import HEADER_KEYS, BaselinePlan, TrainingPlan, document_classes, json_key
+from cloudless.ir.schema import SchemaError, load_schema, validate
 
 from .conftest import MODELS, SAMPLES
+
+GOLDEN_PLANS = sorted((Path(__file__).resolve().parent / "golden").glob("*/plan.json"))
 
 
 @pytest.mark.parametrize(
@@ -32,22 +46,23 @@ def test_plan_is_no_worse_than_any_feasible_baseline(flags, compile_cli, tmp_pat
     assert code == 0, stderr
     plan = load_plan(out / "plan.json")
     assert "  plan        aws-us-east-1" in stdout and "baseline    data-parallel" in stdout
-    key = "time_ratio" if plan["objective"].startswith("time") else "cost_ratio"
-    feasible = [b for b in plan["baselines"] if b["feasible"]]
-    assert {b["name"] for b in plan["baselines"]} == {"data-parallel", "equal-parameters", "time-balanced"}
+    feasible = [b for b in plan.baselines if b.feasible]
+    assert {b.name for b in plan.baselines} == {"data-parallel", "equal-parameters", "time-balanced"}
     assert feasible
     for baseline in feasible:
-        assert baseline[key] <= 1 + 1e-9, baseline
-    assert plan["micro_batches"] * plan["micro_batch"] == plan["global_batch"] == 64
-    assert plan["predicted"]["per_run"]["iterations"] == 200
-    assert plan["predicted"]["per_epoch"]["iterations"] == 23  # 1437 training digits / 64
-    stages = plan["stages"]
-    assert stages[0]["blocks"][0] == 0 and stages[-1]["blocks"][1] == 4
-    solver = plan["solver"]
-    assert solver["status"] in ("optimal", "feasible") and solver["time_limit_s"] > 0
-    assert solver["gap"] is None or solver["gap"] >= 0
-    if solver["status"] == "optimal":
-        assert solver["gap"] == 0
+        ratio = baseline.time_ratio if plan.objective.startswith("time") else baseline.cost_ratio
+        assert ratio is not None and ratio <= 1 + 1e-9, baseline
+    assert plan.micro_batches * plan.micro_batch == plan.global_batch == 64
+    assert plan.predicted.per_run.iterations == 200
+    assert plan.predicted.per_epoch is not None
+    assert plan.predicted.per_epoch.iterations == 23  # 1437 training digits / 64
+    stages = plan.stages
+    assert stages[0].blocks[0] == 0 and stages[-1].blocks[1] == 4
+    solver = plan.solver
+    assert solver.status in ("optimal", "feasible") and solver.time_limit_s > 0
+    assert solver.gap is None or solver.gap >= 0
+    if solver.status == "optimal":
+        assert solver.gap == 0
 
 
 def synthetic_chain(param_gb: float, blocks: int = 4) -> BlockChain:
@@ -121,3 +136,146 @@ def test_plan_json_has_the_same_shape_when_profiled_again(compile_cli, tmp_path:
     # document's shape and the solver's proof do not.
     assert docs[0].keys() == docs[1].keys()
     assert docs[0]["solver"]["status"] == docs[1]["solver"]["status"] == "optimal"
+
+
+# --- the typed plan --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", GOLDEN_PLANS, ids=lambda p: p.parent.name)
+def test_golden_plan_reads_back_to_the_same_object_and_bytes(path: Path, tmp_path: Path) -> None:
+    text = path.read_text()
+    plan = load_plan(path)
+    assert isinstance(plan, TrainingPlan)
+    assert TrainingPlan.from_json(plan.to_json()) == plan
+    assert dumps(plan.to_json()) == plan_text(plan) == text  # the file as the compiler writes it
+    save_plan(plan, tmp_path / "plan.json")
+    assert (tmp_path / "plan.json").read_text() == text
+    # Keys in the order the compiler has always written them (the file itself sorts them).
+    assert list(plan.to_json())[:4] == ["apiVersion", "kind", "model", "region"]
+
+
+def test_the_golden_plans_cover_both_forms() -> None:
+    plans = [load_plan(path) for path in GOLDEN_PLANS]
+    several = [p for p in plans if p.regions is not None]
+    assert several and len(several) < len(plans)
+    assert "regions" not in plans[plans.index(next(p for p in plans if p.regions is None))].to_json()
+    assert any(p.regions is not None and p.regions.moves for p in several)
+
+
+def test_an_infeasible_baseline_and_no_epoch_round_trip() -> None:
+    plan = load_plan(GOLDEN_PLANS[0])
+    infeasible = BaselinePlan("too-big", "cannot fit", False, "block 3 needs 20000 MB", None, (), None, None, None)
+    changed = dataclasses.replace(
+        plan,
+        baselines=(*plan.baselines, infeasible),
+        predicted=dataclasses.replace(plan.predicted, per_epoch=None),
+        deadline_s=100.0,
+        solver=dataclasses.replace(plan.solver, gap=None),
+    )
+    document = changed.to_json()
+    validate(document, "plan")
+    assert document["baselines"][-1]["predicted"] is None and document["predicted"]["per_epoch"] is None
+    assert TrainingPlan.from_json(json.loads(dumps(document))) == changed
+
+
+def test_a_document_of_another_kind_is_refused() -> None:
+    document = load_plan(GOLDEN_PLANS[0]).to_json()
+    with pytest.raises(ValueError, match="not a cloudless/v1 Plan"):
+        TrainingPlan.from_json({**document, "kind": "Workflow"})
+    del document["solver"]
+    with pytest.raises(ValueError, match="key 'solver' missing"):
+        TrainingPlan.from_json(document)
+
+
+def _resolve(node: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    if ref is None:
+        return node
+    assert ref.startswith("#/$defs/"), ref
+    return load_schema("plan")["$defs"][ref.removeprefix("#/$defs/")]
+
+
+def _check_type(hint: Any, node: dict[str, Any], where: str) -> None:
+    """The schema `node` admits exactly the values of the type `hint` (as far as JSON tells them apart)."""
+    node = _resolve(node)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        if "oneOf" in node:
+            assert len(node["oneOf"]) == 2 and {"type": "null"} in node["oneOf"], where
+            (other,) = [n for n in node["oneOf"] if n != {"type": "null"}]
+            _check_type(inner, other, where)
+        else:
+            kinds = node["type"]
+            assert isinstance(kinds, list) and "null" in kinds and len(kinds) == 2, where
+            _check_type(inner, {**node, "type": next(k for k in kinds if k != "null")}, where)
+        return
+    if typing.get_origin(hint) is Literal:
+        assert set(node.get("enum", [node.get("const")])) == set(args), where
+        return
+    if origin is tuple:
+        assert node["type"] == "array", where
+        if len(args) == 2 and args[1] is Ellipsis:
+            _check_type(args[0], node["items"], f"{where}[]")
+        else:
+            assert node["minItems"] == node["maxItems"] == len(args), where
+            for arg in args:
+                _check_type(arg, node["items"], f"{where}[]")
+        return
+    if origin in (dict, Mapping):
+        assert node["type"] == "object" and args[0] is str, where
+        _check_type(args[1], node["additionalProperties"], f"{where}{{}}")
+        return
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        _check_object(hint, node, where)
+        return
+    expected = {int: "integer", float: "number", str: "string", bool: "boolean"}[hint]
+    assert node["type"] == expected, (where, node, hint)
+
+
+def _check_object(cls: type, node: dict[str, Any], where: str) -> None:
+    assert node["type"] == "object" and node["additionalProperties"] is False, where
+    header = HEADER_KEYS if cls is TrainingPlan else ()
+    keys = [*header, *(json_key(f) for f in fields(cls))]
+    assert set(node["properties"]) == set(keys), (where, cls.__name__)
+    optional = {json_key(f) for f in fields(cls) if f.metadata.get("omit_none")}
+    assert set(node["required"]) == set(keys) - optional, (where, cls.__name__)
+    hints = typing.get_type_hints(cls)
+    for item in fields(cls):
+        hint = hints[item.name]
+        if item.metadata.get("omit_none"):  # None is an absent key, not a null
+            (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        _check_type(hint, node["properties"][json_key(item)], f"{where}/{json_key(item)}")
+
+
+def test_schema_and_dataclasses_agree() -> None:
+    """Every schema property is a field of the matching dataclass and every field a property, with the
+    same type and the same required keys, recursively from the document's top."""
+    schema = load_schema("plan")
+    _check_object(TrainingPlan, schema, "")
+    assert schema["properties"]["apiVersion"] == {"const": "cloudless/v1"}
+    assert schema["properties"]["kind"] == {"const": "Plan"}
+    # Every class of the module is part of the document (none left unchecked).
+    defined = {
+        value
+        for value in vars(ir_plan).values()
+        if isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == ir_plan.__name__
+    }
+    assert defined == set(document_classes())
+
+
+def test_ir_plan_and_timeline_import_the_standard_library_only() -> None:
+    code = (
+        "import sys; before = set(sys.modules); "
+        "import cloudless.ir.plan, cloudless.ir.timeline; "
+        "print('\\n'.join(sorted(set(sys.modules) - before)))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    foreign = [
+        name
+        for name in loaded
+        if name.split(".")[0] not in sys.stdlib_module_names
+        and name not in ("cloudless", "cloudless.ir")
+        and not name.startswith(("cloudless.ir.", "__editable__"))
+    ]
+    assert foreign == []

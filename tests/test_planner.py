@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -12,6 +13,7 @@ from cloudless.compiler.baselines import baselines
 from cloudless.compiler.cost_model import CostModel, problem_from_chain
 from cloudless.compiler.exhaustive import exhaustive
 from cloudless.compiler.planner import Infeasible, solve
+from cloudless.compiler.solver import Program, solve_program
 from cloudless.ir.catalog import load_catalog
 
 from .planning_cases import random_problem
@@ -140,10 +142,91 @@ def test_pricing_bound_is_the_lp_relaxation() -> None:
 
     relaxed = stage.program
     relaxed.integer = []
-    outcome = planner.run_program(relaxed, None)
+    outcome = solve_program(relaxed, None)
     assert outcome.status == "optimal"
     assert pricing.bound == pytest.approx(outcome.bound, rel=1e-7)
     # The heuristic's plan is one of the plans: its cost (program units) is above its stages' bounds.
     value = cutoff * stage.scale
     for i in planner._indices(table, found[0].plan):
         assert pricing.with_config[i] <= value * (1 + 1e-7)
+
+
+@pytest.mark.parametrize("objective", ["cost", "time", "cost-under-deadline", "time-under-budget"])
+def test_cbc_finds_the_optimum_highs_and_exhaustive_search_find(objective: str) -> None:
+    """The adapter's CBC path (used when highspy is missing) solves the pipeline programs to the
+    same optimum as HiGHS, in the same status vocabulary, and its plan is the exhaustive optimum."""
+    solved = 0
+    for seed in range(10):
+        problem = random_problem(seed)
+        kwargs = limits(seed, problem).get(objective, {})
+        bounds = {"deadline": None, "budget": None, **kwargs}
+        for mu in sorted(problem.micro_batch_counts()):
+            configs = planner.stage_configs(problem, mu)
+            table, floors = planner.prune(
+                problem, objective, planner.ConfigTable(problem, mu, configs), cutoff=None, **bounds
+            )
+            if not len(table):
+                continue
+            stage = planner.build_program(problem, objective, mu, table, floors, cutoff=None, **bounds)
+            highs = solve_program(stage.program, None, backend="HiGHS")
+            cbc = solve_program(stage.program, None, backend="CBC")
+            assert (highs.solver, cbc.solver) == ("HiGHS", "CBC")
+            assert cbc.status == highs.status, (seed, mu, highs, cbc)
+            if cbc.status != "optimal":
+                assert cbc.values is None and cbc.bound == math.inf
+                continue
+            assert cbc.bound == pytest.approx(highs.bound, rel=1e-6), (seed, mu)
+            assert cbc.values is not None
+            chosen = sorted(
+                (table.configs[i][0] for i in range(len(table)) if cbc.values[stage.x[i]] > 0.5), key=lambda c: c.first
+            )
+            evaluation = CostModel(problem).evaluate(planner.Plan(mu, tuple(chosen)))
+            expected = exhaustive(dataclasses.replace(problem, micro_batches=(mu,)), objective, **kwargs)
+            assert expected is not None
+            assert primary(objective, evaluation) == pytest.approx(primary(objective, expected[1]), rel=1e-6)
+            solved += 1
+    assert solved > 5
+
+
+@pytest.mark.parametrize("backend", ["HiGHS", "CBC"])
+def test_solver_statuses(backend: str) -> None:
+    """One vocabulary from either backend: "optimal" with the optimum as the bound, "infeasible"
+    with an infinite bound (also for a row without columns that cannot hold)."""
+    program = Program()
+    x = program.column(0.0, 3.0, integer=True)
+    y = program.column(0.0, 10.0)
+    program.row([(x, 1.0), (y, 1.0)], lower=2.5)
+    program.cost[x], program.cost[y] = 1.0, 1.5
+    outcome = solve_program(program, None, backend=backend)
+    assert (outcome.status, outcome.solver) == ("optimal", backend)
+    assert outcome.bound == pytest.approx(2.75) and outcome.values is not None
+    assert outcome.values[x] == pytest.approx(2.0) and outcome.values[y] == pytest.approx(0.5)
+
+    program.row([(x, 1.0)], upper=1.0)
+    program.row([(y, 1.0)], upper=1.0)
+    outcome = solve_program(program, None, backend=backend)
+    assert (outcome.status, outcome.values, outcome.bound) == ("infeasible", None, math.inf)
+
+    empty = Program()
+    empty.column()
+    empty.row([], 1.0, 1.0)  # e.g. data held by a region that may neither train nor send it
+    assert solve_program(empty, None, backend=backend).status == "infeasible"
+
+
+def test_model_state_is_one_formula() -> None:
+    """Parameters, gradients, optimizer state and buffers: what a stage holds besides activations and
+    boundary tensors, and what diagnose compares with all functions' memory."""
+    for seed in range(20):
+        problem = random_problem(seed)
+        model = CostModel(problem)
+        n = len(problem.blocks)
+        params = sum(b.param_bytes for b in problem.blocks) + sum(problem.shared_bytes.values())
+        buffers = sum(b.buffer_bytes for b in problem.blocks)
+        assert model.model_state_bytes(0, n - 1) == (2 + problem.optimizer_state) * params + buffers
+        mu = min(problem.micro_batch_counts())
+        terms = model.stage_terms(planner.StageChoice(0, n - 1, max(problem.region.tiers_mb), 1), 0, 1, mu)
+        activations = mu / problem.profile_batch * sum(b.saved_bytes for b in problem.blocks)
+        inputs = mu / problem.profile_batch * problem.blocks[0].input_bytes
+        held = problem.global_batch // mu if problem.schedule == "gpipe" else 1
+        expected = model.model_state_bytes(0, n - 1) + activations * held + 2 * inputs
+        assert (terms.memory_mb - problem.region.runtime_overhead_mb) * 2**20 == pytest.approx(expected, rel=1e-12)

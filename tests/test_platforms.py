@@ -6,7 +6,6 @@ functions (moto's own faking: with use_docker False it answers invocations witho
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import re
@@ -30,97 +29,101 @@ from cloudless.codegen.platforms import (
 )
 from cloudless.codegen.validate import BuildCheckError, check_build, substitute_arns
 from cloudless.compiler.lower import region_steps
-from cloudless.ir.files import check_workflow, dump_yaml
+from cloudless.ir.files import check_workflow, dump_yaml, workflow_text
 from cloudless.ir.schema import SchemaError
+from cloudless.ir.workflow import (
+    DataSpec,
+    Function,
+    OptimizerSpec,
+    Region,
+    RunSettings,
+    StorageSpec,
+    SyncSettings,
+    Workflow,
+)
 
 EAST, WEST = "aws-us-east-1", "aws-eu-west-1"
 RUN = "mlp-digits"
 
 
-def _function(region: str, stage: int, replicas: int, memory_mb: int) -> dict[str, Any]:
+def _function(region: str, stage: int, replicas: int, memory_mb: int) -> Function:
     name = f"{RUN}-s{stage}"
-    return {
-        "name": name,
-        "stage": stage,
-        "blocks": [2 * stage, 2 * stage + 2],
-        "memory_mb": memory_mb,
-        "cpu_millis": round(1000 * memory_mb / 1769),
-        "network_mbps": 50.0,
-        "replicas": replicas,
-        "timeout_s": 900,
-        "package": f"regions/{region}/functions/{name}",
-        "inputs": ["input_1"] if stage == 0 else [f"hidden_{stage}"],
-        "outputs": [f"hidden_{stage + 1}"],
-        "shared_parameters": [],
-    }
+    return Function(
+        name=name,
+        stage=stage,
+        blocks=(2 * stage, 2 * stage + 2),
+        memory_mb=memory_mb,
+        cpu_millis=round(1000 * memory_mb / 1769),
+        network_mbps=50.0,
+        replicas=replicas,
+        timeout_s=900,
+        package=f"regions/{region}/functions/{name}",
+        inputs=("input_1",) if stage == 0 else (f"hidden_{stage}",),
+        outputs=(f"hidden_{stage + 1}",),
+        shared_parameters=(),
+    )
 
 
-def make_workflow() -> dict[str, Any]:
+def make_workflow(replicas: tuple[int, int, int] = (1, 2, 4)) -> Workflow:
     """Two regions: three stages with 1, 2 and 4 replicas in one, two stages in the other."""
     regions = {
-        EAST: [_function(EAST, 0, 1, 1024), _function(EAST, 1, 2, 1769), _function(EAST, 2, 4, 3008)],
-        WEST: [_function(WEST, 0, 1, 2048), _function(WEST, 1, 1, 2048)],
+        EAST: tuple(
+            _function(EAST, s, r, m) for s, (r, m) in enumerate(zip(replicas, (1024, 1769, 3008), strict=True))
+        ),
+        WEST: (_function(WEST, 0, 1, 2048), _function(WEST, 1, 1, 2048)),
     }
     steps = [step for name, functions in regions.items() for step in region_steps(name, functions, {}, 50)]
-    workflow = {
-        "apiVersion": "cloudless/v1",
-        "kind": "Workflow",
-        "model": "mlp_digits.py",
-        "run": {
-            "name": RUN,
-            "iterations": 200,
-            "global_batch": 64,
-            "micro_batch": 16,
-            "micro_batches": 4,
-            "schedule": "gpipe",
-            "checkpoint_every": 50,
-            "seed": 0,
-        },
-        "optimizer": {"class": "SGD", "options": {"lr": 0.1, "momentum": 0.9}},
-        "sync": {
-            "intra_region": "pipelined-scatter-reduce",
-            "piece_bytes": 4194304,
-            "max_pieces": 16,
-            "inter_region": "model-average",
-        },
-        "storage": {"bucket": "cloudless-mlp-digits", "prefix": RUN},
-        "data": {"model_file": "model.py", "inputs": ["input_1"], "targets": 1, "loss": "loss"},
-        "regions": [
-            {"name": name, "provider": "aws", "samples": 700, "request_latency_s": 0.02, "functions": functions}
+    workflow = Workflow(
+        model="mlp_digits.py",
+        run=RunSettings(
+            name=RUN,
+            iterations=200,
+            global_batch=64,
+            micro_batch=16,
+            micro_batches=4,
+            schedule="gpipe",
+            checkpoint_every=50,
+            seed=0,
+        ),
+        optimizer=OptimizerSpec("SGD", {"lr": 0.1, "momentum": 0.9}),
+        sync=SyncSettings("pipelined-scatter-reduce", 4194304, 16, "model-average", rounds=10),
+        storage=StorageSpec("cloudless-mlp-digits", RUN),
+        data=DataSpec("model.py", ("input_1",), 1, "loss"),
+        regions=tuple(
+            Region(name=name, provider="aws", samples=700, request_latency_s=0.02, functions=functions)
             for name, functions in regions.items()
-        ],
-        "steps": steps,
-    }
-    check_workflow(workflow)
+        ),
+        steps=tuple(steps),
+    )
+    check_workflow(workflow.to_json())
     return workflow
 
 
-def render_all(workflow: dict[str, Any]) -> dict[str, str]:
-    files = {"workflow.yaml": dump_yaml(workflow), "samconfig.toml": render_samconfig(workflow)}
-    for region in workflow["regions"]:
-        files.update(render_region(workflow, region["name"], {"openfaas", "sam"}))
+def render_all(workflow: Workflow) -> dict[str, str]:
+    files = {"workflow.yaml": workflow_text(workflow), "samconfig.toml": render_samconfig(workflow)}
+    for region in workflow.regions:
+        files.update(render_region(workflow, region.name, {"openfaas", "sam"}))
     return files
 
 
-def write_build(root: Path, workflow: dict[str, Any], *, packages: bool = True) -> Path:
+def write_build(root: Path, workflow: Workflow, *, packages: bool = True) -> Path:
     for relative, text in render_all(workflow).items():
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     if packages:
         # Minimal packages: the real ones are written by the package generator.
-        for region in workflow["regions"]:
-            for function in region["functions"]:
-                package = root / function["package"]
-                package.mkdir(parents=True, exist_ok=True)
-                (package / "handler.py").write_text(
-                    "def handle(event, context):\n    return {'statusCode': 200, 'body': '{}'}\n\n\n"
-                    "def handler(event, context):\n    return {'status': 'done', **event}\n"
-                )
-                (package / "requirements.txt").write_text("")
-                (package / "Dockerfile").write_text(
-                    'FROM public.ecr.aws/lambda/python:3.12\nCOPY . ${LAMBDA_TASK_ROOT}\nCMD ["handler.handler"]\n'
-                )
+        for _, function in workflow.functions():
+            package = root / function.package
+            package.mkdir(parents=True, exist_ok=True)
+            (package / "handler.py").write_text(
+                "def handle(event, context):\n    return {'statusCode': 200, 'body': '{}'}\n\n\n"
+                "def handler(event, context):\n    return {'status': 'done', **event}\n"
+            )
+            (package / "requirements.txt").write_text("")
+            (package / "Dockerfile").write_text(
+                'FROM public.ecr.aws/lambda/python:3.12\nCOPY . ${LAMBDA_TASK_ROOT}\nCMD ["handler.handler"]\n'
+            )
     return root
 
 
@@ -259,7 +262,7 @@ def test_names() -> None:
 
 
 def test_rendering_is_deterministic() -> None:
-    first, second = render_all(make_workflow()), render_all(copy.deepcopy(make_workflow()))
+    first, second = render_all(make_workflow()), render_all(Workflow.from_json(make_workflow().to_json()))
     assert first == second
     assert all(text.endswith("\n") for text in first.values())
 
@@ -289,12 +292,7 @@ def test_unknown_target_and_region_are_refused() -> None:
 
 
 def test_more_than_40_workers_are_refused() -> None:
-    workflow = make_workflow()
-    workflow["regions"][0]["functions"][2]["replicas"] = 38
-    workflow["steps"] = [
-        s | {"replicas": 38} if s["function"] == f"{RUN}-s2" and s["region"] == EAST else s for s in workflow["steps"]
-    ]
-    check_workflow(workflow)
+    workflow = make_workflow(replicas=(1, 2, 38))
     assert len(workers(workflow, EAST)) == 41
     render_region(workflow, EAST, {"openfaas"})
     with pytest.raises(ValueError, match="at most 40"):
@@ -399,7 +397,7 @@ def test_missing_dockerfile(build: Path) -> None:
 
 
 def test_broken_manifest(build: Path) -> None:
-    workflow = make_workflow()
+    workflow = make_workflow().to_json()
     workflow["steps"][1]["depends_on"] = [f"{EAST}/s7/compute"]
     (build / "workflow.yaml").write_text(dump_yaml(workflow))
     message = failure(build)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -18,18 +21,33 @@ from cloudless.codegen.report import (
     schedule_bars,
     schedule_rows,
     stage_rows,
+    svg_summary,
 )
 from cloudless.compiler.baselines import baselines
 from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, Problem, StageChoice
-from cloudless.compiler.plan import PlanOptions, PlanResult, plan_document
+from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
 from cloudless.compiler.planner import Solution
-from cloudless.compiler.simulate import Timeline, simulate
+from cloudless.compiler.simulate import simulate
 from cloudless.ir import Block, BlockChain
-from cloudless.ir.schema import validate
+from cloudless.ir.files import plan_text
+from cloudless.ir.plan import BaselinePlan, Totals, TrainingPlan
+from cloudless.ir.timeline import Timeline
+from cloudless.ir.workflow import (
+    DataSpec,
+    Function,
+    OptimizerSpec,
+    Region,
+    RunSettings,
+    StorageSpec,
+    SyncSettings,
+    Workflow,
+)
 
+from .conftest import ROOT
 from .planning_cases import random_problem
 
 SVG = "{http://www.w3.org/2000/svg}"
+GOLDEN_SVGS = sorted((ROOT / "tests" / "golden").glob("*/report/*.svg"))
 
 
 def make_case(
@@ -38,8 +56,8 @@ def make_case(
     replicas: int,
     micro_batches: int,
     schedule: str = "gpipe",
-) -> tuple[dict, Timeline]:
-    """A schema-valid plan document with real baselines, for `stages` equal stages of `replicas`
+) -> tuple[TrainingPlan, Timeline]:
+    """A schema-valid plan with real baselines, for `stages` equal stages of `replicas`
     replicas each, and the plan's simulated timeline."""
     rng = random.Random(seed)
     base = random_problem(seed)
@@ -100,46 +118,72 @@ def make_case(
         shared_params={},
     )
     result = PlanResult(problem.region, problem, solution, baselines(problem, "cost"))
-    document = plan_document(result, chain, PlanOptions(objective="cost", schedule=schedule))
-    validate(document, "plan")
-    return document, simulate(problem, plan)
+    timeline = simulate(problem, plan)
+    document = plan_ir(result, chain, PlanOptions(objective="cost", schedule=schedule), timeline)
+    plan_text(document)  # checked against its schema
+    return document, timeline
 
 
-def with_infeasible_baseline(document: dict) -> dict:
+def with_infeasible_baseline(document: TrainingPlan) -> TrainingPlan:
     reason = "its largest stage needs 123456 MB even on the 10240 MB tier with 8 replicas at micro-batch 1"
-    extra = {
-        "name": "too-big",
-        "description": "a baseline that cannot fit",
-        "feasible": False,
-        "reason": reason,
-        "micro_batch": None,
-        "stages": [],
-        "predicted": None,
-        "time_ratio": None,
-        "cost_ratio": None,
-    }
-    document = {**document, "baselines": [*document["baselines"], extra]}
-    validate(document, "plan")
+    extra = BaselinePlan(
+        name="too-big",
+        description="a baseline that cannot fit",
+        feasible=False,
+        reason=reason,
+        micro_batch=None,
+        stages=(),
+        predicted=None,
+        time_ratio=None,
+        cost_ratio=None,
+    )
+    document = dataclasses.replace(document, baselines=(*document.baselines, extra))
+    plan_text(document)
     return document
 
 
-def workflow_for(document: dict) -> dict:
-    """Just the part of workflow.yaml the report reads."""
-    functions = [
-        {
-            "name": f"toy-s{s['index']}",
-            "stage": s["index"],
-            "blocks": s["blocks"],
-            "memory_mb": s["tier_mb"],
-            "replicas": s["replicas"],
-        }
-        for s in document["stages"]
-    ]
-    return {"regions": [{"name": document["region"], "provider": "aws", "samples": None, "functions": functions}]}
+def workflow_for(document: TrainingPlan) -> Workflow:
+    """A workflow of one region for the plan; the report reads its regions' functions."""
+    functions = tuple(
+        Function(
+            name=f"toy-s{s.index}",
+            stage=s.index,
+            blocks=s.blocks,
+            memory_mb=s.tier_mb,
+            cpu_millis=1000,
+            network_mbps=100.0,
+            replicas=s.replicas,
+            timeout_s=900,
+            package=f"regions/{document.region}/functions/toy-s{s.index}",
+            inputs=(),
+            outputs=(),
+            shared_parameters=(),
+        )
+        for s in document.stages
+    )
+    return Workflow(
+        model=document.model,
+        run=RunSettings(
+            name="toy",
+            iterations=1,
+            global_batch=document.global_batch,
+            micro_batch=document.micro_batch,
+            micro_batches=document.micro_batches,
+            schedule=document.schedule,
+            checkpoint_every=1,
+            seed=0,
+        ),
+        optimizer=OptimizerSpec("SGD", {"lr": 0.1}),
+        sync=SyncSettings("pipelined-scatter-reduce", 1 << 20, 16),
+        storage=StorageSpec("toy-bucket", "toy/"),
+        data=DataSpec("toy.py", ("x",), 1, "loss"),
+        regions=(Region(document.region, "aws", None, 0.02, functions),),
+        steps=(),
+    )
 
 
 @pytest.fixture(scope="module")
-def small() -> tuple[dict, Timeline]:
+def small() -> tuple[TrainingPlan, Timeline]:
     document, timeline = make_case(3, stages=3, replicas=2, micro_batches=8)
     return with_infeasible_baseline(document), timeline
 
@@ -173,21 +217,21 @@ def test_markdown_lists_stages_figures_baselines_and_deployment(small) -> None:
     document, timeline = small
     text = render_report(document, timeline, workflow_for(document))[REPORT_MD].decode()
     assert text.startswith("# Training plan for toy-mlp")
-    for row in stage_rows(document["stages"]):
+    for row in stage_rows(document.stages):
         assert "| " + " | ".join(row) + " |" in text
     assert "(4 modules)" in text  # a long module list is shortened
-    for baseline in document["baselines"]:
-        assert f"**{baseline['name']}**" in text
+    for baseline in document.baselines:
+        assert f"**{baseline.name}**" in text
     assert "no: its largest stage needs 123456 MB" in text
     assert "![" in text and "](report/comparison.svg)" in text and "](report/schedule.svg)" in text
-    region = document["region"]
+    region = document.region
     assert f"faas-cli up -f regions/{region}/stack.yaml" in text
     assert f"sam build --config-env {region} && sam deploy --config-env {region}" in text
     assert "`toy-s2`" in text
     assert "## Deployment" not in render_report(document, timeline)[REPORT_MD].decode()
     assert "Per epoch" not in text
-    epoch = {"iterations": 12, "time_s": 34.5, "cost_usd": 0.0123}
-    with_epoch = {**document, "predicted": {**document["predicted"], "per_epoch": epoch}}
+    epoch = Totals(iterations=12, time_s=34.5, cost_usd=0.0123)
+    with_epoch = dataclasses.replace(document, predicted=dataclasses.replace(document.predicted, per_epoch=epoch))
     assert (
         "- Per epoch (12 iterations): 34.50 s, 0.01230 USD" in render_report(with_epoch, timeline)[REPORT_MD].decode()
     )
@@ -202,7 +246,7 @@ def test_schedule_draws_every_span_and_a_legend(small) -> None:
     # Every replica is shown here, and every span lies in a bar of its row and group (touching spans
     # merge only when too thin to tell apart, or when they are pieces of one gradient sync).
     rows = schedule_rows(document)
-    assert len(rows) == 3 * sum(s["replicas"] for s in document["stages"])
+    assert len(rows) == 3 * sum(s.replicas for s in document.stages)
     for span in timeline.spans:
         row = rows.index((span.stage, span.replica, span.lane))
         assert any(
@@ -221,7 +265,7 @@ def test_schedule_draws_every_span_and_a_legend(small) -> None:
 def test_comparison_shows_plan_and_feasible_baselines(small) -> None:
     document, timeline = small
     svg = render_report(document, timeline)[COMPARISON_SVG]
-    feasible = [b["name"] for b in document["baselines"] if b["feasible"]]
+    feasible = [b.name for b in document.baselines if b.feasible]
     root = ET.fromstring(svg)
     ids = [g.get("id") or "" for g in root.iter(f"{SVG}g")]
     for unit in ("s", "usd"):
@@ -241,3 +285,73 @@ def test_large_plan_caps_rows_and_stays_small() -> None:
     assert len(svg) < 300_000, len(svg)
     assert f"first {cap} replicas of each stage shown" in " ".join(texts(svg))
     assert sum(drawn_groups(svg).values()) == len(schedule_bars(document, timeline))
+
+
+def test_report_imports_no_compiler_or_runtime() -> None:
+    """codegen draws the ir's objects: importing the report loads no compiler or runtime module."""
+    code = "import sys, cloudless.codegen.report; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert [m for m in loaded if m.startswith(("cloudless.compiler", "cloudless.runtimes"))] == []
+
+
+def as_another_release_might_draw_it(svg: bytes) -> bytes:
+    """The picture with what a matplotlib release may change without changing what it shows: other
+    ids and clip paths, other x ticks and offset, texts moved, numbers printed to more digits,
+    no metadata, another style sheet, and the file serialised anew."""
+    ET.register_namespace("", SVG[1:-1])
+    root = ET.fromstring(svg)
+    for parent in root.iter():
+        for child in list(parent):
+            if child.tag in (f"{SVG}metadata", f"{SVG}style"):
+                parent.remove(child)
+    for element in root.iter():
+        for key, value in element.attrib.items():
+            value = re.sub(r"\b([mp])([0-9a-f]{10})\b", lambda m: m.group(1) + m.group(2)[::-1], value)
+            if key == "d":
+                value = re.sub(r"\d+\.\d+", lambda m: f"{float(m.group()) + 1e-5:.7f}", value)
+            if element.tag == f"{SVG}text" and key in ("x", "y"):
+                value = str(float(value) + 0.7)
+            element.set(key, value)
+        if (element.get("id") or "").startswith("xtick_"):
+            for text in element.iter(f"{SVG}text"):
+                text.text = "2.5"
+        if (element.get("id") or "").startswith("matplotlib.axis"):
+            for child in element:
+                if child.get("id", "").startswith("text_") and re.fullmatch(r"[0-9e−.]+", "".join(child.itertext())):
+                    next(child.iter(f"{SVG}text")).text = "1e−7"
+    return ET.tostring(root)
+
+
+@pytest.mark.parametrize("path", GOLDEN_SVGS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_svg_summary_ignores_what_a_release_may_change(path) -> None:
+    svg = path.read_bytes()
+    summary = svg_summary(svg)
+    assert summary == svg_summary(as_another_release_might_draw_it(svg))
+    assert "\ntext " in summary and "\nshape " in summary
+    # ...but not what the picture shows: a colour, a bar's place, a label.
+    first_bar = re.compile(rb'(<g id="(?:bar|spans)-[^"]*">\s*<path d="M )(\d+)')
+    assert first_bar.search(svg)
+    moved = first_bar.sub(lambda m: m.group(1) + str(int(m.group(2)) + 1).encode(), svg, count=1)
+    assert svg_summary(moved) != summary
+    assert svg_summary(svg.replace(b"fill: #3b6fb6", b"fill: #3b6fb7", 1)) != summary
+    label = b"this plan<" if path.name == "comparison.svg" else b"forward<"
+    assert svg_summary(svg.replace(label, b"x" + label, 1)) != summary
+
+
+def test_svg_summary_lists_every_bar_and_label(small) -> None:
+    document, timeline = small
+    files = render_report(document, timeline)
+    schedule = svg_summary(files[SCHEDULE_SVG]).splitlines()
+    assert schedule[0].startswith("size 792pt x ")
+    shapes = {line.split(" fill ")[0].removeprefix("shape "): line for line in schedule if line.startswith("shape ")}
+    for group, bars in drawn_groups(files[SCHEDULE_SVG]).items():
+        assert shapes[group].split(": ", 1)[1].split().count("M") == bars
+    shown = [line.removeprefix("text ") for line in schedule if line.startswith("text ")]
+    assert set(shown) <= set(texts(files[SCHEDULE_SVG]))
+    labels = [f"s{s} r{j}  compute" for s, j, lane in schedule_rows(document) if lane == "compute"]
+    for label in [*labels, "forward", "optimizer update", "seconds since the iteration started"]:
+        assert label in shown
+    assert any(t.startswith("toy-mlp: simulated iteration") for t in shown)
+    comparison = svg_summary(files[COMPARISON_SVG])
+    for i in range(1 + len([b for b in document.baselines if b.feasible])):
+        assert f"shape bar-s-{i} fill #" in comparison and f"shape bar-usd-{i} fill #" in comparison

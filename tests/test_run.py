@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.worker import StageWorker
@@ -21,7 +22,7 @@ ITERATIONS = 6
 
 
 @pytest.fixture(scope="module")
-def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow, dict[str, torch.Tensor]]:
     """A 3-stage build of the MLP with replicas (2, 3, 1), and what plain PyTorch trains."""
     result = front_end()
     n_blocks = len(result.chain.blocks)
@@ -30,7 +31,7 @@ def pipelined(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     workflow = write_packages(
         result, build, stages, micro_batch=8, global_batch=64, iterations=ITERATIONS, schedule="1f1b"
     )
-    return build, workflow, reference_training(result, workflow, workflow["regions"][0]["name"])
+    return build, workflow, reference_training(result, workflow, workflow.regions[0].name)
 
 
 def cloudless_run(build: Path, out: Path, *options: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -65,6 +66,7 @@ def test_pipelined_replicated_run_matches_plain_pytorch(pipelined, baseline) -> 
     assert not (build / "run").exists()  # --out was given: nothing written into the build
 
 
+@pytest.mark.slow
 def test_time_limit_ends_invocations_early_and_changes_nothing(pipelined, baseline, tmp_path: Path) -> None:
     build, _, _ = pipelined
     metrics, params = cloudless_run(build, tmp_path, "--time-limit", "0.2")
@@ -75,6 +77,7 @@ def test_time_limit_ends_invocations_early_and_changes_nothing(pipelined, baseli
     assert_same(params, baseline[1])
 
 
+@pytest.mark.slow
 def test_injected_faults_change_nothing(pipelined, baseline, tmp_path: Path) -> None:
     build, _, _ = pipelined
     metrics, params = cloudless_run(build, tmp_path, "--inject-faults", "0.5", "--fault-seed", "3")
@@ -93,22 +96,22 @@ def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
     workflow = write_packages(
         result, tmp_path / "build", [(0, n_blocks - 1, 1)], micro_batch=8, global_batch=16, iterations=2
     )
-    region = workflow["regions"][0]
+    region = workflow.regions[0]
     storage = tmp_path / "storage"
-    write_training_data(result, DirectoryChannel(storage), region["name"])
-    package = tmp_path / "build" / region["functions"][0]["package"]
+    write_training_data(result, DirectoryChannel(storage), region.name)
+    package = tmp_path / "build" / region.functions[0].package
 
     first = StageWorker(package, DirectoryChannel(storage)).run(0, 2, 0, run="r", attempt=0)
-    state = (storage / "r" / region["name"] / "state" / "s0" / "it2").read_bytes()
+    state = (storage / "r" / region.name / "state" / "s0" / "it2").read_bytes()
     # The same attempt delivered again (a platform's at-least-once delivery) while it ran: claimed.
     again = StageWorker(package, DirectoryChannel(storage))
-    (storage / "r" / region["name"] / "done" / "mlp-digits-s0" / "r0" / "from0").unlink()
+    (storage / "r" / region.name / "done" / "mlp-digits-s0" / "r0" / "from0").unlink()
     assert again.run(0, 2, 0, run="r", attempt=0)["status"] == "duplicate"
     # A retry (a new attempt): it resumes from the last checkpoint and recomputes the same bytes.
     retried = again.run(0, 2, 0, run="r", attempt=1)
     assert retried["stop"] == 2 and retried["resumed"] == 1
     assert retried["losses"] == first["losses"][-len(retried["losses"]) :]
-    assert (storage / "r" / region["name"] / "state" / "s0" / "it2").read_bytes() == state
+    assert (storage / "r" / region.name / "state" / "s0" / "it2").read_bytes() == state
     # After it finished, any further copy returns the recorded result and runs nothing.
     repeat = StageWorker(package, DirectoryChannel(storage)).run(0, 2, 0, run="r", attempt=2)
     assert repeat["duplicate"] is True and repeat["losses"] == retried["losses"]

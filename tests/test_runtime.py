@@ -20,7 +20,7 @@ def test_pipelined_replicated_run_matches_plain_pytorch(tmp_path, schedule: str)
     workflow = write_packages(
         result, tmp_path / "build", stages, micro_batch=8, global_batch=64, iterations=3, schedule=schedule
     )
-    region = workflow["regions"][0]["name"]
+    region = workflow.regions[0].name
     storage = tmp_path / "storage"
     write_training_data(result, DirectoryChannel(storage), region)
     results = run_workers(tmp_path / "build", workflow, storage, 0, 3)

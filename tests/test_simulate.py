@@ -9,6 +9,7 @@ import pytest
 
 from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, StageChoice
 from cloudless.compiler.simulate import simulate
+from cloudless.ir.timeline import LANES, Span, Timeline
 
 from .planning_cases import random_plan, random_problem
 
@@ -123,3 +124,14 @@ def test_simulation_is_deterministic() -> None:
     problem = random_problem(3)
     plan = random_plan(problem, random.Random(3))
     assert simulate(problem, plan) == simulate(problem, plan)
+
+
+def test_the_timeline_is_the_irs_and_ordered() -> None:
+    """The report draws what the simulator yields through the ir's types, not the compiler's."""
+    problem = random_problem(5)
+    timeline = simulate(problem, random_plan(problem, random.Random(5)))
+    assert type(timeline) is Timeline and all(type(s) is Span for s in timeline.spans)
+    assert {s.lane for s in timeline.spans} <= set(LANES)
+    starts = [(s.start, s.stage, s.replica, LANES.index(s.lane)) for s in timeline.spans]
+    assert starts == sorted(starts)
+    assert timeline.iteration_s == max(s.end for s in timeline.spans)
