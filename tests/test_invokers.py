@@ -43,8 +43,8 @@ def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow
 def handlers(build: Path, workflow: Workflow) -> dict[str, Any]:
     """Each function's handler.py, loaded once (one warm instance per function).
 
-    Every handler puts its own package folder on sys.path and imports the top-level package
-    `cloudless_runtime` from it; in one process the first import wins and the other packages share
+    Every handler puts its own package folder on sys.path and imports the vendored
+    `cloudless.runtimes` from it; in one process the first import wins and the other packages share
     it. That is fine: each package vendors an identical copy of the runtime."""
     return {
         f.name: load_handler(build / f.package, f"handler_{f.name.replace('-', '_')}")
