@@ -1,27 +1,38 @@
-"""Offline checks of a build folder: the manifest, the OpenFaaS stack files, the SAM templates and their
-state machines, and samconfig.toml.
+"""Offline checks of a build folder: what a run relies on (workflow.yaml, plan.json, every function
+package, cloudless-build.json's digests) and what a deployment does (the OpenFaaS stack files, the SAM
+templates and their state machines, samconfig.toml).
 
 Neither faas-cli nor the clouds are reachable here, and faas-cli and sam ignore keys they do not know, so
-mistakes would surface only at deploy time. `check_build` raises `BuildCheckError` at the first problem,
-naming the file (relative to the build folder) and the key, for example
-`regions/aws-us-east-1/stack.yaml: key functions/mlp-digits-s0/limits/memory: ...`.
+mistakes would surface only at deploy time, or as a run that trains on the wrong thing. `check_build`
+raises `BuildCheckError` at the first problem, naming the file (relative to the build folder) and the
+key, for example `regions/aws-us-east-1/stack.yaml: key functions/mlp-digits-s0/limits/memory: ...`.
 
-It runs the project's own strict schema for stack files, the platform limits the linters do not know
-(Lambda memory and timeout, Step Functions Map concurrency and definition size), statelint on each state
-machine graph and cfn-lint (errors only) on each template.
+In order: the manifest exists; workflow.yaml passes its schema and agrees with itself (batch sizes,
+stages tiling the block chain, each stage's inputs sent by the one before, the inter-region settings, the
+optimizer); plan.json agrees with it; every package holds what its worker loads, and agrees with
+workflow.yaml (function.json's copy, stage.py's INPUTS/OUTPUTS/TENSORS read with `ast`, the safetensors
+header of the weights, the loss module); the deployment files pass their schemas, the platform limits
+the linters do not know (Lambda memory and timeout, Step Functions Map concurrency and definition size),
+statelint and cfn-lint (errors only); last, every file has the digest cloudless-build.json recorded and
+no package holds a file it does not list. The semantic checks come first because they say what is wrong;
+the digests catch every other edit. When two files disagree, the message names the one whose digest no
+longer matches (the one edited after the compile).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, NoReturn
 
 import jsonschema
 import yaml
 
+from cloudless.codegen.package import VENDORED_MODULES
 from cloudless.codegen.platforms import (
     LAMBDA_INVOKE,
     LAMBDA_RETRY_ERRORS,
@@ -29,9 +40,10 @@ from cloudless.codegen.platforms import (
     aws_region,
     logical_id,
 )
-from cloudless.ir.files import check_workflow
+from cloudless.ir.files import BUILD_MARKER, check_workflow, file_digest, read_manifest
+from cloudless.ir.plan import PlannedStage, TrainingPlan
 from cloudless.ir.schema import SchemaError, load_schema
-from cloudless.ir.workflow import Region, Workflow
+from cloudless.ir.workflow import Function, Region, Workflow
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,16 +78,35 @@ class BuildCheckError(SchemaError):
 
 
 def _fail(file: str, key: str, message: str) -> NoReturn:
-    raise BuildCheckError(f"{file}: key {key}: {message}")
+    """Raise the one-line message `file: key K: message` (a parser's multi-line message is joined)."""
+    raise BuildCheckError(" ".join(f"{file}: key {key}: {message}".split()))
 
 
 def check_build(build: Path, *, packages: bool = True) -> None:
-    """Raise BuildCheckError at the first problem in the build folder `build`.
+    """Raise BuildCheckError at the first problem in the build folder `build`: what passes must run.
 
     With `packages=False` the function packages (handler folders, Dockerfiles) are not looked for, so the
     deployment files can be checked before the packages are written."""
     build = Path(build)
-    workflow = _check_manifest(build)
+    context = _Build.open(build)
+    document, workflow = _check_manifest(build, context)
+    _check_run(context, document, workflow)
+    _check_plan(context, document, workflow)
+    if packages:
+        _check_packages(context, document, workflow)
+    _check_digests(context, workflow, packages, deployment=False)
+    _check_deployment(build, workflow, packages)
+    _check_digests(context, workflow, packages, deployment=True)
+
+
+def check_deployment(build: Path, *, packages: bool = True) -> None:
+    """Only the deployment files (workflow.yaml's schema, stack files, SAM templates, state machines,
+    samconfig.toml, no secrets): for a folder that holds those but is no whole build."""
+    build = Path(build)
+    _check_deployment(build, _check_manifest(build, None)[1], packages)
+
+
+def _check_deployment(build: Path, workflow: Workflow, packages: bool) -> None:
     names = [region.name for region in workflow.regions]
     regions_dir = build / "regions"
     if regions_dir.is_dir():
@@ -109,21 +140,28 @@ def _load_yaml(build: Path, path: Path) -> Any:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         # Short-form intrinsics (!Ref) fail here too: the project writes them in long form.
-        _fail(_relative(build, path), "(top level)", f"not plain YAML: {exc}")
+        where = ""
+        if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+            where = f" at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}"
+        problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) and exc.problem else str(exc)
+        _fail(_relative(build, path), "(top level)", f"not plain YAML: {problem}{where}")
 
 
-def _check_manifest(build: Path) -> Workflow:
+def _check_manifest(build: Path, context: _Build | None) -> tuple[dict[str, Any], Workflow]:
+    """workflow.yaml's document and workflow, once it passes its schema and the DAG check."""
     path = build / "workflow.yaml"
     if not path.exists():
         _fail("workflow.yaml", "(file)", "missing")
     document = _load_yaml(build, path)
+    _schema_check(document, "workflow", "workflow.yaml")
+    _check_step_replicas(document, context)
     try:
         check_workflow(document, "workflow.yaml")
     except BuildCheckError:
         raise
     except SchemaError as exc:
         raise BuildCheckError(str(exc)) from exc
-    return Workflow.from_json(document)
+    return document, Workflow.from_json(document)
 
 
 def _schema_check(document: Any, schema_name: str, file: str) -> None:
@@ -431,3 +469,715 @@ def _check_no_secrets(build: Path, regions: list[str]) -> None:
             for pattern in _SECRET_PATTERNS:
                 if pattern.search(line):
                     _fail(_relative(build, path), f"line {number}", f"looks like a credential ({pattern.pattern})")
+
+
+# --- what a run relies on --------------------------------------------------------------------------------
+
+#: the hint on a message about a file whose digest no longer matches cloudless-build.json
+EDITED = " (the file was edited after the compile; recompile)"
+_MISSING = object()
+#: safetensors dtype -> (the torch dtype name a generated stage's TENSORS gives, bytes per element)
+_SAFETENSORS_DTYPES = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "C64": ("complex64", 8),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+}
+#: a package's files besides stage.py, weights and the loss, and why each is needed
+_PACKAGE_FILES = {
+    "function.json": "the worker reads its function, region and workflow from it",
+    "handler.py": "the function's entry point (Lambda's CMD, OpenFaaS's handler)",
+    "stage.py": "the stage's generated module, which the worker runs",
+    "weights.safetensors": "the stage's initial weights, which the worker loads at iteration 0",
+    "requirements.txt": "the image's dependencies",
+    "Dockerfile": "what the Lambda image is built from",
+}
+
+
+class _Build:
+    """A build folder and its manifest: which files are as compiled (their digests, each computed once),
+    and the compiled workflow (an intact function.json's copy), to tell which of two disagreeing values
+    was edited. Without a manifest (`check_deployment`) nothing counts as edited."""
+
+    def __init__(self, root: Path, manifest: dict[str, str] | None) -> None:
+        self.root, self.manifest = root, manifest or {}
+        self._digests: dict[str, str | None] = {}
+        self._compiled: Any = _MISSING
+
+    @classmethod
+    def open(cls, root: Path) -> _Build:
+        if not (root / BUILD_MARKER).is_file():
+            _fail(
+                BUILD_MARKER,
+                "(file)",
+                "missing: not a build written by cloudless-compile, or written by an older version; recompile",
+            )
+        manifest = read_manifest(root)
+        if manifest is None:
+            _fail(BUILD_MARKER, "(top level)", 'not JSON of kind "cloudless-build" with "files"; recompile')
+        for path, digest in manifest.items():
+            parts = PurePosixPath(path).parts
+            if PurePosixPath(path).is_absolute() or ".." in parts or not parts:
+                _fail(BUILD_MARKER, f"files/{path}", "not a path inside the build folder")
+            if not isinstance(digest, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+                _fail(BUILD_MARKER, f"files/{path}", f"{_short(digest)} is not sha256:<64 hex digits>")
+        return cls(root, manifest)
+
+    def digest(self, path: str) -> str | None:
+        """The file's digest now; None if it is not there."""
+        if path not in self._digests:
+            file = self.root / path
+            self._digests[path] = file_digest(file.read_bytes()) if file.is_file() else None
+        return self._digests[path]
+
+    def edited(self, path: str) -> bool:
+        """Listed in the manifest, but missing or with other bytes."""
+        return path in self.manifest and self.digest(path) != self.manifest[path]
+
+    def culprit(self, default: str, other: str) -> str:
+        """Of two files that disagree, the one to name: `other` when only it was edited, else `default`."""
+        return other if self.edited(other) and not self.edited(default) else default
+
+    def note(self, path: str) -> str:
+        return EDITED if self.edited(path) else ""
+
+    @property
+    def compiled(self) -> Any:
+        """The workflow document as compiled: the copy in the first intact function.json (None if none is)."""
+        if self._compiled is _MISSING:
+            self._compiled = None
+            for path in sorted(p for p in self.manifest if p.endswith("/function.json")):
+                if not self.edited(path):
+                    try:
+                        self._compiled = json.loads((self.root / path).read_text())["workflow"]
+                    except (OSError, ValueError, KeyError, TypeError):
+                        continue
+                    break
+        return self._compiled
+
+    def blame(self, keys: list[str]) -> str:
+        """Of workflow.yaml's keys that disagree with each other, the first whose value is not as compiled
+        (the first when that cannot be told)."""
+        if self.edited("workflow.yaml") and self.compiled is not None:
+            document = yaml.safe_load((self.root / "workflow.yaml").read_text())
+            for key in keys:
+                if _lookup(document, key) != _lookup(self.compiled, key):
+                    return key
+        return keys[0]
+
+    def was(self, key: str, value: Any) -> str:
+        """`; compiled as X` when workflow.yaml's `key` holds `value` but was compiled otherwise."""
+        if not self.edited("workflow.yaml") or self.compiled is None:
+            return ""
+        compiled = _lookup(self.compiled, key)
+        if compiled is _MISSING or compiled == value:
+            return ""
+        return f"; compiled as {_short(compiled)}{EDITED}"
+
+
+def _lookup(document: Any, key: str) -> Any:
+    """The value at a key path like `regions/0/functions/1/inputs`; _MISSING if there is none."""
+    for part in key.split("/"):
+        if isinstance(document, dict) and part in document:
+            document = document[part]
+        elif isinstance(document, list) and part.isdigit() and int(part) < len(document):
+            document = document[int(part)]
+        else:
+            return _MISSING
+    return document
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = "(nothing)" if value is _MISSING else repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _first_difference(ours: Any, theirs: Any, where: str = "") -> tuple[str, Any, Any] | None:
+    """The first key path (in `theirs`' order) at which two JSON documents differ, and both values."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in [*theirs, *(k for k in ours if k not in theirs)]:
+            path = f"{where}/{key}" if where else str(key)
+            if key not in ours or key not in theirs:
+                return path, ours.get(key, _MISSING), theirs.get(key, _MISSING)
+            found = _first_difference(ours[key], theirs[key], path)
+            if found:
+                return found
+        return None
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            found = _first_difference(a, b, f"{where}/{index}" if where else str(index))
+            if found:
+                return found
+        return None
+    return None if ours == theirs else (where or "(top level)", ours, theirs)
+
+
+def _function_key(document: dict[str, Any], region: int, name: str) -> str:
+    """workflow.yaml's key of a region's function (Workflow.from_json sorts them by stage)."""
+    for index, function in enumerate(document["regions"][region]["functions"]):
+        if function["name"] == name:
+            return f"regions/{region}/functions/{index}"
+    raise KeyError(name)
+
+
+def _check_step_replicas(document: dict[str, Any], context: _Build | None) -> None:
+    """Each step has its function's replicas (before check_workflow, to name the edited side)."""
+    functions = {
+        (region["name"], function["name"]): (f"regions/{r}/functions/{f}/replicas", function["replicas"])
+        for r, region in enumerate(document["regions"])
+        for f, function in enumerate(region["functions"])
+    }
+    for i, step in enumerate(document["steps"]):
+        found = functions.get((step["region"], step["function"]))
+        if found is None or found[1] == step["replicas"]:
+            continue
+        step_key, (function_key, replicas) = f"steps/{i}/replicas", found
+        if context is not None and context.blame([step_key, function_key]) == function_key:
+            _fail(
+                "workflow.yaml",
+                function_key,
+                f"{replicas}, but its steps (steps/{i}) have {step['replicas']}{context.was(function_key, replicas)}",
+            )
+        note = context.was(step_key, step["replicas"]) if context is not None else ""
+        _fail(
+            "workflow.yaml",
+            step_key,
+            f"{step['replicas']}, but function {step['function']!r} has {replicas} ({function_key}){note}",
+        )
+
+
+def _check_run(context: _Build, document: dict[str, Any], workflow: Workflow) -> None:
+    """What the workers and the controller take from workflow.yaml agrees with itself."""
+    file = "workflow.yaml"
+    run = workflow.run
+    if run.micro_batch * run.micro_batches != run.global_batch:
+        key = context.blame(["run/micro_batch", "run/micro_batches", "run/global_batch"])
+        _fail(
+            file,
+            key,
+            f"micro_batch {run.micro_batch} x micro_batches {run.micro_batches} = "
+            f"{run.micro_batch * run.micro_batches}, but global_batch is {run.global_batch}: every iteration's "
+            f"global_batch samples are cut into micro_batches of micro_batch{context.was(key, _lookup(document, key))}",
+        )
+    blocks = _block_count(context.root)
+    partition = [f.blocks for f in workflow.regions[0].functions]
+    for r, region in enumerate(workflow.regions):
+        functions = region.functions  # in stage order
+        for function in functions:
+            key = _function_key(document, r, function.name)
+            if function.package != f"regions/{region.name}/functions/{function.name}":
+                _fail(
+                    file,
+                    f"{key}/package",
+                    f"{function.package!r}; expected 'regions/{region.name}/functions/{function.name}'"
+                    + context.was(f"{key}/package", function.package),
+                )
+            first, last = function.blocks
+            if first > last:
+                _fail(file, f"{key}/blocks", f"{list(function.blocks)}: the first block is after the last")
+            if function.stage == 0 and first != 0:
+                _fail(file, f"{key}/blocks", f"{list(function.blocks)}: stage 0 must start at block 0")
+            if function.stage > 0:
+                before = functions[function.stage - 1]
+                if first != before.blocks[1] + 1:
+                    before_key = _function_key(document, r, before.name)
+                    blamed = context.blame([f"{key}/blocks", f"{before_key}/blocks"])
+                    _fail(
+                        file,
+                        blamed,
+                        f"stage {before.stage} has blocks {list(before.blocks)} and stage {function.stage} "
+                        f"{list(function.blocks)}: the stages must tile the block chain, each from the block after "
+                        f"the last of the one before{context.was(blamed, _lookup(document, blamed))}",
+                    )
+        if blocks is not None and functions[-1].blocks[1] != blocks - 1:
+            key = f"{_function_key(document, r, functions[-1].name)}/blocks"
+            _fail(
+                file,
+                key,
+                f"{list(functions[-1].blocks)}: the last stage must end at the chain's last block {blocks - 1} "
+                f"(ir/blocks.json has {blocks}){context.was(key, _lookup(document, key))}",
+            )
+        if [f.blocks for f in functions] != partition:
+            key = f"regions/{r}/functions"
+            _fail(
+                file,
+                key,
+                f"blocks {[list(b) for b in (f.blocks for f in functions)]}, but region "
+                f"{workflow.regions[0].name!r} has {[list(b) for b in partition]}: every region runs the same "
+                "generated stages",
+            )
+        _check_stage_inputs(context, document, workflow, r)
+    _check_regions(context, document, workflow)
+    _check_optimizer(context, document, workflow)
+
+
+def _block_count(build: Path) -> int | None:
+    """How many blocks ir/blocks.json has (None without a readable one)."""
+    try:
+        blocks = json.loads((build / "ir" / "blocks.json").read_text())["blocks"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return len(blocks) if isinstance(blocks, list) else None
+
+
+def _check_stage_inputs(context: _Build, document: dict[str, Any], workflow: Workflow, r: int) -> None:
+    """Stage 0 takes the data inputs, in order (the worker zips them with the stored data); each later
+    stage takes tensors the one before it sends (it reads only that stage's activations)."""
+    file = "workflow.yaml"
+    functions = workflow.regions[r].functions
+    first_key = f"{_function_key(document, r, functions[0].name)}/inputs"
+    if functions[0].inputs != workflow.data.inputs:
+        key = context.blame([first_key, "data/inputs"])
+        _fail(
+            file,
+            key,
+            f"stage 0 takes {list(functions[0].inputs)}, but data/inputs is {list(workflow.data.inputs)}: the "
+            f"first stage takes the data inputs in order{context.was(key, _lookup(document, key))}",
+        )
+    for before, function in zip(functions, functions[1:], strict=False):
+        missing = [name for name in function.inputs if name not in before.outputs]
+        if missing:
+            key = f"{_function_key(document, r, function.name)}/inputs"
+            before_key = f"{_function_key(document, r, before.name)}/outputs"
+            blamed = context.blame([key, before_key])
+            _fail(
+                file,
+                blamed,
+                f"stage {function.stage} takes {missing}, which stage {before.stage} does not send (its outputs "
+                f"are {list(before.outputs)}){context.was(blamed, _lookup(document, blamed))}",
+            )
+
+
+def _check_regions(context: _Build, document: dict[str, Any], workflow: Workflow) -> None:
+    """Several regions: what the controller and the workers' inter-region sync need."""
+    file = "workflow.yaml"
+    sync = workflow.sync
+    names = [region.name for region in workflow.regions]
+    for r, region in enumerate(workflow.regions):
+        counted = sum(source.count for source in region.data_sources)
+        if region.data_sources and region.samples is not None and region.samples != counted:
+            counts = [f"regions/{r}/data_sources/{k}/count" for k in range(len(region.data_sources))]
+            key = context.blame([f"regions/{r}/samples", *counts])
+            if key in counts:
+                count = region.data_sources[counts.index(key)].count
+                what = f"{count}, but the region's samples are {region.samples} (its data_sources hold {counted})"
+            else:
+                what = f"{region.samples}, but its data_sources hold {counted}"
+            _fail(file, key, what + context.was(key, _lookup(document, key)))
+    if len(names) == 1:
+        return
+    if sync.inter_region is None:
+        _fail(file, "sync/inter_region", f"null, but {len(names)} regions train: their models must meet")
+    if sync.rounds is None:
+        _fail(file, "sync/rounds", "missing: the controller runs every region for the planned rounds")
+    if sync.inter_region == "asgd-ga" and sync.server not in names:
+        _fail(file, "sync/server", f"{sync.server!r} is not a region of workflow.yaml {names}: ASGD-GA's server")
+    for r, region in enumerate(workflow.regions):
+        if region.round_iterations is None:
+            _fail(file, f"regions/{r}/round_iterations", "missing: several regions meet every round_iterations")
+        if region.iterations is not None and region.iterations != sync.rounds * region.round_iterations:
+            key = context.blame([f"regions/{r}/iterations", f"regions/{r}/round_iterations", "sync/rounds"])
+            _fail(
+                file,
+                key,
+                f"region {region.name!r}: iterations {region.iterations}, but sync/rounds {sync.rounds} x "
+                f"round_iterations {region.round_iterations} = {sync.rounds * region.round_iterations}"
+                + context.was(key, _lookup(document, key)),
+            )
+        if sync.inter_region == "model-average" and region.weight is None:
+            _fail(file, f"regions/{r}/weight", "missing: model averaging weighs each region's model")
+    if sync.inter_region == "model-average":
+        total = sum(region.weight or 0.0 for region in workflow.regions)
+        if not math.isclose(total, 1.0, abs_tol=1e-6):
+            key = context.blame([f"regions/{r}/weight" for r in range(len(names))])
+            _fail(
+                file,
+                key,
+                f"the regions' weights add up to {total:g}, not 1: the average would scale the model"
+                + context.was(key, _lookup(document, key)),
+            )
+
+
+def _check_optimizer(context: _Build, document: dict[str, Any], workflow: Workflow) -> None:
+    """Every worker builds `torch.optim.<class>(parameters, **options)`: build one on a dummy parameter."""
+    import torch
+
+    spec = workflow.optimizer
+    optimizer = getattr(torch.optim, spec.class_name, None)
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        _fail(
+            "workflow.yaml",
+            "optimizer/class",
+            f"{spec.class_name!r} is not a torch.optim optimizer" + context.was("optimizer/class", spec.class_name),
+        )
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(1))], **spec.options)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        _fail("workflow.yaml", "optimizer/options", f"torch.optim.{spec.class_name} refuses them: {exc}")
+
+
+# --- plan.json ---------------------------------------------------------------------------------------
+
+
+def _check_plan(context: _Build, document: dict[str, Any], workflow: Workflow) -> None:
+    """plan.json's stages, batch sizes and schedule are workflow.yaml's (the report and the platform
+    files come from the plan, the run from the workflow). Without plan.json nothing to compare: the
+    digests say whether it should be there."""
+    file = "plan.json"
+    path = context.root / file
+    if not path.is_file():
+        return
+    try:
+        plan_document = json.loads(path.read_text())
+    except ValueError as exc:
+        _fail(file, "(top level)", f"not JSON: {exc}")
+    _schema_check(plan_document, "plan", file)
+    try:
+        plan = TrainingPlan.from_json(plan_document)
+    except ValueError as exc:
+        _fail(file, "(top level)", str(exc))
+
+    def agree(plan_key: str, plan_value: Any, workflow_key: str, workflow_value: Any) -> None:
+        if plan_value == workflow_value:
+            return
+        if context.culprit(file, "workflow.yaml") == file:
+            _fail(
+                file,
+                plan_key,
+                f"{_short(plan_value)}, but workflow.yaml has {_short(workflow_value)} at {workflow_key}"
+                + context.note(file),
+            )
+        _fail(
+            "workflow.yaml",
+            workflow_key,
+            f"{_short(workflow_value)}, but plan.json has {_short(plan_value)} at {plan_key}{EDITED}",
+        )
+
+    run = workflow.run
+    agree("model", plan.model, "model", workflow.model)
+    agree("schedule", plan.schedule, "run/schedule", run.schedule)
+    for key in ("global_batch", "micro_batch", "micro_batches"):
+        agree(key, getattr(plan, key), f"run/{key}", getattr(run, key))
+    planned: dict[str, tuple[str, tuple[PlannedStage, ...]]] = {}
+    if plan.regions is None:
+        planned[plan.region] = ("stages", plan.stages)
+    else:
+        for s, site in enumerate(plan.regions.sites):
+            if site.trains:
+                planned[site.name] = (f"regions/sites/{s}/stages", site.stages)
+        if len(workflow.regions) > 1:
+            agree("regions/sync", plan.regions.sync, "sync/inter_region", workflow.sync.inter_region)
+            agree("regions/rounds", plan.regions.rounds, "sync/rounds", workflow.sync.rounds)
+            if workflow.sync.inter_region == "asgd-ga":
+                agree("regions/server", plan.regions.server, "sync/server", workflow.sync.server)
+    agree(
+        "regions/sites" if plan.regions is not None else "region",
+        sorted(planned),
+        "regions",
+        sorted(region.name for region in workflow.regions),
+    )
+    for r, region in enumerate(workflow.regions):
+        where, stages = planned[region.name]
+        agree(where, len(stages), f"regions/{r}/functions", len(region.functions))
+        for position, (stage, function) in enumerate(zip(stages, region.functions, strict=True)):
+            key = _function_key(document, r, function.name)
+            here = f"{where}/{position}"
+            agree(f"{here}/index", stage.index, f"{key}/stage", function.stage)
+            agree(f"{here}/blocks", list(stage.blocks), f"{key}/blocks", list(function.blocks))
+            agree(f"{here}/tier_mb", stage.tier_mb, f"{key}/memory_mb", function.memory_mb)
+            agree(f"{here}/replicas", stage.replicas, f"{key}/replicas", function.replicas)
+
+
+# --- function packages -------------------------------------------------------------------------------
+
+
+def _check_packages(context: _Build, document: dict[str, Any], workflow: Workflow) -> None:
+    """Each function's package holds what its worker loads, as workflow.yaml describes it."""
+    for r, region in enumerate(workflow.regions):
+        tensors: dict[int, dict[str, tuple[tuple[int, ...], str, bool]]] = {}
+        for function in region.functions:
+            last = function.stage == region.stages - 1
+            _check_package_files(context, workflow, function, last)
+            _check_function_json(context, document, workflow, region, function)
+            tensors[function.stage] = _check_stage_module(context, document, r, function)
+            _check_weights(context, function, tensors[function.stage])
+            if last:
+                _check_loss(context, workflow, function)
+        _check_shared(context, document, r, region, tensors)
+
+
+def _check_package_files(context: _Build, workflow: Workflow, function: Function, last: bool) -> None:
+    folder = context.root / function.package
+    if not folder.is_dir():
+        _fail(function.package, "(folder)", f"missing: the package of function {function.name!r}")
+    needed = dict(_PACKAGE_FILES)
+    if last:
+        needed[f"{workflow.data.loss}.py"] = "the loss module, which the last stage runs"
+    for package, modules in VENDORED_MODULES.items():
+        for module in modules:
+            needed[f"cloudless/{package}/{module}.py"] = "part of the vendored runtime the handler imports"
+    for name, why in needed.items():
+        if not (folder / name).is_file():
+            path = f"{function.package}/{name}"
+            _fail(path, "(file)", f"missing: {why}{_deleted(context, path)}")
+
+
+def _deleted(context: _Build, path: str) -> str:
+    return " (listed in cloudless-build.json: deleted after the compile; recompile)" if path in context.manifest else ""
+
+
+def _check_function_json(
+    context: _Build, document: dict[str, Any], workflow: Workflow, region: Region, function: Function
+) -> None:
+    """function.json names this function and region and holds workflow.yaml's workflow: the worker reads
+    this copy, the controller workflow.yaml."""
+    file = f"{function.package}/function.json"
+    try:
+        spec = json.loads((context.root / file).read_text())
+    except ValueError as exc:
+        _fail(file, "(top level)", f"not JSON: {exc}{context.note(file)}")
+    if not isinstance(spec, dict):
+        _fail(file, "(top level)", f"not an object{context.note(file)}")
+    for key, name in (("function", function.name), ("region", region.name)):
+        if spec.get(key) != name:
+            found = _short(spec.get(key, _MISSING))
+            _fail(file, key, f"{found}; expected {name!r}, whose package this is{context.note(file)}")
+    copy = spec.get("workflow", _MISSING)
+    try:
+        typed = Workflow.from_json(copy)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        ours, theirs = copy, document  # not a workflow: say where its document differs
+    else:
+        if typed == workflow:
+            return
+        ours, theirs = typed.to_json(), workflow.to_json()
+    where, mine, expected = _first_difference(ours, theirs) or ("(top level)", copy, document)
+    if context.culprit(file, "workflow.yaml") == file:
+        _fail(
+            file,
+            f"workflow/{where}" if where != "(top level)" else "workflow",
+            f"{_short(mine)}, but workflow.yaml has {_short(expected)}: the worker reads this copy, the controller "
+            f"workflow.yaml{context.note(file)}",
+        )
+    _fail("workflow.yaml", where, f"{_short(expected)}, but the packages' function.json have {_short(mine)}{EDITED}")
+
+
+def _module_constants(context: _Build, file: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The literal values a generated module assigns to `names`, read with ast (the build's code is not
+    run), once it defines class Stage."""
+    try:
+        tree = ast.parse((context.root / file).read_text(), filename=file)
+    except (SyntaxError, ValueError, UnicodeDecodeError) as exc:
+        _fail(file, "(top level)", f"not Python: {exc}{context.note(file)}")
+    values: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in names:
+                try:
+                    values[node.targets[0].id] = ast.literal_eval(node.value)
+                except ValueError:
+                    _fail(file, node.targets[0].id, f"not a literal{context.note(file)}")
+    if not any(isinstance(node, ast.ClassDef) and node.name == "Stage" for node in tree.body):
+        _fail(file, "Stage", f"missing: the worker instantiates class Stage{context.note(file)}")
+    for name in names:
+        if name not in values:
+            _fail(file, name, f"missing{context.note(file)}")
+    return values
+
+
+def _names(value: Any) -> tuple[str, ...] | None:
+    if isinstance(value, tuple | list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
+
+
+def _check_stage_module(
+    context: _Build, document: dict[str, Any], r: int, function: Function
+) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+    """stage.py's INPUTS and OUTPUTS are the function's (the worker takes and sends those); its TENSORS
+    (name: (shape, dtype, trainable)), which Stage() installs, are returned."""
+    file = f"{function.package}/stage.py"
+    constants = _module_constants(context, file, ("INPUTS", "OUTPUTS", "TENSORS"))
+    key = _function_key(document, r, function.name)
+    for name, expected in (("INPUTS", function.inputs), ("OUTPUTS", function.outputs)):
+        found = _names(constants[name])
+        if found is None:
+            _fail(file, name, f"{_short(constants[name])} is not a tuple of names{context.note(file)}")
+        if found != expected:
+            workflow_key = f"{key}/{name.lower()}"
+            if context.culprit(file, "workflow.yaml") == file:
+                _fail(
+                    file,
+                    name,
+                    f"{list(found)}, but workflow.yaml has {list(expected)} at {workflow_key}{context.note(file)}",
+                )
+            _fail("workflow.yaml", workflow_key, f"{list(expected)}, but stage.py's {name} are {list(found)}{EDITED}")
+    tensors = constants["TENSORS"]
+    well_formed = isinstance(tensors, dict) and all(
+        isinstance(name, str)
+        and isinstance(entry, tuple)
+        and len(entry) == 3
+        and isinstance(entry[0], tuple)
+        and all(isinstance(n, int) and n >= 0 for n in entry[0])
+        and isinstance(entry[1], str)
+        and isinstance(entry[2], bool)
+        for name, entry in tensors.items()
+    )
+    if not well_formed:
+        _fail(file, "TENSORS", f"not {{name: (shape, dtype, trainable)}}{context.note(file)}")
+    return tensors
+
+
+def _check_weights(context: _Build, function: Function, tensors: dict[str, tuple[tuple[int, ...], str, bool]]) -> None:
+    """weights.safetensors is whole (its header, and data to the last tensor's end) and holds exactly the
+    tensors stage.py's TENSORS declares, with their shapes and dtypes: the worker loads it with
+    load_state_dict(strict=True) into Stage(), which installs TENSORS. Only the header is read."""
+    file = f"{function.package}/weights.safetensors"
+    stage = f"{function.package}/stage.py"
+    note = context.note(file)
+    path = context.root / file
+    size = path.stat().st_size
+    with path.open("rb") as stream:
+        head = stream.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or length > size - 8:
+            _fail(file, "(header)", f"truncated or not safetensors: {size} bytes, header length {length}{note}")
+        try:
+            header = json.loads(stream.read(length))
+        except (ValueError, UnicodeDecodeError) as exc:
+            _fail(file, "(header)", f"not a safetensors header (JSON): {exc}{note}")
+    if not isinstance(header, dict):
+        _fail(file, "(header)", f"not a safetensors header (a JSON object){note}")
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, itemsize = _SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            first, stop = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            _fail(file, name, f"not a safetensors entry {{dtype, shape, data_offsets}}: {_short(entry)}{note}")
+        if not 0 <= first <= stop or stop - first != math.prod(shape) * itemsize:
+            _fail(file, name, f"data_offsets {[first, stop]} do not hold a {dtype} tensor of shape {list(shape)}{note}")
+        found[name] = (shape, dtype)
+        end = max(end, stop)
+    data = size - 8 - length
+    if end != data:
+        what = "truncated" if end > data else "longer than its header says"
+        _fail(file, "(data)", f"{what}: the header describes {end} bytes of tensor data, the file holds {data}{note}")
+    blamed = context.culprit(file, stage)
+    for name, (shape, dtype, _) in tensors.items():
+        if name not in found:
+            if blamed == stage:
+                _fail(stage, f"TENSORS/{name}", f"not in weights.safetensors{EDITED}")
+            _fail(file, name, f"missing: stage.py's TENSORS declares it {list(shape)} {dtype}{note}")
+        if found[name] != (shape, dtype):
+            have = f"{list(found[name][0])} {found[name][1]}"
+            if blamed == stage:
+                _fail(stage, f"TENSORS/{name}", f"{list(shape)} {dtype}, but weights.safetensors has {have}{EDITED}")
+            _fail(file, name, f"{have}, but stage.py's TENSORS declares {list(shape)} {dtype}{note}")
+    for name in found:
+        if name not in tensors:
+            if blamed == stage:
+                _fail(stage, "TENSORS", f"lacks {name!r}, which weights.safetensors holds{EDITED}")
+            _fail(file, name, f"not a tensor of the stage (stage.py's TENSORS does not declare it){note}")
+
+
+def _check_loss(context: _Build, workflow: Workflow, function: Function) -> None:
+    """The loss module takes the last stage's outputs, then the targets: Stage()(*outputs, *targets)."""
+    file = f"{function.package}/{workflow.data.loss}.py"
+    constants = _module_constants(context, file, ("INPUTS",))
+    inputs = _names(constants["INPUTS"])
+    expected = len(function.outputs) + workflow.data.targets
+    if inputs is None or len(inputs) != expected:
+        if context.culprit(file, "workflow.yaml") == file:
+            _fail(
+                file,
+                "INPUTS",
+                f"{_short(constants['INPUTS'])}, but it takes the last stage's {len(function.outputs)} outputs and "
+                f"data/targets {workflow.data.targets} targets{context.note(file)}",
+            )
+        _fail(
+            "workflow.yaml",
+            "data/targets",
+            f"{workflow.data.targets}, but {file} takes {len(inputs or ())} tensors, the last stage sends "
+            f"{len(function.outputs)}{EDITED}",
+        )
+
+
+def _check_shared(
+    context: _Build,
+    document: dict[str, Any],
+    r: int,
+    region: Region,
+    tensors: dict[int, dict[str, tuple[tuple[int, ...], str, bool]]],
+) -> None:
+    """A tied parameter is a trainable tensor of every stage that lists it, and every stage holding it lists
+    it: the stages that list it sum their gradients, and one left out would train its copy apart."""
+    shared = {name for function in region.functions for name in function.shared_parameters}
+    for function in region.functions:
+        key = f"{_function_key(document, r, function.name)}/shared_parameters"
+        held = {name for name, (_, _, trainable) in tensors[function.stage].items() if trainable}
+        for name in function.shared_parameters:
+            if name not in held:
+                _fail(
+                    "workflow.yaml",
+                    key,
+                    f"{name!r} is no trainable tensor of stage {function.stage} (its stage.py TENSORS)"
+                    + context.was(key, list(function.shared_parameters)),
+                )
+        for name in sorted((shared & held) - set(function.shared_parameters)):
+            _fail(
+                "workflow.yaml",
+                key,
+                f"stage {function.stage} holds the tied parameter {name!r}, which other stages list, but does "
+                f"not list it: its gradient would not be summed{context.was(key, list(function.shared_parameters))}",
+            )
+
+
+# --- digests -----------------------------------------------------------------------------------------
+
+
+def _deployment_file(path: str) -> bool:
+    """A file the deployment checks read (their messages explain an edit better than its digest)."""
+    return path == "samconfig.toml" or (path.startswith("regions/") and path.count("/") == 2)
+
+
+def _check_digests(context: _Build, workflow: Workflow, packages: bool, *, deployment: bool) -> None:
+    """Every file cloudless-build.json lists has its digest, and every file a deployment or a run reads is
+    listed: a package folder is deployed whole (its image copies every file in it). Python's own caches
+    (__pycache__, written when a local run imports the vendored runtime) are not the build's. In two passes:
+    the deployment files (`deployment`) after their own checks, every other file before them."""
+    package_roots = tuple(f"{function.package}/" for _, function in workflow.functions())
+    for path, digest in sorted(context.manifest.items()):
+        if _deployment_file(path) != deployment or (not packages and path.startswith(package_roots)):
+            continue
+        actual = context.digest(path)
+        if actual is None:
+            _fail(path, "(file)", f"missing (listed in {BUILD_MARKER}): deleted after the compile; recompile")
+        if actual != digest:
+            _fail(path, "(digest)", f"differs from {BUILD_MARKER} (edited or corrupted after the compile; recompile)")
+    read = [context.root / name for name in ("workflow.yaml", "plan.json", "samconfig.toml")]
+    regions = context.root / "regions"
+    if regions.is_dir():
+        read += [p for p in regions.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    for file in sorted(read):
+        relative = _relative(context.root, file)
+        if file.is_file() and relative not in context.manifest and _deployment_file(relative) == deployment:
+            inside = relative.startswith(package_roots) or "/functions/" in relative
+            why = "a package folder is deployed whole: remove it, or recompile" if inside else "remove it, or recompile"
+            _fail(relative, "(file)", f"not in {BUILD_MARKER}: {why}")

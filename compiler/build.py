@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 from cloudless.codegen.package import render_function_package, torch_release
@@ -20,7 +21,8 @@ from cloudless.compiler.lower import Lowered
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
 from cloudless.compiler.simulate import Timeline
 from cloudless.ir.blocks import BlockChain
-from cloudless.ir.files import plan_text, workflow_text
+from cloudless.ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
+from cloudless.ir.folders import FolderError, check_output_folder, run_lock, run_outputs
 from cloudless.ir.graph import OpGraph, dumps
 
 
@@ -33,7 +35,21 @@ def build_files(
     lowered: Lowered | None,
     targets: frozenset[str] = TARGETS,
 ) -> dict[str, bytes]:
-    """Every file of the build, by path relative to the build folder."""
+    """Every file of the build, by path relative to the build folder, the marker with their digests
+    included."""
+    files = _files(graph, chain, planned, plan_options, timeline, lowered, targets)
+    return dict(sorted({**files, BUILD_MARKER: build_manifest(files)}.items()))
+
+
+def _files(
+    graph: OpGraph,
+    chain: BlockChain,
+    planned: PlanResult | None,
+    plan_options: PlanOptions | None,
+    timeline: Timeline | None,
+    lowered: Lowered | None,
+    targets: frozenset[str],
+) -> dict[str, bytes]:
     files = {
         "ir/graph.json": dumps(graph.to_json()).encode(),
         "ir/blocks.json": dumps(chain.to_json()).encode(),
@@ -50,7 +66,7 @@ def build_files(
     if "sam" in targets:
         files["samconfig.toml"] = render_samconfig(workflow).encode()
     files.update(render_report(plan, timeline, workflow))
-    return dict(sorted(files.items()))
+    return files
 
 
 def package_files(lowered: Lowered) -> dict[str, bytes]:
@@ -73,11 +89,25 @@ def package_files(lowered: Lowered) -> dict[str, bytes]:
     return files
 
 
-def write_build(files: dict[str, bytes], output: Path, check: Callable[[Path], None] | None = None) -> None:
-    """Write `files` into a temporary sibling of `output`, run `check` on it, then swap it into place."""
-    output = output.resolve()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+def write_build(
+    files: dict[str, bytes],
+    output: Path,
+    check: Callable[[Path], None] | None = None,
+    protected: Sequence[Path] = (),
+) -> None:
+    """Write `files` into a temporary sibling of `output`, run `check` on it, then swap it into place.
+
+    `output` must pass `check_output_folder` (checked again here, the compile having taken a while):
+    what it replaces is nothing or an earlier build. The earlier build's run outputs (`run/`, any
+    `--out` inside it) are the user's results, not the compiler's: they move into the new build before
+    the swap, each under its run lock so that no run starts writing there meanwhile (FolderError if one
+    is). A failure puts them and the previous build back.
+    """
+    check_output_folder(output, "build", protected=protected)
+    resolved = output.resolve()
+    resolved.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{resolved.name}.", dir=resolved.parent))
+    moved: list[str] = []  # run outputs now in staging, to move back if the swap fails
     try:
         for path, data in files.items():
             target = staging / path
@@ -85,13 +115,56 @@ def write_build(files: dict[str, bytes], output: Path, check: Callable[[Path], N
             target.write_bytes(data)
         if check is not None:
             check(staging)
-        if output.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
-            os.replace(output, retired / output.name)
-            os.replace(staging, output)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, output)
+        if not resolved.exists():
+            os.replace(staging, resolved)
+            return
+        runs = [run.name for run in run_outputs(resolved)]
+        taken = {path.split("/")[0] for path in files}
+        for name in runs:
+            if name in taken:
+                raise FolderError(
+                    f"-o {output}: {output / name} holds a run's output where the new build writes its own "
+                    "files; move it away"
+                )
+        with ExitStack() as locks:
+            # the run folders end at the same paths, moved or not: each lock is removed where it was taken
+            for name in runs:
+                locks.enter_context(run_lock(output / name))
+            _swap(staging, resolved, runs, moved)
     finally:
-        if staging.exists():
+        # never delete a run output that could not be moved back: leave the staging folder to the user
+        if staging.exists() and not moved:
             shutil.rmtree(staging)
+
+
+def _swap(staging: Path, output: Path, runs: list[str], moved: list[str]) -> None:
+    """Move the run outputs `runs` of the build `output` into `staging`, then `staging` in place of
+    `output`; on a failure, put back the previous build and the runs (those still away stay in `moved`)."""
+    retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
+    try:
+        try:
+            for name in runs:
+                os.replace(output / name, staging / name)
+                moved.append(name)
+            os.replace(output, retired / output.name)
+        except BaseException:
+            _move_back(moved, staging, output)
+            raise
+        try:
+            os.replace(staging, output)
+        except BaseException:
+            os.replace(retired / output.name, output)
+            _move_back(moved, staging, output)
+            raise
+        moved.clear()
+        shutil.rmtree(retired)
+    finally:
+        if retired.exists() and not any(retired.iterdir()):
+            retired.rmdir()
+
+
+def _move_back(moved: list[str], staging: Path, output: Path) -> None:
+    """Return the run outputs moved into `staging` to the previous build `output`, emptying `moved`."""
+    while moved:
+        os.replace(staging / moved[-1], output / moved[-1])
+        moved.pop()

@@ -1,7 +1,8 @@
 """`cloudless-compile MODEL.py -o BUILD/`: the command-line front door.
 
 Bad input is one line on stderr and exit status 2; a failed --verify exits 1. The build is written
-to a temporary folder beside BUILD and renamed into place, so a failed compile writes nothing.
+to a temporary folder beside BUILD and renamed into place, so a failed compile writes nothing; BUILD
+must be new, empty or an earlier build (ir/folders.py), so a compile never replaces a user's files.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cloudless.compiler.pipeline import Compiled, CompileOptions, FrontEndOption
 from cloudless.compiler.plan import PlanOptions
 from cloudless.compiler.verify import TOLERANCE
 from cloudless.ir.catalog import load_catalog
+from cloudless.ir.folders import FolderError, check_output_folder
 from cloudless.ir.schema import SchemaError
 
 SLOW_STEPS = {
@@ -152,6 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return check_command(args.check, Console(quiet=args.quiet, highlight=False, soft_wrap=True))
     if args.model is None or args.output is None:
         parser.error("a model file and -o BUILD are required (or --check BUILD)")
+    try:
+        # before any pass: a refusal must not cost a minute of profiling first
+        check_output_folder(args.output, "build", protected=[args.model])
+    except FolderError as exc:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
+        return 2
     # Plain, unwrapped lines for the summary: it is read in terminals and in CI logs alike.
     out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
     for name, value in (
@@ -233,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         result = compile_model(options, step)
-    except (CompileError, SchemaError) as exc:
+    except (CompileError, SchemaError, FolderError) as exc:
         code = exc.exit_code if isinstance(exc, CompileError) else 2
         if isinstance(exc, SchemaError):
             exc = SchemaError(f"the generated build failed its check (a Cloudless bug, please report it): {exc}")

@@ -160,7 +160,12 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
     with timed("write"):
         files = build_files(front.graph, front.chain, planned, options.plan, timeline, lowered, options.targets)
         if options.output is not None:
-            write_build(files, options.output, check=check_build if lowered is not None else None)
+            write_build(
+                files,
+                options.output,
+                check=check_build if lowered is not None else None,
+                protected=[options.front.model_path],
+            )
     return Compiled(front, planned, options.plan, timeline, stages, verify, lowered, files, timings)
 
 

@@ -8,6 +8,7 @@ function named exists, the steps form a DAG, and stages are numbered 0..S-1 in e
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,32 @@ from cloudless.ir.graph import dumps
 from cloudless.ir.plan import TrainingPlan
 from cloudless.ir.schema import SchemaError, validate
 from cloudless.ir.workflow import Workflow
+
+#: the file at the root of every build folder: what wrote it, and every other file's digest. Its
+#: presence is what lets `-o` replace a folder (an earlier build), and `--check` compares the digests.
+BUILD_MARKER = "cloudless-build.json"
+
+
+def file_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def build_manifest(files: dict[str, bytes]) -> bytes:
+    """The marker's bytes for a build of `files` (paths relative to the build folder)."""
+    digests = {path: file_digest(data) for path, data in sorted(files.items()) if path != BUILD_MARKER}
+    return (json.dumps({"kind": "cloudless-build", "format": 1, "files": digests}, indent=1) + "\n").encode()
+
+
+def read_manifest(build: Path) -> dict[str, str] | None:
+    """The digests a build's marker records, by path; None if `build` has no (readable) marker."""
+    try:
+        document = json.loads((build / BUILD_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or document.get("kind") != "cloudless-build":
+        return None
+    files = document.get("files")
+    return dict(files) if isinstance(files, dict) else None
 
 
 class _Dumper(yaml.SafeDumper):

@@ -7,15 +7,33 @@ timeout). Standard library only: this module is vendored into every function pac
 
 Keys of one region of one run live under its namespace `<run>/<region>` (the region alone when no
 run name is given); a region reads another's keys (model averaging, ASGD-GA) under that region's
-namespace. Training data lives outside any run, under `data/<name>/<split>/`.
+namespace. Training data lives outside any run, under `data/<name>/<split>/`. The rest of the run
+contract, what order the functions do an iteration's work in and which samples it reads, is in
+`cloudless.ir.schedule`.
+
+Integrity: every value in storage is `seal`ed (a header with the SHA-256 of the value); a reader
+`unseal`s it and a mismatch is a `CorruptBlob` naming the key, never a silently different tensor.
+
+Lifetimes. Each key has one owner, the function (replica) that writes it:
+- the keys of iteration i (under `iteration_prefix`: activations, gradients, sync pieces, shared
+  gradients, progress reports) live until their writer has checkpointed twice more; then it deletes
+  them (`sweep_before`), so that a function falling back to its previous checkpoint still finds
+  what its neighbours sent it after that checkpoint;
+- a stage's checkpoints (`state_key`): its replica 0 keeps the newest two at multiples of
+  `checkpoint_every`, and the one its invocation started from until two newer ones exist;
+- completion markers, claims and stop decisions, per invocation: the controller deletes them when
+  the range they belong to is done;
+- at the end of a run the controller deletes the run's namespaces unless asked to keep them; staged
+  data is kept (it is shared by the runs on that storage and re-staged only when it changes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 _V = TypeVar("_V")
@@ -104,22 +122,144 @@ class Invocation:
         )
 
 
+# -- what an invocation returns -------------------------------------------------------------------
+#: done: it ran its range (or up to where the time limit stopped it); duplicate: another invocation
+#: of the same attempt ran it; diverged: a loss or parameter was not finite (see `AbortRecord`);
+#: aborted: it stopped because the region's run was aborted by another function
+InvocationStatus = Literal["done", "duplicate", "diverged", "aborted"]
+
+
+@dataclass(frozen=True)
+class InvocationResult:
+    """An invocation's result: what its handler returns and what its completion marker
+    (`done_key`) holds. `losses` are the last stage's, per micro-batch of this replica, iterations
+    `resumed`..`stop`-1; `spans` are [name, wall-clock start, end] of its work; `storage` counts its
+    requests by kind."""
+
+    status: InvocationStatus
+    function: str
+    replica: int
+    start: int
+    stage: int = 0
+    resumed: int = 0
+    stop: int = 0
+    losses: tuple[float | None, ...] = ()
+    seconds: float = 0.0
+    storage: Mapping[str, int] = field(default_factory=dict)
+    spans: tuple[tuple[str, float, float], ...] = ()
+    duplicate: bool = False  # the marker of an earlier invocation, returned again
+    reason: str = ""  # diverged or aborted: one line saying why
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "function": self.function,
+            "stage": self.stage,
+            "replica": self.replica,
+            "start": self.start,
+            "resumed": self.resumed,
+            "stop": self.stop,
+            # JSON has no NaN: a non-finite loss is null (the run stops on it anyway)
+            "losses": [x if x is not None and math.isfinite(x) else None for x in self.losses],
+            "seconds": self.seconds,
+            "storage": dict(sorted(self.storage.items())),
+            "spans": [list(s) for s in self.spans],
+            "duplicate": self.duplicate,
+            "reason": self.reason,
+        }
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any]) -> InvocationResult:
+        return cls(
+            status=document["status"],
+            function=str(document["function"]),
+            replica=int(document["replica"]),
+            start=int(document["start"]),
+            stage=int(document.get("stage", 0)),
+            resumed=int(document.get("resumed", document["start"])),
+            stop=int(document.get("stop", document["start"])),
+            losses=tuple(None if x is None else float(x) for x in document.get("losses", ())),
+            seconds=float(document.get("seconds", 0.0)),
+            storage={str(k): int(v) for k, v in document.get("storage", {}).items()},
+            spans=tuple((str(n), float(a), float(b)) for n, a, b in document.get("spans", ())),
+            duplicate=bool(document.get("duplicate", False)),
+            reason=str(document.get("reason", "")),
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> InvocationResult:
+        return cls.from_json(json.loads(data))
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    """Why a region's run stopped, written once (create-if-absent) at `abort_key` by the function
+    that found out; every function waiting on a key looks there now and then and gives up."""
+
+    reason: Literal["diverged", "failed"]  # failed: the controller gave up on an invocation
+    message: str  # one line: what, where (iteration, stage, function)
+    iteration: int
+    stage: int
+    function: str
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {k: getattr(self, k) for k in ("reason", "message", "iteration", "stage", "function")}, sort_keys=True
+        ).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> AbortRecord:
+        d = json.loads(data)
+        return cls(d["reason"], str(d["message"]), int(d["iteration"]), int(d["stage"]), str(d["function"]))
+
+
 # -- progress reports ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MetricsReport:
     """What the last stage's replica writes at `metrics_key` after each iteration: its micro-batches'
-    losses, in order, and the wall-clock time they were done."""
+    losses, in order (None for a loss that is not finite: JSON has no NaN), and the wall-clock time
+    they were done."""
 
-    losses: tuple[float, ...]
+    losses: tuple[float | None, ...]
     time: float
 
     def encode(self) -> bytes:
-        return json.dumps({"losses": list(self.losses), "time": self.time}).encode()
+        losses = [x if x is not None and math.isfinite(x) else None for x in self.losses]
+        return json.dumps({"losses": losses, "time": self.time}, allow_nan=False).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> MetricsReport:
         document = json.loads(data)
-        return cls(tuple(float(x) for x in document["losses"]), float(document["time"]))
+        return cls(tuple(None if x is None else float(x) for x in document["losses"]), float(document["time"]))
+
+
+# -- integrity ------------------------------------------------------------------------------------
+#: what every value in storage starts with: this tag, then the SHA-256 of the value
+SEAL_TAG = b"CLD1"
+SEAL_BYTES = len(SEAL_TAG) + 32
+
+
+class CorruptBlob(Exception):
+    """A value read from storage is not what was written (a flipped bit, truncated, not sealed).
+    Not a ValueError: that is a bad request, and this is a failed run."""
+
+
+def seal(data: bytes) -> bytes:
+    """`data` as stored: the tag, its digest, then the bytes."""
+    return SEAL_TAG + hashlib.sha256(data).digest() + data
+
+
+def unseal(where: str, blob: bytes) -> bytes:
+    """The value of a stored `blob`; CorruptBlob naming `where` (the key) if it does not check out."""
+    if len(blob) < SEAL_BYTES or not blob.startswith(SEAL_TAG):
+        raise CorruptBlob(f"{where}: corrupt: {len(blob)} bytes without Cloudless's integrity header")
+    data = blob[SEAL_BYTES:]
+    if hashlib.sha256(data).digest() != blob[len(SEAL_TAG) : SEAL_BYTES]:
+        raise CorruptBlob(f"{where}: corrupt: its {len(data)} bytes do not match the digest written with them")
+    return data
 
 
 # -- storage keys --------------------------------------------------------------------------------
@@ -131,6 +271,31 @@ def namespace(run: str, region: str) -> str:
 def run_of(namespace_: str) -> str:
     """The run name of a namespace (empty when it has none)."""
     return namespace_.rsplit("/", 1)[0] if "/" in namespace_ else ""
+
+
+def sweep_before(checkpoint: int, checkpoint_every: int) -> int:
+    """Having written its checkpoint at `checkpoint` (a multiple of `checkpoint_every`), a function
+    deletes the keys it wrote for iterations before this one, and its stage's checkpoint here.
+
+    Two intervals back: every function of a region is within an iteration of the others (each
+    waits for its neighbours' tensors), so none can still need them, even one that falls back from
+    its newest checkpoint to the one before (a corrupt checkpoint) and replays from there."""
+    return checkpoint - 2 * checkpoint_every
+
+
+def iteration_prefix(ns: str, iteration: int) -> str:
+    """Every key of one iteration's work (activations, gradients, sync pieces, reports) begins so."""
+    return f"{ns}/it{iteration}/"
+
+
+def iteration_of(ns: str, key: str) -> int | None:
+    """The iteration whose work `key` (in namespace `ns`) is part of; None for keys that outlive
+    iterations (checkpoints, markers)."""
+    head = f"{ns}/it"
+    if not key.startswith(head):
+        return None
+    number = key[len(head) :].split("/", 1)[0]
+    return int(number) if number.isdigit() else None
 
 
 def activation_key(ns: str, iteration: int, stage: int, micro_batch: int) -> str:
@@ -186,6 +351,11 @@ def claim_key(ns: str, function: str, replica: int, start: int, attempt: int) ->
 def stop_key(ns: str, start: int) -> str:
     """Where the region's invocations that started at `start` all stop (the time limit's decision)."""
     return f"{ns}/stop/from{start}"
+
+
+def abort_key(ns: str) -> str:
+    """Where a region's run records why it stopped (`AbortRecord`)."""
+    return f"{ns}/abort"
 
 
 def round_key(ns: str, strategy: str, stage: int, round_index: int, part: RoundPart) -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudless.ir import protocol
-from cloudless.ir.protocol import EMULATE_ENV, STORAGE_ENV, MetricsReport
+from cloudless.ir.protocol import EMULATE_ENV, STORAGE_ENV, AbortRecord, InvocationResult, MetricsReport
 from cloudless.ir.schedule import local_micro_batches
 from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow
 
@@ -51,6 +51,10 @@ FUNCTION_STEPS = frozenset(STEP_KINDS)
 
 class RunError(RuntimeError):
     """The run cannot go on (an invocation failed more often than allowed, or bad settings)."""
+
+
+class RunDiverged(RunError):
+    """A loss or a parameter stopped being finite; the message names the iteration and the stage."""
 
 
 @dataclass
@@ -73,8 +77,8 @@ class Handle(ABC):
     """An invocation under way."""
 
     @abstractmethod
-    def poll(self) -> dict[str, Any] | None:
-        """Its result once it succeeded; None while running. Raises InvocationFailed."""
+    def poll(self) -> InvocationResult | None:
+        """Its result once it ended; None while running. Raises InvocationFailed."""
 
     def kill(self) -> bool:
         """Stop it now (fault injection); False where the invoker cannot."""
@@ -91,7 +95,7 @@ class _Failed(Handle):
     def __init__(self, error: InvocationFailed) -> None:
         self.error = error
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> InvocationResult | None:
         raise self.error
 
 
@@ -111,7 +115,7 @@ class _ProcessHandle(Handle):
         self.process, self.invocation, self.output, self.deadline = process, invocation, output, deadline
         self.killed = False
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> InvocationResult | None:
         code = self.process.poll()
         if code is None:
             if time.monotonic() > self.deadline:  # the platform's timeout
@@ -120,12 +124,12 @@ class _ProcessHandle(Handle):
                 raise InvocationFailed(f"{self.invocation.label}: ran past the function timeout; killed")
             return None
         if code != 0:
-            why = "killed (injected fault)" if self.killed else f"exit status {code}"
+            why = "killed (injected fault)" if self.killed else f"exit status {code}{_last_line(self.invocation.log)}"
             raise InvocationFailed(f"{self.invocation.label}: {why}; its log: {self.invocation.log}")
         lines = [line for line in self.output.read_text().splitlines() if line.strip()]
         try:
-            return json.loads(lines[-1])
-        except (IndexError, ValueError) as exc:
+            return InvocationResult.from_json(json.loads(lines[-1]))
+        except (IndexError, ValueError, KeyError, TypeError) as exc:
             why = f"{self.invocation.label}: no result in {self.output}; its log: {self.invocation.log}"
             raise InvocationFailed(why) from exc
 
@@ -136,6 +140,16 @@ class _ProcessHandle(Handle):
             self.process.wait()
             return True
         return False
+
+
+def _last_line(log: Path | None) -> str:
+    """': <the error>' from the end of a failed process's log (its exception's one line), or ''."""
+    try:
+        lines = [line.strip() for line in (log.read_text(errors="replace") if log else "").splitlines()]
+    except OSError:
+        return ""
+    last = next((line for line in reversed(lines) if line), "")
+    return f": {last[:300]}" if last else ""
 
 
 class LocalProcessInvoker(Invoker):
@@ -195,10 +209,10 @@ class _MarkerHandle(Handle):
     def __init__(self, channel: Channel, key: str, invocation: Invocation, deadline: float) -> None:
         self.channel, self.key, self.invocation, self.deadline = channel, key, invocation, deadline
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> InvocationResult | None:
         data = self.channel.try_get(self.key)
         if data is not None:
-            return json.loads(data)
+            return InvocationResult.decode(data)
         if time.monotonic() > self.deadline:
             raise InvocationFailed(f"{self.invocation.label}: no completion marker {self.key} within its timeout")
         return None
@@ -293,7 +307,7 @@ class RegionRun:
     """What happened: progress per iteration, every invocation's result, the faults injected."""
 
     progress: list[Progress] = field(default_factory=list)
-    results: list[dict[str, Any]] = field(default_factory=list)
+    results: list[InvocationResult] = field(default_factory=list)
     invocations: list[dict[str, Any]] = field(default_factory=list)
     faults: int = 0
     retries: int = 0
@@ -318,6 +332,7 @@ class Controller:
             raise RunError(f"workflow.yaml: step kinds {unknown} are not run by this controller yet")
         # One fault generator per region (regions run in threads), so each region's faults replay
         # however the threads interleave; the first region's are those of a one-region run.
+        self.records: dict[str, RegionRun] = {}  # what `run` did so far (also when it raised)
         self.random = {
             region.name: random.Random(settings.fault_seed + index) for index, region in enumerate(workflow.regions)
         }
@@ -338,7 +353,7 @@ class Controller:
 
     def run(self) -> dict[str, RegionRun]:
         """Every region's range at once (each its own invocations); what happened, per region."""
-        records = {region.name: RegionRun() for region in self.workflow.regions}
+        records = self.records = {region.name: RegionRun() for region in self.workflow.regions}
         errors: list[BaseException] = []
 
         def run_region(region: Region) -> None:
@@ -385,6 +400,7 @@ class Controller:
             (f.name, r): self._launch(f, r, start, stop, 0) for f in region.functions for r in range(f.replicas)
         }
         kills = self._plan_faults(self.random[region.name], list(pending), start, stop)
+        attempts = dict.fromkeys(pending, 0)  # the last attempt of each, for the clean-up
         range_began = time.time()
         last = region.functions[-1]  # in stage order
         stopped: list[int] = []
@@ -396,11 +412,16 @@ class Controller:
                 except InvocationFailed as exc:
                     record.invocations.append(self._summary(invocation, "failed", str(exc)))
                     if invocation.attempt >= self.settings.retries:
+                        tried = f"attempt {invocation.attempt + 1} of {self.settings.retries + 1}"
+                        function = invocation.function
+                        record_ = AbortRecord("failed", f"{exc} ({tried})", start, function.stage, function.name)
+                        # Functions the invoker cannot kill (remote) find this and stop waiting.
+                        self.channel.claim(protocol.abort_key(self.namespace(region.name)), record_.encode())
                         for _, other in pending.values():
                             other.kill()
-                        attempts = f"attempt {invocation.attempt + 1} of {self.settings.retries + 1}"
-                        raise RunError(f"{exc} ({attempts})") from exc
+                        raise RunError(record_.message) from exc
                     record.retries += 1
+                    attempts[key] = invocation.attempt + 1
                     pending[key] = self._launch(
                         invocation.function, invocation.replica, start, stop, invocation.attempt + 1
                     )
@@ -409,8 +430,12 @@ class Controller:
                     continue
                 del pending[key]
                 record.results.append(result)
-                record.invocations.append(self._summary(invocation, "done", ""))
-                stopped.append(int(result["stop"]))
+                record.invocations.append(self._summary(invocation, result.status, result.reason))
+                if result.status in ("diverged", "aborted"):
+                    for _, other in pending.values():
+                        other.kill()  # where the invoker can; the others find the abort record
+                    raise RunDiverged(self._abort_message(region.name, result))
+                stopped.append(result.stop)
             next_iteration = self._follow(region.name, last, next_iteration, stop, record)
             now = time.time()
             for key, when in list(kills.items()):
@@ -425,7 +450,28 @@ class Controller:
             raise RunError(f"the functions stopped at different iterations {sorted(set(stopped))}; expected one")
         # Progress of the last iterations may land just before the results: read it all.
         self._follow(region.name, last, next_iteration, stopped[0], record, wait=True)
+        self._forget_range(region, start, attempts)
         return stopped[0]
+
+    def _abort_message(self, region: str, result: InvocationResult) -> str:
+        """Why the region's run stopped: the abort record (the function that found out), else the result's reason."""
+        data = self.channel.try_get(protocol.abort_key(self.namespace(region)))
+        return AbortRecord.decode(data).message if data is not None else result.reason
+
+    def _forget_range(self, region: Region, start: int, attempts: dict[tuple[str, int], int]) -> None:
+        """A finished range's markers (completion, claims, the stop decision) are needed no more:
+        delete them, so that storage does not grow with the number of invocations."""
+        namespace = self.namespace(region.name)
+        keys = [protocol.stop_key(namespace, start)]
+        for (function, replica), last_attempt in sorted(attempts.items()):
+            keys.append(protocol.done_key(namespace, function, replica, start))
+            keys += [protocol.claim_key(namespace, function, replica, start, a) for a in range(last_attempt + 1)]
+        for key in keys:
+            self.channel.delete(key)
+
+    def clean_up(self) -> int:
+        """Delete every key of the run (each region's namespace); the staged data stays. How many."""
+        return sum(self.channel.delete_prefix(self.namespace(r.name) + "/") for r in self.workflow.regions)
 
     def _follow(
         self, region: str, last: Function, iteration: int, stop: int, record: RegionRun, wait: bool = False
@@ -447,7 +493,7 @@ class Controller:
                 if data is None:
                     return iteration
                 reports.append(MetricsReport.decode(data))
-            losses = [x for r in reports for x in r.losses]
+            losses = [x for r in reports for x in r.losses if x is not None]
             loss = sum(losses) / len(losses) if losses else math.nan
             progress = Progress(iteration, loss, max(r.time for r in reports), region)
             record.progress.append(progress)
@@ -459,10 +505,10 @@ class Controller:
         per_iteration = len(local_micro_batches(self.workflow.run.micro_batches, last.replicas, replica))
         when = record.progress[-1].time if record.progress else time.time()
         for result in reversed(record.results):
-            if result["function"] == last.name and result["replica"] == replica:
-                if result["resumed"] <= iteration < result["stop"]:
-                    at = (iteration - result["resumed"]) * per_iteration
-                    return MetricsReport(tuple(result["losses"][at : at + per_iteration]), when).encode()
+            if result.function == last.name and result.replica == replica:
+                if result.resumed <= iteration < result.stop:
+                    at = (iteration - result.resumed) * per_iteration
+                    return MetricsReport(result.losses[at : at + per_iteration], when).encode()
         # Its invocation was killed after the report's iteration and its retry resumed from a later
         # checkpoint: training is whole, only this progress report is gone.
         record.lost_reports += 1

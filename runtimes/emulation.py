@@ -63,13 +63,14 @@ class EmulatedChannel(Channel):
         self.uplink = Link(self.resources.bytes_per_s)
         self.downlink = Link(self.resources.bytes_per_s)
         self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
-        self.counts = {"gets": 0, "puts": 0, "bytes_in": 0, "bytes_out": 0}
+        self.counts = {"gets": 0, "puts": 0, "deletes": 0, "bytes_in": 0, "bytes_out": 0}
         self._count_lock = threading.Lock()
 
     def _request(self, kind: str, size: int = 0) -> None:
         with self._count_lock:
             self.counts[kind] += 1
-            self.counts["bytes_in" if kind == "gets" else "bytes_out"] += size
+            if size:
+                self.counts["bytes_in" if kind == "gets" else "bytes_out"] += size
         if self.resources.latency_s > 0:
             time.sleep(self.resources.latency_s)
 
@@ -91,8 +92,12 @@ class EmulatedChannel(Channel):
         return self.inner.claim(key, data)
 
     def delete(self, key: str) -> None:
-        self._request("puts")
+        self._request("deletes")  # free on S3, but a request all the same
         self.inner.delete(key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        self._request("deletes")
+        return self.inner.delete_prefix(prefix)
 
     def describe(self, key: str) -> str:
         return self.inner.describe(key)

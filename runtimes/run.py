@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from cloudless.ir import protocol
 from cloudless.ir.files import load_workflow
+from cloudless.ir.folders import FolderError, check_output_folder, run_lock, write_run_marker
 from cloudless.ir.schema import SchemaError
 from cloudless.ir.workflow import Function, Workflow
 
@@ -43,7 +44,7 @@ from .controller import (
 )
 from .data import data_name
 from .emulation import Resources
-from .staging import DataError, evaluate, stage_data, trained_state
+from .staging import DataError, describe_staged, evaluate, stage_data, trained_state
 from .storage import Channel, open_channel
 from .tensors import unpack
 
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--retries", type=int, default=3, help="retries per failed invocation (default 3)")
     parser.add_argument("--run-id", help="names this run's keys in storage (default: from the time)")
+    parser.add_argument(
+        "--keep-storage",
+        action="store_true",
+        help="keep the run's keys in storage when it ends (default: delete them; the staged data stays)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per function process (default 1)")
     parser.add_argument("--log-every", type=int, help="print progress every N iterations (default: about 20 lines)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
@@ -156,10 +162,10 @@ def chrome_trace(record: RegionRun, workflow: Workflow, origin: float) -> dict[s
             )
         )
     for result in record.results:
-        pid = functions[result["function"]].stage
-        for name, began, ended in result.get("spans", []):
+        pid = functions[result.function].stage
+        for name, began, ended in result.spans:
             cat = name.split()[0]
-            events.append(span(name, pid, result["replica"], began, ended, cat))
+            events.append(span(name, pid, result.replica, began, ended, cat))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -171,8 +177,8 @@ def summarise(
     iteration_s = statistics.median(steps) if steps else None
     storage: dict[str, dict[str, int]] = {}
     for result in record.results:
-        counts = storage.setdefault(result["function"], {})
-        for k, v in result.get("storage", {}).items():
+        counts = storage.setdefault(result.function, {})
+        for k, v in result.storage.items():
             counts[k] = counts.get(k, 0) + v
     batch = workflow.run.global_batch
     return {
@@ -240,7 +246,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (build / function.package / "handler.py").is_file():
             return fail(f"{build / function.package}: no handler.py; was the build written with --target?")
     out = args.out or build / "run"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        # Never a folder of the user's: an empty one, or an earlier run's output (its marker).
+        check_output_folder(out, "run", protected=[build / "workflow.yaml", Path(workflow.data.model_file)])
+        write_run_marker(out)
+    except FolderError as exc:
+        return fail(str(exc))
+    try:
+        with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder
+            return _train(args, build, workflow, iterations, out)
+    except FolderError as exc:
+        return fail(str(exc))
+
+
+def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations: int, out: Path) -> int:
+    """Stage the data, run the workflow, write the outputs into `out`; the exit status."""
     storage = args.storage or str((out / "storage").resolve())
     run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
     regions = workflow.regions
@@ -250,11 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         channel = open_channel(storage)
         model = args.model or Path(workflow.data.model_file)
-        staged_by_region = {
+        staged = {
             entry.name: stage_data(channel, entry.name, model, sources=entry.data_sources, name=data_name(entry))
             for entry in regions
         }
-        staged = staged_by_region[region] if len(regions) == 1 else staged_by_region
     except (DataError, ValueError) as exc:
         return fail(str(exc))
     settings = RunSettings(
@@ -311,18 +330,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"iterations of {workflow.run.global_batch} samples; storage {storage}",
                 flush=True,
             )
-        print(f"data {staged}", flush=True)
+        for name, data in staged.items():
+            print(f"{describe_staged(data)}{f' in {name}' if len(regions) > 1 else ''}", flush=True)
+    failure: RunError | None = None
     try:
         records = controller.run()
     except RunError as exc:
-        print(f"cloudless-run: the run failed: {exc}", file=sys.stderr)
-        return 1
+        failure, records = exc, controller.records
     seconds = time.time() - began
-    state = final_model(channel, workflow, run_id, totals)
-    save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(out / "model.safetensors"))
-    test = evaluate(build, workflow, region, channel, state)
-    record = records[region]
+    test = None
+    if failure is None:
+        state = final_model(channel, workflow, run_id, totals)
+        save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(out / "model.safetensors"))
+        test = evaluate(build, workflow, region, channel, state)
+    record = records.get(region, RegionRun())
     metrics = summarise(record, workflow, settings, seconds, test)
+    metrics["status"] = "done" if failure is None else "failed"
+    if failure is not None:
+        metrics["error"] = str(failure)
     if len(regions) > 1:
         metrics["inter_region"] = workflow.sync.inter_region
         metrics["regions"] = {
@@ -330,8 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             | {"iterations": totals[name]}
             for name, r in records.items()
         }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
-    (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began)) + "\n")
+    # allow_nan=False: the file is JSON for any reader (a non-finite figure is null, never NaN).
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began), allow_nan=False) + "\n")
+    if not args.keep_storage:
+        controller.clean_up()  # the trained model is in OUT; the staged data stays for the next run
+    if failure is not None:
+        print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
+        return 1
     trained = " + ".join(f"{totals[name]} ({name})" for name in records) if len(records) > 1 else str(iterations)
     line = f"trained {trained} iterations in {seconds:.1f} s"
     if metrics["samples_per_s"]:

@@ -1,28 +1,30 @@
 """Putting a region's training data into storage, and evaluating a trained run on its test split.
 
 The data comes from the user's model file: `load_shard(region, split)` returns a torch Dataset whose
-items are (inputs, target), each a tensor or a nested structure of tensors. It is written once per
-storage (`protocol.data_key`, see data.py) and shared by the runs that use that storage.
+items are (inputs, target), each a tensor or a nested structure of tensors. It is written per
+storage (`protocol.data_key`, see data.py) and shared by the runs that use that storage; each run
+fingerprints what load_shard gives and re-stages a split whose stored content differs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.utils import _pytree as pytree
 
 from cloudless.ir import protocol
 from cloudless.ir.protocol import DATA_META, data_key
+from cloudless.ir.schedule import SHARD_SAMPLES
 from cloudless.ir.workflow import DataSource, Workflow
 
-from .data import SplitReader, write_split
+from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
 from .storage import Channel
 from .tensors import unpack
 from .worker import load_module
@@ -66,6 +68,17 @@ def _samples(
         raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
 
 
+class StagedData(TypedDict):
+    """What `stage_data` did: the samples of each split (for a missing test split, why it is missing),
+    and per staged split the fingerprint of its content and whether it was staged, re-staged (the
+    stored data differed) or reused."""
+
+    train: int
+    test: int | str
+    fingerprint: dict[str, str]
+    action: dict[str, Staging]
+
+
 def stage_data(
     channel: Channel,
     region: str,
@@ -74,32 +87,55 @@ def stage_data(
     force: bool = False,
     sources: Sequence[DataSource] = (),
     name: str | None = None,
-) -> dict[str, int | str]:
-    """Write the region's train split (required) and test split (if load_shard gives one) unless
-    storage has them already; returns samples per split, or why a split is missing. `sources`
-    (several regions, data moved) are the slices of other regions' train splits it trains on,
-    kept under `name` (data.data_name)."""
-    staged: dict[str, int | str] = {}
-    module: ModuleType | None = None
+    shard_samples: int = SHARD_SAMPLES,
+) -> StagedData:
+    """Make storage hold the region's train split (required) and test split (if load_shard gives
+    one) as load_shard gives them now: storage is shared by runs, and the model file may have changed
+    since it was staged. load_shard is always read and fingerprinted; what is stored is reused when
+    its fingerprint matches (no writes), else re-staged (`write_split`); `force` rewrites it anyway.
+    A stored test split that load_shard no longer gives is deleted, so no run is tested on it.
+    `sources` (several regions, data moved) are the slices of other regions' train splits it trains
+    on, kept under `name` (data.data_name)."""
+    module = load_model_module(model_path)
+    # Recorded in meta as where the data came from; not part of the fingerprint: the data is shared
+    # per region and split, and a model file whose load_shard gives the same samples (an edit of the
+    # model, another copy of the file) must reuse it rather than re-stage it for every run.
+    provenance = {"model_file": model_path.name, "model_sha256": hashlib.sha256(model_path.read_bytes()).hexdigest()}
+    counts: dict[str, int | str] = {}
+    fingerprints: dict[str, str] = {}
+    actions: dict[str, Staging] = {}
     for split in ("train", "test"):
         where = name if name and split == "train" else region
-        meta = channel.try_get(data_key(where, split, DATA_META))
-        if meta is not None and not force:
-            staged[split] = int(json.loads(meta)["samples"])
-            continue
-        module = module or load_model_module(model_path)
         if split == "train" and sources:
             slices = [_samples(module, model_path, s.region, split, s.first, s.count) for s in sources]
             samples: Any = (sample for part in slices for sample in part)
         else:
             samples = _samples(module, model_path, region, split)
         try:
-            staged[split] = write_split(channel, where, split, samples)
+            written = write_split(channel, where, split, samples, shard_samples, force=force, provenance=provenance)
         except (DataError, ValueError) as exc:
             if split == "train":
                 raise DataError(str(exc)) from exc
-            staged[split] = str(exc)  # no test split: the run trains but reports no test figures
-    return staged
+            remove_split(channel, where, split)  # a test split of other data would give wrong figures
+            counts[split] = str(exc)  # no test split: the run trains but reports no test figures
+            continue
+        counts[split], fingerprints[split], actions[split] = written.samples, written.fingerprint, written.action
+    return StagedData(train=int(counts["train"]), test=counts["test"], fingerprint=fingerprints, action=actions)
+
+
+def describe_staged(staged: StagedData) -> str:
+    """One line for the run's banner: per split its samples, short fingerprint and what was done, so
+    that a user sees when the data changed (re-staged) or which data a run trained on."""
+    parts = []
+    for split, samples in (("train", staged["train"]), ("test", staged["test"])):
+        if isinstance(samples, str):
+            reason = " ".join(samples.split())
+            parts.append(f"no {split} split ({reason if len(reason) <= 100 else reason[:99] + '…'})")
+            continue
+        fingerprint = staged["fingerprint"][split]
+        short = fingerprint[: len(FINGERPRINT_PREFIX) + 12]
+        parts.append(f"{split} {samples} samples ({short}, {staged['action'][split]})")
+    return "data: " + ", ".join(parts)
 
 
 def load_stages(build: Path, workflow: Workflow, region: str) -> tuple[list[Any], torch.nn.Module]:

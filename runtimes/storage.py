@@ -6,21 +6,26 @@
 
 Reads name the exact key and poll with bounded back-off until it appears (never LIST); writes are
 atomic (a reader sees nothing or the whole value); `claim` writes only if the key is absent, which
-is how a duplicate invocation recognises that another one got there first.
+is how a duplicate invocation recognises that another one got there first. Every value is stored
+sealed with its digest (`protocol.seal`) and checked when read: a corrupt value is a `CorruptBlob`
+naming the key (`get` asks again a few times first: a bad read may be the network's, not the
+storage's). `delete_prefix` (the controller's end-of-run clean-up, never a function's) lists.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 from urllib.parse import urlparse
 
-from cloudless.ir.protocol import S3_ENDPOINT_ENV
+from cloudless.ir.protocol import S3_ENDPOINT_ENV, CorruptBlob, seal, unseal
 
 
 class KeyTimeout(TimeoutError):
@@ -28,7 +33,7 @@ class KeyTimeout(TimeoutError):
 
 
 class Channel(ABC):
-    """Exact-key blob storage. Back ends implement `try_get`, `put`, `claim` and `delete`."""
+    """Exact-key blob storage: `try_get`, `put`, `claim`, `delete` and `delete_prefix`."""
 
     #: polling starts at `poll_s` and doubles up to `max_poll_s`: a pipeline stage waits for its
     #: neighbours' tensors all the time, and every poll interval is added to its iteration time
@@ -51,28 +56,81 @@ class Channel(ABC):
     def delete(self, key: str) -> None:
         """Remove `key` (absent is fine)."""
 
-    def get(self, key: str, timeout: float = 600.0, cancelled: threading.Event | None = None) -> bytes:
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every key under `prefix` (a folder-like prefix ending in '/'); how many there were."""
+
+    #: a corrupt read is asked again this many times before `get` gives up
+    corrupt_retries = 2
+
+    def get(
+        self,
+        key: str,
+        timeout: float = 600.0,
+        cancelled: threading.Event | None = None,
+        abort: Callable[[], None] | None = None,
+    ) -> bytes:
         """The value at `key`, waiting for it to be written (bounded polling with back-off); a set
-        `cancelled` event ends the wait early (with KeyTimeout)."""
-        deadline = time.monotonic() + timeout
+        `cancelled` event ends the wait early (with KeyTimeout). `abort`, called about once a second
+        while waiting, raises to give up (the run was aborted elsewhere)."""
+        began = time.monotonic()
+        deadline, checked = began + timeout, began
         wait = self.poll_s
+        corrupt = 0
         while True:
-            data = self.try_get(key)
+            try:
+                data = self.try_get(key)
+            except CorruptBlob:
+                corrupt += 1
+                if corrupt > self.corrupt_retries:
+                    raise
+                data = None
             if data is not None:
                 return data
-            if time.monotonic() >= deadline or (cancelled is not None and cancelled.is_set()):
+            now = time.monotonic()
+            if now >= deadline or (cancelled is not None and cancelled.is_set()):
                 raise KeyTimeout(f"{self.describe(key)} did not appear within {timeout:g} s")
+            if abort is not None and now - checked >= 1.0:
+                checked = now
+                abort()
             time.sleep(wait)
             wait = min(wait * 2, self.max_poll_s)
 
     def exists(self, key: str) -> bool:
-        return self.try_get(key) is not None
+        """Whether anything is at `key` (a corrupt value too: it is there, and reading it will say so)."""
+        try:
+            return self.try_get(key) is not None
+        except CorruptBlob:
+            return True
 
     def describe(self, key: str) -> str:
         return key
 
 
-class DirectoryChannel(Channel):
+class SealedStore(Channel):
+    """A storage back end: seals what it writes and checks what it reads; subclasses move raw bytes."""
+
+    @abstractmethod
+    def _read(self, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def _write(self, key: str, blob: bytes) -> None: ...
+
+    @abstractmethod
+    def _create(self, key: str, blob: bytes) -> bool: ...
+
+    def try_get(self, key: str) -> bytes | None:
+        blob = self._read(key)
+        return None if blob is None else unseal(self.describe(key), blob)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._write(key, seal(data))
+
+    def claim(self, key: str, data: bytes) -> bool:
+        return self._create(key, seal(data))
+
+
+class DirectoryChannel(SealedStore):
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -83,7 +141,7 @@ class DirectoryChannel(Channel):
             raise ValueError(f"storage key {key!r} must be relative and stay inside the channel")
         return self.root / key
 
-    def try_get(self, key: str) -> bytes | None:
+    def _read(self, key: str) -> bytes | None:
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
@@ -99,12 +157,12 @@ class DirectoryChannel(Channel):
             handle.write(data)
         return path, temp
 
-    def put(self, key: str, data: bytes) -> None:
-        path, temp = self._staged(key, data)
+    def _write(self, key: str, blob: bytes) -> None:
+        path, temp = self._staged(key, blob)
         os.replace(temp, path)
 
-    def claim(self, key: str, data: bytes) -> bool:
-        path, temp = self._staged(key, data)
+    def _create(self, key: str, blob: bytes) -> bool:
+        path, temp = self._staged(key, blob)
         try:
             os.link(temp, path)  # fails if the key exists: create-if-absent, with the content in place
             return True
@@ -116,11 +174,20 @@ class DirectoryChannel(Channel):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def delete_prefix(self, prefix: str) -> int:
+        folder = self._path(prefix.rstrip("/"))
+        if not folder.is_dir():
+            return 0
+        count = sum(1 for p in folder.rglob("*") if p.is_file())
+        shutil.rmtree(folder, ignore_errors=True)
+        self._folders = {f for f in self._folders if not f.is_relative_to(folder)}
+        return count
+
     def describe(self, key: str) -> str:
         return str(self._path(key))
 
 
-class S3Channel(Channel):
+class S3Channel(SealedStore):
     poll_s = 0.005
     max_poll_s = 0.02  # a GET costs 0.4 µUSD: polling every 20 ms for a minute costs 1.2 mUSD
 
@@ -134,21 +201,21 @@ class S3Channel(Channel):
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def try_get(self, key: str) -> bytes | None:
+    def _read(self, key: str) -> bytes | None:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            return cast(bytes, self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read())
         except self.client.exceptions.NoSuchKey:
             return None
 
-    def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+    def _write(self, key: str, blob: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=blob)
 
-    def claim(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, blob: bytes) -> bool:
         from botocore.exceptions import ClientError
 
         try:
             # S3 conditional write: fails with 412 when the object exists.
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=blob, IfNoneMatch="*")
             return True
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
@@ -158,11 +225,21 @@ class S3Channel(Channel):
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
+    def delete_prefix(self, prefix: str) -> int:
+        count = 0
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        for page in pages:  # up to 1,000 keys a page, and a DeleteObjects request takes as many
+            keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+                count += len(keys)
+        return count
+
     def describe(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
 
 
-class RedisChannel(Channel):
+class RedisChannel(SealedStore):
     def __init__(self, url: str, prefix: str = "") -> None:
         import redis  # only functions that use Redis need it
 
@@ -172,17 +249,32 @@ class RedisChannel(Channel):
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def try_get(self, key: str) -> bytes | None:
+    def _read(self, key: str) -> bytes | None:
         return cast("bytes | None", self.client.get(self._key(key)))  # bytes: decode_responses is off
 
-    def put(self, key: str, data: bytes) -> None:
-        self.client.set(self._key(key), data)  # SET replaces the value atomically
+    def _write(self, key: str, blob: bytes) -> None:
+        self.client.set(self._key(key), blob)  # SET replaces the value atomically
 
-    def claim(self, key: str, data: bytes) -> bool:
-        return bool(self.client.set(self._key(key), data, nx=True))
+    def _create(self, key: str, blob: bytes) -> bool:
+        return bool(self.client.set(self._key(key), blob, nx=True))
 
     def delete(self, key: str) -> None:
         self.client.delete(self._key(key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        count = 0
+        batch: list[bytes] = []
+        # SCAN walks the key space in steps (never blocking the server like KEYS); glob characters
+        # in the prefix are escaped.
+        pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in self._key(prefix)) + "*"
+        for key in self.client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) == 1000:
+                count += int(self.client.delete(*batch))
+                batch.clear()
+        if batch:
+            count += int(self.client.delete(*batch))
+        return count
 
     def describe(self, key: str) -> str:
         return f"redis {self._key(key)}"

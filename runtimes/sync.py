@@ -73,9 +73,11 @@ def scatter_reduce(
     pipelined: bool = True,
     timeout: float = 600.0,
     in_flight: int = SYNC_IN_FLIGHT,
+    abort: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """The sum of `flat` over the stage's replicas (every replica calls this with its own); its
-    pieces go under `key` (`protocol.sync_key`)."""
+    pieces go under `key` (`protocol.sync_key`). `abort`, called about once a second while a piece
+    is awaited, raises to give up."""
     if replicas == 1:
         return flat
     pieces = sync_pieces(flat.numel() * flat.element_size(), replicas, piece_bytes, max_pieces)
@@ -85,14 +87,18 @@ def scatter_reduce(
     max_poll_s = min(channel.max_poll_s, SYNC_MAX_POLL_S)
 
     def receive(name: str) -> torch.Tensor:
-        deadline = time.monotonic() + timeout
+        began = checked = time.monotonic()
         wait = channel.poll_s
         while True:
             data = channel.try_get(name)
             if data is not None:
                 return unpack(data)["v"]
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= began + timeout:
                 raise KeyTimeout(f"{channel.describe(name)} did not appear within {timeout:g} s")
+            if abort is not None and now - checked >= 1.0:
+                checked = now
+                abort()
             if stopped.wait(wait):
                 raise _Cancelled(name)
             wait = min(wait * 2, max_poll_s)

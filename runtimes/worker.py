@@ -20,9 +20,12 @@ writes the same tensors and changes nothing (only reports, with their times, dif
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +37,16 @@ import torch
 from safetensors.torch import load_file
 
 from cloudless.ir import protocol
-from cloudless.ir.protocol import DEFAULT_KEY_TIMEOUT_S, EMULATE_ENV, STORAGE_ENV, GlobalPart, Invocation
+from cloudless.ir.protocol import (
+    DEFAULT_KEY_TIMEOUT_S,
+    EMULATE_ENV,
+    STORAGE_ENV,
+    AbortRecord,
+    CorruptBlob,
+    GlobalPart,
+    Invocation,
+    InvocationResult,
+)
 from cloudless.ir.schedule import compute_order, local_micro_batches, one_f_one_b_windows, sample_indices
 from cloudless.ir.workflow import SYNC_STEP_KIND, Function, StepKind, Workflow
 
@@ -54,6 +66,85 @@ def load_module(path: Path, name: str) -> ModuleType:
     return module
 
 
+class Diverged(RuntimeError):
+    """A loss or a parameter is not finite: the run stops (`AbortRecord`)."""
+
+    def __init__(self, record: AbortRecord) -> None:
+        super().__init__(record.message)
+        self.record = record
+
+
+class Aborted(RuntimeError):
+    """Another function aborted the region's run; this one gives up waiting."""
+
+    def __init__(self, record: AbortRecord) -> None:
+        super().__init__(record.message)
+        self.record = record
+
+
+class _OwnChannel(Channel):
+    """A function's view of storage. It notes the keys of iterations this function writes: it owns
+    them and deletes them once nobody can need them (`protocol.sweep_before`); and a wait for a key
+    looks at the region's abort record now and then, so that a function waiting for a neighbour
+    that stopped gives up at once instead of after the key timeout."""
+
+    def __init__(self, inner: Channel) -> None:
+        self.inner = inner
+        self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
+        self.namespace = ""
+        self.written: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def _note(self, key: str) -> None:
+        iteration = protocol.iteration_of(self.namespace, key)
+        if iteration is not None:
+            with self._lock:
+                self.written.setdefault(iteration, set()).add(key)
+
+    def try_get(self, key: str) -> bytes | None:
+        return self.inner.try_get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+        self._note(key)
+
+    def claim(self, key: str, data: bytes) -> bool:
+        claimed = self.inner.claim(key, data)
+        if claimed:
+            self._note(key)
+        return claimed
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self.inner.delete_prefix(prefix)
+
+    def describe(self, key: str) -> str:
+        return self.inner.describe(key)
+
+    def get(
+        self,
+        key: str,
+        timeout: float = 600.0,
+        cancelled: threading.Event | None = None,
+        abort: Any = None,
+    ) -> bytes:
+        return super().get(key, timeout, cancelled, abort or self.check_abort)
+
+    def check_abort(self) -> None:
+        """Raise Aborted if the region's run was aborted."""
+        data = self.inner.try_get(protocol.abort_key(self.namespace))
+        if data is not None:
+            raise Aborted(AbortRecord.decode(data))
+
+    def owned_before(self, iteration: int) -> list[str]:
+        """The keys this function wrote for iterations before `iteration`, forgotten here."""
+        with self._lock:
+            done = sorted(i for i in self.written if i < iteration)
+            return sorted(key for i in done for key in self.written.pop(i))
+
+
 def _receive(value: Any) -> Any:
     """A value read from storage as the leaf autograd starts from on this side."""
     if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
@@ -67,7 +158,8 @@ class StageWorker:
     ) -> None:
         self.package = Path(package)
         # Every request goes through the function's (possibly emulated) link, which also counts them.
-        self.channel: Channel = EmulatedChannel(channel, resources)
+        self.link = EmulatedChannel(channel, resources)
+        self.channel = _OwnChannel(self.link)
         self.cpu = CpuShare(resources.vcpus if resources else None)
         self.pipelined_sync = pipelined_sync
         spec = json.loads((self.package / "function.json").read_text())
@@ -153,14 +245,72 @@ class StageWorker:
                 name, field = key.removeprefix(protocol.OPTIMIZER_PREFIX).rsplit("/", 1)
                 self.optimizer.state[params[name]][field] = value
 
-    def _resume_point(self, start: int, stop: int) -> int:
-        """The latest checkpoint of this stage in start..stop-1: where a retried invocation resumes."""
-        at, every = start, self.checkpoint_every
-        for iteration in range(start - start % every + every, stop, every):
-            if not self.channel.exists(self.state_key(iteration)):
-                break
-            at = iteration
-        return at
+    def _resume_point(self, start: int, stop: int, attempt: int | None) -> int:
+        """The latest checkpoint of this stage in start..stop-1: where a retried invocation resumes.
+        A first attempt starts at `start` (nothing of its range ran yet) without asking storage."""
+        if attempt == 0:
+            return start
+        every = self.checkpoint_every
+        for iteration in reversed(range(start - start % every + every, stop, every)):
+            if self.channel.exists(self.state_key(iteration)):  # older ones may be swept already
+                return iteration
+        return start
+
+    def _load_checkpoint(self, resume: int, timeout: float, start: int) -> int:
+        """Load the checkpoint at `resume`; if it is corrupt, the one before it that is whole (an
+        invocation replays from there, reading the same tensors its neighbours sent then, which
+        they keep: `protocol.sweep_before`). Returns where it resumes; CorruptBlob if none is whole."""
+        try:
+            self.load_state(resume, timeout)
+            return resume
+        except CorruptBlob as exc:
+            corrupt = exc
+        every = self.checkpoint_every
+        earlier_ones = set(range((resume - 1) // every * every, max(resume - 2 * every, 0) - 1, -every))
+        if start < resume:
+            earlier_ones.add(start)
+        for earlier in sorted(earlier_ones, reverse=True):
+            try:
+                if earlier > 0 and not self.channel.exists(self.state_key(earlier)):
+                    continue
+                self.load_state(earlier, timeout)
+            except CorruptBlob:
+                continue
+            print(f"cloudless: {corrupt}; resuming from the checkpoint of iteration {earlier}", file=sys.stderr)
+            return earlier
+        raise corrupt
+
+    def _sweep(self, checkpoint: int, start: int) -> None:
+        """Having checkpointed at `checkpoint`: delete what this function wrote for iterations
+        before `protocol.sweep_before`, and (replica 0) the stage's checkpoints nobody resumes from
+        any more: the one two intervals back, and the one this invocation started from."""
+        before = protocol.sweep_before(checkpoint, self.checkpoint_every)
+        keys = self.channel.owned_before(before)
+        if self.replica == 0:
+            if before > 0:
+                keys.append(self.state_key(before))
+            every = self.checkpoint_every
+            if start % every and start < checkpoint - every <= start + every:  # once, the first time
+                keys.append(self.state_key(start))
+        if keys:
+            self._reports.append(self._background().submit(self._delete, keys))
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self.channel.delete(key)
+
+    def _check_finite(self, iteration: int, losses: list[float]) -> None:
+        """Raise Diverged if a loss of this iteration, or a parameter after its step, is not finite."""
+        bad = next((x for x in losses if not math.isfinite(x)), None)
+        what = f"the loss is {bad}" if bad is not None else ""
+        if not what and not all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
+            what = "a parameter is not finite after the optimizer step"
+        if what:
+            message = (
+                f"iteration {iteration}: {what} on stage {self.stage} ({self.function.name}, replica "
+                f"{self.replica}): training diverged; lower the learning rate or check the data"
+            )
+            raise Diverged(AbortRecord("diverged", message, iteration, self.stage, self.function.name))
 
     # -- the time limit --------------------------------------------------------------------------
     # Every function of the region must end an invocation at the same iteration, or one would wait
@@ -186,7 +336,7 @@ class StageWorker:
         time_limit_s: float | None = None,
         run: str = "",
         attempt: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> InvocationResult:
         """Iterations start..stop-1 as `replica`, ending early (at the iteration every function of the
         region agrees on) when `time_limit_s` would be passed. The result says where it stopped."""
         if not 0 <= replica < self.replicas:
@@ -195,27 +345,32 @@ class StageWorker:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
         began, wall = time.monotonic(), time.time()
         self.namespace = protocol.namespace(run, self.region)
+        if self.channel.namespace != self.namespace:
+            self.channel.written.clear()  # another run's keys: not this invocation's to sweep
+        self.channel.namespace = self.namespace
         self.replica = replica
         done_key = protocol.done_key(self.namespace, self.function.name, replica, start)
         done = self.channel.try_get(done_key)
-        if done is not None:
-            return {**json.loads(done), "duplicate": True}  # it already ran: change nothing
+        if done is not None:  # it already ran: change nothing
+            return dataclasses.replace(InvocationResult.decode(done), duplicate=True)
         if attempt is not None and not self.channel.claim(
             protocol.claim_key(self.namespace, self.function.name, replica, start, attempt), str(wall).encode()
         ):
-            return {"status": "duplicate", "function": self.function.name, "replica": replica, "start": start}
+            return InvocationResult("duplicate", self.function.name, replica, start, stage=self.stage)
         spans: list[list[Any]] = []
-        resume = self._resume_point(start, stop)
+        resume = self._resume_point(start, stop, attempt)
         if self._ready != (self.namespace, replica, resume):
             with self._span(spans, "load state"):
-                self.load_state(resume, timeout)
+                resume = self._load_checkpoint(resume, timeout, start)
         losses: list[float] = []
         longest = 0.0
         reached = resume
-        counted = dict(getattr(self.channel, "counts", {}))
+        counted = dict(self.link.counts)
         stop_key, decided = protocol.stop_key(self.namespace, start), False
         lookups: dict[int, Future[bytes | None]] = {}  # iteration -> read of the stop key for it
         self._ready = None  # until an iteration completes, memory holds no state to reuse
+        status: protocol.InvocationStatus = "done"
+        reason = ""
         try:
             for iteration in range(resume, stop):
                 if time_limit_s is not None:
@@ -234,33 +389,43 @@ class StageWorker:
                 reached = iteration + 1
                 if time_limit_s is not None and iteration + 2 < stop:
                     lookups[iteration + 2] = self._background().submit(self.channel.try_get, stop_key)
-                if replica == 0 and reached % self.checkpoint_every == 0:
-                    with self._span(spans, "checkpoint"):
-                        self.save_state(reached)
+                if reached % self.checkpoint_every == 0:
+                    if replica == 0:
+                        with self._span(spans, "checkpoint"):
+                            self.save_state(reached)
+                    self._sweep(reached, start)
             if replica == 0 and reached % self.checkpoint_every != 0:
                 with self._span(spans, "checkpoint"):
                     self.save_state(reached)  # where the next invocation starts
-            for future in self._reports:
-                future.result()
+        except Diverged as exc:
+            # The first function to find out records why; every other one gives up on reading it.
+            self.channel.claim(protocol.abort_key(self.namespace), exc.record.encode())
+            status, reason = "diverged", str(exc)
+        except Aborted as exc:
+            status, reason = "aborted", str(exc)
         finally:
             for lookup in lookups.values():
                 lookup.cancel()
-            self._reports.clear()
-        self._ready = (self.namespace, replica, reached)
-        result = {
-            "status": "done",
-            "function": self.function.name,
-            "stage": self.stage,
-            "replica": replica,
-            "start": start,
-            "resumed": resume,
-            "stop": reached,
-            "losses": losses,
-            "seconds": round(time.monotonic() - began, 6),
-            "storage": {k: v - counted.get(k, 0) for k, v in getattr(self.channel, "counts", {}).items()},
-            "spans": spans,
-        }
-        self.channel.put(done_key, json.dumps(result, sort_keys=True).encode())
+            reports, self._reports = self._reports, []
+            for future in reports:
+                future.result()
+        if status == "done":
+            self._ready = (self.namespace, replica, reached)
+        result = InvocationResult(
+            status,
+            self.function.name,
+            replica,
+            start,
+            stage=self.stage,
+            resumed=resume,
+            stop=reached,
+            losses=tuple(losses),
+            seconds=round(time.monotonic() - began, 6),
+            storage={k: v - counted.get(k, 0) for k, v in self.link.counts.items()},
+            spans=tuple((str(n), float(a), float(b)) for n, a, b in spans),
+            reason=reason,
+        )
+        self.channel.put(done_key, result.encode())
         return result
 
     @staticmethod
@@ -304,6 +469,8 @@ class StageWorker:
         finally:
             cancelled.set()  # on an error, stop the fetches still waiting
         values = [float(losses[m]) for m in sorted(losses)]
+        if not all(math.isfinite(x) for x in values):
+            self._check_finite(iteration, values)  # stop before sending anything computed from it
         if self.last:
             # Progress for the controller: this replica's losses and when its micro-batches were
             # done, sent in the background (a crash may lose the last few; the controller copes).
@@ -317,6 +484,7 @@ class StageWorker:
         with self._span(spans, "step"), self.cpu.compute():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self._check_finite(iteration, [])
         if self.inter_region and self.round_iterations and (iteration + 1) % self.round_iterations == 0:
             with self._span(spans, self.inter_region):
                 self._meet((iteration + 1) // self.round_iterations - 1, replica, timeout)
@@ -520,6 +688,7 @@ class StageWorker:
                 max_pieces=self.sync.max_pieces,
                 pipelined=self.pipelined_sync,
                 timeout=timeout,
+                abort=self.channel.check_abort,
             )
             offset = 0
             for _, p in params:
@@ -617,7 +786,7 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
             time_limit_s=invocation.time_limit_s,
             run=invocation.run,
             attempt=invocation.attempt,
-        )
+        ).to_json()
     finally:
         with _IDLE_LOCK:
             idle.append(worker)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,10 @@ from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, run_front_end
 from cloudless.ir.catalog import load_catalog
+from cloudless.ir.protocol import InvocationResult
 from cloudless.ir.workflow import Function, StepKind, Workflow
 from cloudless.runtimes.staging import stage_data
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.storage import Channel, DirectoryChannel
 from cloudless.runtimes.worker import StageWorker, span_step
 from tests.reference import plain_training
 
@@ -57,17 +59,26 @@ def write_training_data(result: FrontEnd, channel: DirectoryChannel, region: str
 
 
 def run_workers(
-    build: Path, workflow: Workflow, storage: Path, start: int, stop: int, *, run: str = ""
-) -> list[dict]:
-    """Every replica of every stage in its own thread, as the functions would run at once."""
+    build: Path,
+    workflow: Workflow,
+    storage: Path,
+    start: int,
+    stop: int,
+    *,
+    run: str = "",
+    channel: Callable[[Path], Channel] = DirectoryChannel,
+    timeout: float = 60.0,
+) -> list[InvocationResult]:
+    """Every replica of every stage in its own thread, as the functions would run at once; each
+    opens its storage with `channel`."""
     region = workflow.regions[0]
-    results: list[dict] = []
+    results: list[InvocationResult] = []
     errors: list[BaseException] = []
 
     def work(function: Function, replica: int) -> None:
         try:
-            worker = StageWorker(build / function.package, DirectoryChannel(storage))
-            results.append(worker.run(start, stop, replica, timeout=60, run=run))
+            worker = StageWorker(build / function.package, channel(storage))
+            results.append(worker.run(start, stop, replica, timeout=timeout, run=run))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
@@ -108,19 +119,19 @@ def worker_iterations(spans: list[list[Any]], replicas: int) -> list[IterationSp
     return iterations
 
 
-def check_step_order(workflow: Workflow, region: str, result: dict[str, Any]) -> list[IterationSpans]:
+def check_step_order(workflow: Workflow, region: str, result: InvocationResult) -> list[IterationSpans]:
     """Assert that one invocation ran, in each of its iterations, exactly the workflow's steps of its
     function that fall on that iteration, each once, in an order that is a topological order of the
     steps' `depends_on` among themselves. A step with `every` runs after iterations i with
     (i + 1) % every == 0; a checkpoint is replica 0's, and also ends every invocation. Returns the
     iterations' spans (for checks across functions)."""
-    function = workflow.region(region).function(result["function"])
+    function = workflow.region(region).function(result.function)
     steps = [s for s in workflow.steps if s.region == region and s.function == function.name]
     assert len({s.kind for s in steps}) == len(steps), f"{function.name}: a step kind listed twice"
     by_id = {s.id: s for s in steps}
-    iterations = worker_iterations(result["spans"], function.replicas)
-    first, stop = result["resumed"], result["stop"]
-    assert len(iterations) == stop - first, f"{function.name} r{result['replica']}: {len(iterations)} iterations"
+    iterations = worker_iterations([list(span) for span in result.spans], function.replicas)
+    first, stop = result.resumed, result.stop
+    assert len(iterations) == stop - first, f"{function.name} r{result.replica}: {len(iterations)} iterations"
     for offset, spans in enumerate(iterations):
         i = first + offset
         order: list[str] = []
@@ -131,10 +142,10 @@ def check_step_order(workflow: Workflow, region: str, result: dict[str, Any]) ->
         for step in steps:
             due = step.every is None or (i + 1) % step.every == 0
             if step.kind == "checkpoint":
-                due = result["replica"] == 0 and (due or i + 1 == stop)
+                due = result.replica == 0 and (due or i + 1 == stop)
             if due:
                 wanted.add(step.kind)
-        where = f"{function.name} replica {result['replica']} iteration {i}"
+        where = f"{function.name} replica {result.replica} iteration {i}"
         assert len(order) == len(set(order)), f"{where}: a step's work is split: {order}"
         assert set(order) == wanted, f"{where}: ran {order}, the workflow's steps due are {sorted(wanted)}"
         position = {kind: index for index, kind in enumerate(order)}

@@ -1,13 +1,20 @@
-"""Training data in storage: shards, and the order a run reads samples in."""
+"""Training data in storage: shards, the order a run reads samples in, and staging by fingerprint."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
+from cloudless.ir.protocol import DATA_META, data_key, shard_name
 from cloudless.ir.schedule import epoch_permutation, sample_indices
-from cloudless.runtimes.data import SplitReader, write_split
+from cloudless.runtimes.data import SplitChangedError, SplitReader, write_split
+from cloudless.runtimes.staging import StagedData, describe_staged, stage_data
 from cloudless.runtimes.storage import DirectoryChannel
 
 
@@ -16,7 +23,7 @@ def test_gather_across_shards_returns_samples_in_order(tmp_path: Path) -> None:
     labels = torch.arange(13) * 10
     channel = DirectoryChannel(tmp_path)
     samples = (([images[i]], [labels[i]]) for i in range(13))
-    assert write_split(channel, "r", "train", samples, shard_samples=5) == 13
+    assert write_split(channel, "r", "train", samples, shard_samples=5).samples == 13
     reader = SplitReader(channel, "r")
     for indices in ([12, 0, 7, 3, 11, 5], [2, 4], [10, 12]):
         (inputs,) = reader.gather(indices, "input")
@@ -31,3 +38,200 @@ def test_sample_order_is_a_seeded_permutation_per_epoch() -> None:
     assert sorted(read[:37]) == list(range(37)) and sorted(read[37:74]) == list(range(37))
     assert read[:37] == epoch_permutation(n, 3, 0).tolist() and read[37:74] == epoch_permutation(n, 3, 1).tolist()
     assert read[:37] != epoch_permutation(n, 4, 0).tolist()  # the seed matters
+
+
+# --- staging: the data in storage is what load_shard gives now -----------------------------------------
+
+SHARD = 5  # small shards, so that 13 samples take three
+
+MODEL = """
+import torch
+from torch.utils.data import TensorDataset
+
+COUNTS = {{"train": {train}, "test": {test}}}
+
+
+def load_shard(region, split):
+    n = COUNTS[split]
+    if n is None:
+        raise KeyError(f"no {{split}} split")
+    x = torch.arange(n * 3, dtype=torch.float32).reshape(n, 3) * {scale}
+    if {bump} < n:
+        x[{bump}] += 1000
+    return TensorDataset(x, torch.arange(n) % 4)
+
+{extra}
+"""
+
+
+def expected(n: int, scale: float = 1.0, bump: int = 10**6) -> torch.Tensor:
+    x = torch.arange(n * 3, dtype=torch.float32).reshape(n, 3) * scale
+    if bump < n:
+        x[bump] += 1000
+    return x
+
+
+class RecordingChannel(DirectoryChannel):
+    """A folder channel that records its writes and deletes, in order."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.writes: list[tuple[str, str]] = []
+
+    def put(self, key: str, data: bytes) -> None:
+        self.writes.append(("put", key))
+        super().put(key, data)
+
+    def delete(self, key: str) -> None:
+        self.writes.append(("delete", key))
+        super().delete(key)
+
+
+@pytest.fixture
+def versions(model_file: Callable[[str, str], Path]) -> Callable[..., Path]:
+    """A model file per version of load_shard. Each gets its own name: a rewrite of one file within
+    the same second, at the same size, could be imported from its stale bytecode."""
+    made: list[Path] = []
+
+    def write(*, train: int = 13, test: int | None = 6, scale: float = 1.0, bump: int = 10**6, extra: str = "") -> Path:
+        source = MODEL.format(train=train, test=test, scale=scale, bump=bump, extra=extra)
+        made.append(model_file(source, f"v{len(made)}.py"))
+        return made[-1]
+
+    return write
+
+
+def stage(root: Path, model: Path) -> tuple[RecordingChannel, StagedData]:
+    channel = RecordingChannel(root)
+    return channel, stage_data(channel, "r", model, shard_samples=SHARD)
+
+
+def read_all(channel: DirectoryChannel, split: str = "train") -> torch.Tensor:
+    reader = SplitReader(channel, "r", split)
+    (inputs,) = reader.gather(list(range(reader.samples)), "input")
+    return inputs
+
+
+def meta_of(channel: DirectoryChannel, split: str = "train") -> dict:
+    return json.loads(channel.get(data_key("r", split, DATA_META)))
+
+
+def test_the_same_data_is_reused_without_a_write(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    first_model = versions()
+    _, first = stage(tmp_path / "storage", first_model)
+    assert first["train"] == 13 and first["test"] == 6
+    assert first["action"] == {"train": "staged", "test": "staged"}
+    assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", fp) for fp in first["fingerprint"].values())
+    staged_from = meta_of(DirectoryChannel(tmp_path / "storage"))["staged_from"]
+    assert staged_from["model_sha256"] == hashlib.sha256(first_model.read_bytes()).hexdigest()
+    # Another model file (the model edited) whose load_shard gives the same samples: nothing is written.
+    channel, again = stage(tmp_path / "storage", versions(extra="def make_optimizer(params): ..."))
+    assert channel.writes == []
+    assert again["action"] == {"train": "reused", "test": "reused"} and again["fingerprint"] == first["fingerprint"]
+    assert meta_of(channel)["staged_from"] == staged_from  # who staged it; not compared
+    assert torch.equal(read_all(channel), expected(13))
+
+
+def test_changed_values_are_restaged_meta_first_out_and_last_in(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    _, first = stage(tmp_path, versions())
+    channel, again = stage(tmp_path, versions(scale=2.0))
+    assert again["train"] == 13 and again["action"] == {"train": "restaged", "test": "restaged"}
+    assert again["fingerprint"]["train"] != first["fingerprint"]["train"]
+    assert torch.equal(read_all(channel), expected(13, 2.0))
+    assert torch.equal(read_all(channel, "test"), expected(6, 2.0))
+    for split, shards in (("train", 3), ("test", 2)):
+        writes = [w for w in channel.writes if w[1].startswith(f"data/r/{split}/")]
+        meta = data_key("r", split, DATA_META)
+        # meta goes before any shard is touched and comes back after the last: a reader opens it first
+        assert writes[0] == ("delete", meta) and writes[-1] == ("put", meta)
+        assert writes[1:-1] == [("put", data_key("r", split, shard_name(i))) for i in range(shards)]
+
+
+def test_only_the_shards_from_the_first_change_on_are_written(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    stage(tmp_path, versions())
+    channel, again = stage(tmp_path, versions(bump=11))  # sample 11 lies in shard 2 of 3
+    assert again["action"] == {"train": "restaged", "test": "reused"}
+    train = data_key("r", "train", DATA_META)
+    assert channel.writes == [("delete", train), ("put", data_key("r", "train", shard_name(2))), ("put", train)]
+    assert torch.equal(read_all(channel), expected(13, bump=11))
+
+
+@pytest.mark.parametrize(("before", "after"), [(13, 7), (13, 10), (7, 13), (5, 13)])
+def test_a_changed_count_is_restaged_and_never_reads_a_stale_sample(
+    tmp_path: Path, versions: Callable[..., Path], before: int, after: int
+) -> None:
+    stage(tmp_path, versions(train=before))
+    channel, again = stage(tmp_path, versions(train=after, scale=-1.0))
+    assert again["train"] == after and again["action"]["train"] == "restaged"
+    reader = SplitReader(channel, "r")
+    assert reader.samples == after and reader.fingerprint == again["fingerprint"]["train"]
+    assert torch.equal(read_all(channel), expected(after, -1.0))
+    shards = -(-after // SHARD)
+    # The surplus shards of the larger staging are gone, and the reader will not go past its count.
+    assert channel.try_get(data_key("r", "train", shard_name(shards - 1))) is not None
+    assert channel.try_get(data_key("r", "train", shard_name(shards))) is None
+    for beyond in [i for i in (after, before - 1, after + SHARD, -1) if not 0 <= i < after]:
+        with pytest.raises(IndexError):
+            reader.gather([0, beyond], "input")
+
+
+def test_a_reader_of_the_old_staging_fails_rather_than_mixing(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    channel, _ = stage(tmp_path, versions())
+    old = SplitReader(channel, "r")
+    assert torch.equal(old.gather([0, 1], "input")[0], expected(13)[[0, 1]])  # shard 0 cached
+    stage(tmp_path, versions(scale=3.0))
+    with pytest.raises(SplitChangedError, match="staged again"):
+        old.gather([12], "input")
+
+
+def test_a_split_staged_without_a_fingerprint_is_restaged(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    model = versions()
+    channel, first = stage(tmp_path, model)
+    # As an older version left it: meta without fingerprint or shard digests (same data).
+    meta = meta_of(channel)
+    old = {k: meta[k] for k in ("samples", "shard_samples", "inputs", "targets")}
+    channel.put(data_key("r", "train", DATA_META), json.dumps(old).encode())
+    channel, again = stage(tmp_path, model)
+    assert again["action"] == {"train": "restaged", "test": "reused"}
+    assert again["fingerprint"] == first["fingerprint"]
+    assert meta_of(channel)["fingerprint"] == first["fingerprint"]["train"]
+    assert torch.equal(read_all(channel), expected(13))
+
+
+def test_the_fingerprint_is_of_the_content_not_of_its_sharding(tmp_path: Path) -> None:
+    def samples(scale: float) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        return [([torch.full((2,), i * scale)], [torch.tensor(i)]) for i in range(9)]
+
+    by_4 = write_split(DirectoryChannel(tmp_path / "a"), "r", "train", samples(1.0), shard_samples=4)
+    by_5 = write_split(DirectoryChannel(tmp_path / "b"), "r", "train", samples(1.0), shard_samples=5)
+    other = write_split(DirectoryChannel(tmp_path / "c"), "r", "train", samples(2.0), shard_samples=4)
+    assert by_4.fingerprint == by_5.fingerprint != other.fingerprint
+    # The same values as another dtype are other data.
+    as_double = [([x.double() for x in xs], ys) for xs, ys in samples(1.0)]
+    assert write_split(DirectoryChannel(tmp_path / "d"), "r", "train", as_double, 4).fingerprint != by_4.fingerprint
+    # An older staging with other shard sizes is replaced.
+    channel = DirectoryChannel(tmp_path / "a")
+    assert write_split(channel, "r", "train", samples(1.0), shard_samples=5).action == "restaged"
+    assert write_split(channel, "r", "train", samples(1.0), shard_samples=5).action == "reused"
+    assert channel.try_get(data_key("r", "train", shard_name(2))) is None  # 9 by 4 took three shards
+
+
+def test_a_test_split_load_shard_no_longer_gives_is_deleted(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    stage(tmp_path, versions())
+    channel, again = stage(tmp_path, versions(test=None))
+    assert again["train"] == 13 and again["action"] == {"train": "reused"}
+    assert isinstance(again["test"], str) and "no test split" in again["test"]
+    assert channel.try_get(data_key("r", "test", DATA_META)) is None
+    assert channel.try_get(data_key("r", "test", shard_name(0))) is None
+
+
+def test_the_banner_shows_samples_fingerprints_and_what_was_done(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    _, first = stage(tmp_path, versions())
+    train, test = first["fingerprint"]["train"], first["fingerprint"]["test"]
+    assert describe_staged(first) == (
+        f"data: train 13 samples ({train[:19]}, staged), test 6 samples ({test[:19]}, staged)"
+    )
+    _, again = stage(tmp_path, versions(scale=2.0, test=None))
+    banner = describe_staged(again)
+    assert re.fullmatch(r"data: train 13 samples \(sha256:[0-9a-f]{12}, restaged\), no test split \(.*\)", banner)
+    assert "\n" not in banner and len(banner) < 200

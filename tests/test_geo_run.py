@@ -13,9 +13,10 @@ import yaml
 from safetensors.torch import load_file
 
 from cloudless.compiler.model_file import load_model_file
-from cloudless.ir.protocol import global_owner
+from cloudless.ir.protocol import InvocationResult, global_key, global_owner, namespace
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.storage import DirectoryChannel
 from tests.reference import plain_model_average
 from tests.runtime_cases import check_step_order
 
@@ -68,14 +69,15 @@ def test_model_average_across_regions_matches_plain_pytorch(compile_cli, tmp_pat
         for replica in range(function.replicas):
             mine = [e for e in trace if e["ph"] == "X" and e["pid"] == function.stage and e["tid"] == replica]
             assert sum(e["cat"] == "invocation" for e in mine) == 1  # one invocation: spans from 0 on
-            spans = [[e["name"], e["ts"], e["ts"] + e["dur"]] for e in sorted(mine, key=lambda e: e["ts"])]
-            result = {"function": function.name, "replica": replica, "resumed": 0, "spans": spans}
-            iterations = check_step_order(typed, region.name, {**result, "stop": rounds * region.round_iterations})
+            spans = tuple((e["name"], e["ts"], e["ts"] + e["dur"]) for e in sorted(mine, key=lambda e: e["ts"]))
+            stop = rounds * region.round_iterations
+            result = InvocationResult("done", function.name, replica, 0, resumed=0, stop=stop, spans=spans)
+            iterations = check_step_order(typed, region.name, result)
             ran |= {kind for iteration in iterations for kind, _, _ in iteration}
     assert "model-average" in ran
 
 
-@pytest.mark.parametrize("faults", ["0", "0.3"])
+@pytest.mark.parametrize("faults", ["0", pytest.param("0.3", marks=pytest.mark.slow)])
 def test_asgd_ga_applies_every_regions_every_round_once(compile_cli, tmp_path: Path, faults: str) -> None:
     build = tmp_path / "build"
     workflow = compile_geo(compile_cli, build, "asgd-ga")
@@ -83,15 +85,15 @@ def test_asgd_ga_applies_every_regions_every_round_once(compile_cli, tmp_path: P
     assert server in REGIONS.split(",")
     out = tmp_path / "run"
     options = ["--iterations", "40", "--run-id", "r", "-q", "--inject-faults", faults, "--fault-seed", "3"]
-    assert run_main([str(build), "--out", str(out), *options]) == 0
+    assert run_main([str(build), "--out", str(out), "--keep-storage", *options]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     rounds = max(1, round(workflow["sync"]["rounds"] * 40 / workflow["run"]["iterations"]))
-    storage = out / "storage" / "r" / server / "global"
+    channel = DirectoryChannel(out / "storage")
     for stage in range(len(workflow["regions"][0]["functions"])):
         owners = []
         version = 1
-        while (storage / f"s{stage}" / f"v{version}" / "owner").exists():
-            owners.append((storage / f"s{stage}" / f"v{version}" / "owner").read_text())
+        while (owner := channel.try_get(global_key(namespace("r", server), stage, version, "owner"))) is not None:
+            owners.append(owner.decode())
             version += 1
         wanted = sorted(global_owner(r["name"], j).decode() for r in workflow["regions"] for j in range(rounds))
         assert sorted(owners) == wanted  # each round of each region, applied once

@@ -127,5 +127,8 @@ def test_a_function_the_gateway_does_not_serve_fails_the_run(
     assert code == 1, err
     assert f"the run failed: {last.name} replica 0 from iteration 0" in err
     assert [c.function for c in gateway.calls] == [first.name] * (1 + first.replicas)
-    assert not (tmp_path / "out" / "metrics.json").exists()
+    # What it did is recorded (valid JSON, saying it failed and why); no trained model is written.
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and f"{last.name} replica 0" in metrics["error"]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
     assert time.monotonic() - began < 20

@@ -41,7 +41,10 @@ def limits(seed: int, problem) -> dict[str, dict[str, float]]:
     }
 
 
-@pytest.mark.parametrize("chunk", range(INSTANCES // CHUNK))
+# The first chunks run in the fast suite; the rest (as thorough, slower to enumerate) in CI.
+@pytest.mark.parametrize(
+    "chunk", [pytest.param(c, marks=[pytest.mark.slow] if c >= 3 else []) for c in range(INSTANCES // CHUNK)]
+)
 def test_milp_matches_exhaustive_search(chunk: int) -> None:
     checked = 0
     for seed in range(chunk * CHUNK, (chunk + 1) * CHUNK):

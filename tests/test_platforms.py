@@ -27,7 +27,7 @@ from cloudless.codegen.platforms import (
     render_samconfig,
     workers,
 )
-from cloudless.codegen.validate import BuildCheckError, check_build, substitute_arns
+from cloudless.codegen.validate import BuildCheckError, check_deployment, substitute_arns
 from cloudless.compiler.lower import region_steps
 from cloudless.ir.files import check_workflow, dump_yaml, workflow_text
 from cloudless.ir.schema import SchemaError
@@ -146,7 +146,7 @@ def edit(path: Path, old: str, new: str, count: int = 1) -> None:
 
 def failure(build: Path) -> str:
     with pytest.raises(BuildCheckError) as caught:
-        check_build(build)
+        check_deployment(build)
     return str(caught.value)
 
 
@@ -154,7 +154,7 @@ def failure(build: Path) -> str:
 
 
 def test_rendered_build_passes_every_check(good_build: Path) -> None:
-    check_build(good_build)
+    check_deployment(good_build)
 
 
 def test_statelint_and_cfn_lint_find_nothing(good_build: Path) -> None:
@@ -331,7 +331,7 @@ def test_missing_handler_folder(build: Path) -> None:
     shutil.rmtree(build / "regions" / EAST / "functions" / f"{RUN}-s1")
     message = failure(build)
     assert message.startswith(f"regions/{EAST}/stack.yaml: key functions/{RUN}-s1/handler"), message
-    check_build(build, packages=False)
+    check_deployment(build, packages=False)
 
 
 def test_dangling_next_in_state_machine(build: Path) -> None:
@@ -403,7 +403,7 @@ def test_broken_manifest(build: Path) -> None:
     message = failure(build)
     assert message.startswith("workflow.yaml: key steps/1/depends_on/0: no step"), message
     with pytest.raises(SchemaError):  # BuildCheckError is a SchemaError
-        check_build(build)
+        check_deployment(build)
 
 
 @pytest.mark.parametrize(

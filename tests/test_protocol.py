@@ -18,16 +18,18 @@ import ast
 import json
 import math
 import re
+import shutil
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 
 from cloudless.ir import protocol
-from cloudless.ir.protocol import Invocation
+from cloudless.ir.protocol import Invocation, InvocationResult
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.controller import Controller, Handle, InvocationFailed, Invoker, RegionRun, RunSettings
 from cloudless.runtimes.controller import Invocation as Call
@@ -42,14 +44,16 @@ ROOT = Path(__file__).resolve().parents[1]
 #: fragments of the protocol's keys and names, in a string's text with every f-string field as "{}"
 FRAGMENTS = [
     r"(^|/)it\{\}",
-    r"/(act|grad|sync|shared|metrics|state|done|claim|stop|global)(/|$)",
+    # (a key's fixed parts are followed by a field: "data/inputs" naming a YAML key is no storage key)
+    r"/(act|grad|sync|shared|metrics|state|done|claim|stop|global|abort)/[a-z]*\{\}",
     r"/(from|round|mb|p|c|r|v)\{\}",
-    r"^data/",
+    r"^data/\{\}",
     r"shard-",
     r"CLOUDLESS_",
     re.escape(protocol.STORAGE_SECRET),
     re.escape(protocol.SECRETS_DIR),
-    r"^(module|optimizer|meta)/",
+    r"^(module|optimizer|meta)/\{\}",
+    r"^meta/(base_)?version$",
 ]
 SCANNED = ("runtimes", "compiler", "codegen")
 
@@ -210,13 +214,13 @@ class _Thread(Handle):
     def __init__(self, channel: DirectoryChannel, key: str, thread: threading.Thread, errors: list[BaseException]):
         self.channel, self.key, self.thread, self.errors = channel, key, thread, errors
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> InvocationResult | None:
         if self.errors:
             raise InvocationFailed(repr(self.errors[0]))
         data = self.channel.try_get(self.key)
         if data is None and not self.thread.is_alive():
             raise InvocationFailed(f"returned without a completion marker at {self.key}")
-        return None if data is None else json.loads(data)
+        return None if data is None else InvocationResult.decode(data)
 
 
 class ThreadInvoker(Invoker):
@@ -245,8 +249,36 @@ class ThreadInvoker(Invoker):
         return _Thread(self.channel, key, thread, errors)
 
 
+class TiedRun(NamedTuple):
+    workflow: Workflow
+    storage: Path
+    record: RegionRun
+    controller: Controller
+    #: every key any party wrote during the run (data staging included), and when it was written
+    written: dict[str, float]
+
+
 @pytest.fixture(scope="module")
-def tied_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Workflow, Path, RegionRun]:
+def tied_run(tmp_path_factory: pytest.TempPathFactory) -> TiedRun:
+    written: dict[str, float] = {}
+    write, create = DirectoryChannel._write, DirectoryChannel._create
+
+    def recorded_write(self: DirectoryChannel, key: str, blob: bytes) -> None:
+        write(self, key, blob)
+        written[key] = time.time()
+
+    def recorded_create(self: DirectoryChannel, key: str, blob: bytes) -> bool:
+        created = create(self, key, blob)
+        written.setdefault(key, time.time())
+        return created
+
+    with pytest.MonkeyPatch.context() as patch:  # the workers run in this process (threads)
+        patch.setattr(DirectoryChannel, "_write", recorded_write)
+        patch.setattr(DirectoryChannel, "_create", recorded_create)
+        return _tied_run(tmp_path_factory, written)
+
+
+def _tied_run(tmp_path_factory: pytest.TempPathFactory, written: dict[str, float]) -> TiedRun:
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("protocol")
     (folder / "tied.py").write_text(TIED_MODEL)
@@ -263,8 +295,9 @@ def tied_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Workflow, Path, 
     # A time limit far below an iteration's time: every range ends early, at a stop key.
     settings = RunSettings(iterations=ITERATIONS, run_id=RUN, time_limit_s=0.001, key_timeout_s=60.0, retries=0)
     invoker = ThreadInvoker(folder / "build", storage, region)
-    records = Controller(workflow, DirectoryChannel(storage), invoker, settings).run()
-    return workflow, storage, records[region]
+    controller = Controller(workflow, DirectoryChannel(storage), invoker, settings)
+    records = controller.run()
+    return TiedRun(workflow, storage, records[region], controller, written)
 
 
 def key_shapes() -> dict[str, re.Pattern[str]]:
@@ -282,21 +315,23 @@ def key_shapes() -> dict[str, re.Pattern[str]]:
         "done_key": protocol.done_key(ns, name, n, n),
         "claim_key": protocol.claim_key(ns, name, n, n, n),
         "stop_key": protocol.stop_key(ns, n),
+        "abort_key": protocol.abort_key(ns),
         "round_key": protocol.round_key(ns, name, n, n, "(model|result)"),
         "global_key": protocol.global_key(ns, n, n, "(model|owner)"),
     }
     return {kind: re.compile(shape) for kind, shape in shapes.items()}
 
 
-def test_every_key_in_storage_has_a_shape_of_the_protocol(tied_run) -> None:
-    workflow, storage, _ = tied_run
+def test_every_key_in_storage_has_a_shape_of_the_protocol(tied_run: TiedRun) -> None:
+    workflow, storage = tied_run.workflow, tied_run.storage
     region = workflow.regions[0].name
-    keys = {p.relative_to(storage).as_posix() for p in storage.rglob("*") if p.is_file()}
+    keys = set(tied_run.written)
     # Outside the run's namespace: exactly the meta and shards of each split, as the protocol names them.
     data = {key for key in keys if not key.startswith(protocol.namespace(RUN, region) + "/")}
     wanted = set()
+    channel = DirectoryChannel(storage)
     for split in ("train", "test"):
-        meta = json.loads((storage / protocol.data_key(region, split, protocol.DATA_META)).read_text())
+        meta = json.loads(channel.get(protocol.data_key(region, split, protocol.DATA_META), timeout=1))
         wanted.add(protocol.data_key(region, split, protocol.DATA_META))
         shards = math.ceil(meta["samples"] / meta["shard_samples"])
         wanted |= {protocol.data_key(region, split, protocol.shard_name(i)) for i in range(shards)}
@@ -307,16 +342,49 @@ def test_every_key_in_storage_has_a_shape_of_the_protocol(tied_run) -> None:
         kinds = [kind for kind, shape in shapes.items() if shape.fullmatch(key)]
         assert len(kinds) == 1, f"{key}: matches {kinds or 'no key shape of cloudless.ir.protocol'}"
         used[kinds[0]] = used.get(kinds[0], 0) + 1
-    # The run used every key of one region (not the inter-region ones).
-    assert set(used) == set(shapes) - {"round_key", "global_key"}, used
+    # The run used every key of one region (not the inter-region ones, nor the abort record).
+    assert set(used) == set(shapes) - {"round_key", "global_key", "abort_key"}, used
 
 
-def test_the_controller_finds_the_workers_markers_and_reports(tied_run) -> None:
-    workflow, storage, record = tied_run
+def test_storage_keeps_only_what_can_still_be_needed(tied_run: TiedRun, tmp_path: Path) -> None:
+    """The keys' lifetimes (the protocol's docstring): after the run, the markers of finished ranges
+    are gone; of the iterations' keys, only those after `sweep_before` the last checkpoint; of the
+    checkpoints, the last two. The clean-up then leaves the staged data alone."""
+    workflow, storage = tied_run.workflow, tied_run.storage
+    region = workflow.regions[0]
+    ns = protocol.namespace(RUN, region.name)
+    every = workflow.run.checkpoint_every
+    kept = {p.relative_to(storage).as_posix() for p in (storage / ns).rglob("*") if p.is_file()}
+    shapes = key_shapes()
+    for key in kept:
+        kind = next(kind for kind, shape in shapes.items() if shape.fullmatch(key))
+        assert kind not in ("done_key", "claim_key", "stop_key"), key
+        iteration = protocol.iteration_of(ns, key)
+        if iteration is not None:
+            assert iteration >= protocol.sweep_before(ITERATIONS, every), key
+    states = {key for key in kept if shapes["state_key"].fullmatch(key)}
+    last_two = {protocol.state_key(ns, f.stage, i) for f in region.functions for i in (ITERATIONS - every, ITERATIONS)}
+    # ... and at most the one each stage's last invocation started from (not a multiple of `every`)
+    assert last_two <= states and len(states - last_two) <= len(region.functions)
+    assert all(int(key.rsplit("it", 1)[1]) > ITERATIONS - every for key in states - last_two)
+    written_iterations = {protocol.iteration_of(ns, key) for key in tied_run.written} - {None}
+    assert written_iterations == set(range(ITERATIONS))  # (so the sweep had something to delete)
+    assert all(not key.endswith("/") for key in kept)
+    # The clean-up (on a copy: the other tests read the run's storage) leaves only the staged data.
+    copy = tmp_path / "storage"
+    shutil.copytree(storage, copy)
+    data = sorted(p.relative_to(copy) for p in copy.rglob("*") if p.is_file() and not p.is_relative_to(copy / RUN))
+    used = tied_run.controller
+    assert Controller(workflow, DirectoryChannel(copy), used.invoker, used.settings).clean_up() == len(kept)
+    assert sorted(p.relative_to(copy) for p in copy.rglob("*") if p.is_file()) == data
+
+
+def test_the_controller_finds_the_workers_markers_and_reports(tied_run: TiedRun) -> None:
+    workflow, storage, record = tied_run.workflow, tied_run.storage, tied_run.record
     # Every invocation was seen done through its marker at protocol.done_key (the invoker above),
     # and several ranges were needed (each ended at the stop key the workers agreed on).
     assert record.retries == 0 and all(i["status"] == "done" for i in record.invocations)
-    starts = sorted({r["start"] for r in record.results})
+    starts = sorted({r.start for r in record.results})
     assert len(starts) > 1 and starts[0] == 0
     # Progress: every iteration's report, read at protocol.metrics_key, holds the last stage's losses.
     assert [p.iteration for p in record.progress] == list(range(ITERATIONS))
@@ -327,6 +395,8 @@ def test_the_controller_finds_the_workers_markers_and_reports(tied_run) -> None:
     last = region.functions[-1]
     channel = DirectoryChannel(storage)
     for p in record.progress:
+        if p.iteration < protocol.sweep_before(ITERATIONS, workflow.run.checkpoint_every):
+            continue  # swept by its writer since
         key = protocol.metrics_key(ns, p.iteration, 0)
         report = protocol.MetricsReport.decode(channel.get(key, timeout=1))
         assert len(report.losses) == workflow.run.micro_batches // last.replicas
@@ -339,21 +409,21 @@ def test_the_controller_finds_the_workers_markers_and_reports(tied_run) -> None:
 # --- (4) the steps describe the worker's order ---------------------------------------------------
 
 
-def test_the_worker_runs_each_functions_steps_in_the_dags_order(tied_run) -> None:
-    workflow, storage, record = tied_run
+def test_the_worker_runs_each_functions_steps_in_the_dags_order(tied_run: TiedRun) -> None:
+    workflow, record = tied_run.workflow, tied_run.record
     region = workflow.regions[0]
     ns = protocol.namespace(RUN, region.name)
     spans: dict[tuple[str, int, int], list[tuple[str, float, float]]] = {}  # (function, replica, i)
     ran: dict[str, set[str]] = {}
     for result in record.results:
         for offset, iteration in enumerate(check_step_order(workflow, region.name, result)):
-            spans[(result["function"], result["replica"], result["resumed"] + offset)] = iteration
-            ran.setdefault(result["function"], set()).update(kind for kind, _, _ in iteration)
+            spans[(result.function, result.replica, result.resumed + offset)] = iteration
+            ran.setdefault(result.function, set()).update(kind for kind, _, _ in iteration)
     # The check fails on steps the worker does not follow: an order reversed, a step not listed.
-    result = next(r for r in record.results if r["function"] == region.functions[0].name and r["replica"] == 0)
+    result = next(r for r in record.results if r.function == region.functions[0].name and r.replica == 0)
     steps = list(workflow.steps)
-    update = next(i for i, s in enumerate(steps) if s.function == result["function"] and s.kind == "optimizer-step")
-    checkpoint = next(s for s in steps if s.function == result["function"] and s.kind == "checkpoint")
+    update = next(i for i, s in enumerate(steps) if s.function == result.function and s.kind == "optimizer-step")
+    checkpoint = next(s for s in steps if s.function == result.function and s.kind == "checkpoint")
     reversed_ = [*steps[:update], replace(steps[update], depends_on=(checkpoint.id,)), *steps[update + 1 :]]
     for wrong in (reversed_, [s for s in steps if s.id != checkpoint.id]):
         with pytest.raises(AssertionError):
@@ -364,8 +434,7 @@ def test_the_worker_runs_each_functions_steps_in_the_dags_order(tied_run) -> Non
         assert ran[function.name] == listed, function.name
     # Across functions: an optimizer step comes after every step of another function it depends on
     # (a tied parameter's partner stages): after their computes, and after every piece of their
-    # scatter-reduce is in storage (its keys' modification times; the file system's clock is
-    # coarser, so never later, than the spans').
+    # scatter-reduce is in storage (when each of its keys was written).
     checked = 0
     by_id = {s.id: s for s in workflow.steps}
     for step in workflow.steps:
@@ -385,11 +454,9 @@ def test_the_worker_runs_each_functions_steps_in_the_dags_order(tied_run) -> Non
                     else:
                         assert dependency.kind == "scatter-reduce"
                         sync = protocol.sync_key(ns, i, partner.stage)
-                        pieces = [p for p in (storage / sync).rglob("*") if p.is_file()]
-                        assert any(
-                            p.relative_to(storage).as_posix() == protocol.reduced_piece_key(sync, 0, 0) for p in pieces
-                        )
-                        ends = [p.stat().st_mtime for p in pieces]
+                        pieces = {k: t for k, t in tied_run.written.items() if k.startswith(sync + "/")}
+                        assert protocol.reduced_piece_key(sync, 0, 0) in pieces
+                        ends = list(pieces.values())
                     assert ends and max(ends) <= began + 1e-6, f"{step.id} iteration {i}: before {dependency.id}"
                     checked += 1
     assert checked >= 2 * ITERATIONS  # both tied stages, each against the other

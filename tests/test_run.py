@@ -106,15 +106,15 @@ def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
     # The same attempt delivered again (a platform's at-least-once delivery) while it ran: claimed.
     again = StageWorker(package, DirectoryChannel(storage))
     (storage / "r" / region.name / "done" / "mlp-digits-s0" / "r0" / "from0").unlink()
-    assert again.run(0, 2, 0, run="r", attempt=0)["status"] == "duplicate"
+    assert again.run(0, 2, 0, run="r", attempt=0).status == "duplicate"
     # A retry (a new attempt): it resumes from the last checkpoint and recomputes the same bytes.
     retried = again.run(0, 2, 0, run="r", attempt=1)
-    assert retried["stop"] == 2 and retried["resumed"] == 1
-    assert retried["losses"] == first["losses"][-len(retried["losses"]) :]
+    assert retried.stop == 2 and retried.resumed == 1
+    assert retried.losses == first.losses[-len(retried.losses) :]
     assert (storage / "r" / region.name / "state" / "s0" / "it2").read_bytes() == state
     # After it finished, any further copy returns the recorded result and runs nothing.
     repeat = StageWorker(package, DirectoryChannel(storage)).run(0, 2, 0, run="r", attempt=2)
-    assert repeat["duplicate"] is True and repeat["losses"] == retried["losses"]
+    assert repeat.duplicate is True and repeat.losses == retried.losses
 
 
 def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], pipelined) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cloudless.ir.protocol import state_key
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.tensors import unpack
 from tests.runtime_cases import front_end, reference_training, run_workers, write_packages, write_training_data
@@ -24,13 +25,13 @@ def test_pipelined_replicated_run_matches_plain_pytorch(tmp_path, schedule: str)
     storage = tmp_path / "storage"
     write_training_data(result, DirectoryChannel(storage), region)
     results = run_workers(tmp_path / "build", workflow, storage, 0, 3)
-    losses = [x for r in results if r["stage"] == 2 for x in r["losses"]]
+    losses = [x for r in results if r.stage == 2 for x in r.losses]
     assert len(losses) == 3 * 8 and all(0 < x < 5 for x in losses)
 
     expected = reference_training(result, workflow, region)
     got: dict[str, torch.Tensor] = {}
     for s in range(len(stages)):
-        state = unpack((storage / region / "state" / f"s{s}" / "it3").read_bytes())
+        state = unpack(DirectoryChannel(storage).get(state_key(region, s, 3), timeout=1))
         got.update({k.removeprefix("module/"): v for k, v in state.items() if k.startswith("module/")})
     assert set(got) == set(expected)
     for name, value in expected.items():

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from cloudless.ir.protocol import CorruptBlob, seal, unseal
 from cloudless.runtimes.storage import (
     Channel,
     DirectoryChannel,
     KeyTimeout,
     RedisChannel,
     S3Channel,
+    SealedStore,
     open_channel,
 )
 
@@ -163,6 +165,56 @@ def test_concurrent_claims_have_one_winner(make_channel: MakeChannel) -> None:
 # --- open_channel ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda blob: blob[:-1], id="truncated"),
+        pytest.param(lambda blob: blob[:-100] + bytes([blob[-100] ^ 0x01]) + blob[-99:], id="one-bit-flipped"),
+        pytest.param(lambda blob: blob[36:], id="no-header"),
+        pytest.param(lambda blob: b"", id="emptied"),
+    ],
+)
+def test_a_damaged_value_is_an_error_naming_the_key(make_channel: MakeChannel, damage) -> None:
+    channel = make_channel("p")
+    assert isinstance(channel, SealedStore)
+    channel._write("it3/act/s0/mb1", damage(seal(BINARY)))  # as the storage would hold a damaged value
+    with pytest.raises(CorruptBlob, match="it3/act/s0/mb1.*corrupt"):
+        channel.try_get("it3/act/s0/mb1")
+    with pytest.raises(CorruptBlob, match="it3/act/s0/mb1"):
+        channel.get("it3/act/s0/mb1", timeout=1)  # asked again, then given up: not a timeout
+    assert channel.exists("it3/act/s0/mb1")  # it is there; reading it says what is wrong
+
+
+def test_get_reads_again_after_a_bad_read(tmp_path: Path) -> None:
+    """A bad read that a second read does not repeat (the network's, not the storage's) costs nothing."""
+
+    class Flaky(DirectoryChannel):
+        reads = 0
+
+        def _read(self, key: str) -> bytes | None:
+            self.reads += 1
+            blob = super()._read(key)
+            return blob[:-1] if self.reads == 1 and blob is not None else blob
+
+    channel = Flaky(tmp_path)
+    channel.put("k", BINARY)
+    assert channel.get("k", timeout=1) == BINARY and channel.reads == 2
+
+
+def test_delete_prefix_removes_only_what_is_under_it(make_channel: MakeChannel) -> None:
+    channel = make_channel("p")
+    for key in ("run/a/it0/x", "run/a/it1/y", "run/a/state/s0/it2", "run/ab/z", "data/d/train/meta"):
+        channel.put(key, b"v")
+    assert channel.delete_prefix("run/a/") == 3
+    assert [channel.exists(k) for k in ("run/a/it0/x", "run/a/state/s0/it2", "run/ab/z", "data/d/train/meta")] == [
+        False,
+        False,
+        True,
+        True,
+    ]
+    assert channel.delete_prefix("run/a/") == 0
+
+
 def test_open_channel_s3(s3_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
 
@@ -173,7 +225,7 @@ def test_open_channel_s3(s3_bucket: str, moto_endpoint: str, monkeypatch: pytest
     channel.put("grad", BINARY)
     # the object is at prefix/key in the bucket, and a channel made directly reads it
     raw = boto3.client("s3", endpoint_url=moto_endpoint).get_object(Bucket=s3_bucket, Key="runs/7/grad")
-    assert raw["Body"].read() == BINARY
+    assert unseal("runs/7/grad", raw["Body"].read()) == BINARY
     assert S3Channel(s3_bucket, "runs/7", endpoint_url=moto_endpoint).get("grad", timeout=1) == BINARY
     assert channel.describe("grad") == f"s3://{s3_bucket}/runs/7/grad"
 
@@ -195,10 +247,10 @@ def test_open_channel_redis(redis_url: str) -> None:
     raw = redis.Redis(host="127.0.0.1", port=port, db=0)
     raw1 = redis.Redis(host="127.0.0.1", port=port, db=1)
     try:
-        assert raw.get(f"{prefix}/grad") == BINARY
+        assert unseal("grad", raw.get(f"{prefix}/grad")) == BINARY
         # the database number in the URL is honoured
         open_channel(f"redis://127.0.0.1:{port}/1#{prefix}").put("db", b"one")
-        assert raw1.get(f"{prefix}/db") == b"one" and raw.get(f"{prefix}/db") is None
+        assert unseal("db", raw1.get(f"{prefix}/db")) == b"one" and raw.get(f"{prefix}/db") is None
     finally:
         raw.close()
         raw1.close()
@@ -209,8 +261,8 @@ def test_open_channel_directory(tmp_path: Path) -> None:
         channel = open_channel(location)
         assert isinstance(channel, DirectoryChannel)
         channel.put("k", b"v")
-    assert (tmp_path / "a" / "k").read_bytes() == b"v"
-    assert (tmp_path / "b" / "k").read_bytes() == b"v"
+    assert unseal("k", (tmp_path / "a" / "k").read_bytes()) == b"v"
+    assert unseal("k", (tmp_path / "b" / "k").read_bytes()) == b"v"
 
 
 @pytest.mark.parametrize("location", ["ftp://host/folder", "s3:///no-bucket", "http://example.com/x"])
