@@ -24,6 +24,7 @@ from cloudless.ir.blocks import BlockChain
 from cloudless.ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
 from cloudless.ir.folders import FolderError, check_output_folder, run_lock, run_outputs
 from cloudless.ir.graph import OpGraph, dumps
+from cloudless.ir.plan import TrainingPlan
 
 
 def build_files(
@@ -37,27 +38,20 @@ def build_files(
 ) -> dict[str, bytes]:
     """Every file of the build, by path relative to the build folder, the marker with their digests
     included."""
-    files = _files(graph, chain, planned, plan_options, timeline, lowered, targets)
-    return dict(sorted({**files, BUILD_MARKER: build_manifest(files)}.items()))
-
-
-def _files(
-    graph: OpGraph,
-    chain: BlockChain,
-    planned: PlanResult | None,
-    plan_options: PlanOptions | None,
-    timeline: Timeline | None,
-    lowered: Lowered | None,
-    targets: frozenset[str],
-) -> dict[str, bytes]:
     files = {
         "ir/graph.json": dumps(graph.to_json()).encode(),
         "ir/blocks.json": dumps(chain.to_json()).encode(),
     }
-    if planned is None or plan_options is None or timeline is None or lowered is None:
-        return files
-    plan = plan_ir(planned, chain, plan_options, timeline)
-    files["plan.json"] = plan_text(plan).encode()
+    if planned is not None and plan_options is not None and timeline is not None and lowered is not None:
+        files.update(_planned_files(plan_ir(planned, chain, plan_options, timeline), timeline, lowered, targets))
+    return dict(sorted({**files, BUILD_MARKER: build_manifest(files)}.items()))
+
+
+def _planned_files(
+    plan: TrainingPlan, timeline: Timeline, lowered: Lowered, targets: frozenset[str]
+) -> dict[str, bytes]:
+    """plan.json, the packages, each region's deployment files, samconfig.toml and the report."""
+    files = {"plan.json": plan_text(plan).encode()}
     workflow = lowered.workflow
     files.update(package_files(lowered))
     for region in workflow.regions:

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         type=Path,
         metavar="BUILD",
-        help="validate an existing build folder (schemas, platform limits, statelint, cfn-lint) and exit",
+        help="validate an existing build folder (every file's digest; the workflow against itself, plan.json "
+        "and the packages; schemas, platform limits, statelint, cfn-lint) and exit",
     )
     parser.add_argument(
         "--target",
@@ -257,7 +258,10 @@ def check_command(build: Path, out: Console) -> int:
     except SchemaError as exc:
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
         return 2
-    out.print(f"{display_path(build)}: every check passed (schemas, platform limits, statelint, cfn-lint)")
+    out.print(
+        f"{display_path(build)}: every check passed (file digests; workflow, plan and packages consistent; "
+        "schemas, platform limits, statelint, cfn-lint)"
+    )
     return 0
 
 
