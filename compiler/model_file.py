@@ -7,6 +7,7 @@ Optional: example_targets, loss_fn, make_optimizer, load_shard, TRAINING.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import typing
 from collections.abc import Callable
@@ -204,7 +205,13 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
         raise ModelFileError(f"{model_file.name}: make_optimizer made {len(optimizer.param_groups)} parameter groups")
     options: dict[str, Any] = {}
     group = optimizer.param_groups[0]
+    # Only what the constructor takes: the functions call cls(params, **options), and some classes
+    # keep defaults their constructor does not accept (AdamW's `decoupled_weight_decay`).
+    signature = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
     for key in sorted(optimizer.defaults):
+        if not takes_any and key not in signature:
+            continue
         value = group.get(key, optimizer.defaults[key])
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()

@@ -466,8 +466,11 @@ class Controller:
         for (function, replica), last_attempt in sorted(attempts.items()):
             keys.append(protocol.done_key(namespace, function, replica, start))
             keys += [protocol.claim_key(namespace, function, replica, start, a) for a in range(last_attempt + 1)]
-        for key in keys:
-            self.channel.delete(key)
+        try:
+            for key in keys:
+                self.channel.delete(key)
+        except Exception as exc:  # noqa: BLE001 - best effort: the run's clean-up deletes them too
+            print(f"cloudless-run: could not delete the markers of the range from {start}: {exc}", file=sys.stderr)
 
     def clean_up(self) -> int:
         """Delete every key of the run (each region's namespace); the staged data stays. How many."""

@@ -359,7 +359,10 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True, allow_nan=False) + "\n")
     (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began), allow_nan=False) + "\n")
     if not args.keep_storage:
-        controller.clean_up()  # the trained model is in OUT; the staged data stays for the next run
+        try:
+            controller.clean_up()  # the trained model is in OUT; the staged data stays for the next run
+        except Exception as exc:  # noqa: BLE001 - any back end's error: the run itself is done
+            print(f"cloudless-run: could not delete the run's keys from {storage}: {exc}", file=sys.stderr)
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
         return 1

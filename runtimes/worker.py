@@ -296,8 +296,12 @@ class StageWorker:
             self._reports.append(self._background().submit(self._delete, keys))
 
     def _delete(self, keys: list[str]) -> None:
+        """Best effort: a key left behind costs storage (the run's clean-up gets it), not training."""
         for key in keys:
-            self.channel.delete(key)
+            try:
+                self.channel.delete(key)
+            except Exception as exc:  # noqa: BLE001 - any back end's error
+                print(f"cloudless: could not delete {self.channel.describe(key)}: {exc}", file=sys.stderr)
 
     def _check_finite(self, iteration: int, losses: list[float]) -> None:
         """Raise Diverged if a loss of this iteration, or a parameter after its step, is not finite."""

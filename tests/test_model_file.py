@@ -166,3 +166,22 @@ def test_bad_option_values(compile_cli, tmp_path: Path) -> None:
 
     code, _, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "a"), "--blocks", "0")
     assert code == 2 and "--blocks must be at least 1" in stderr
+
+
+@pytest.mark.parametrize("optimizer", ["SGD(params, lr=0.1, momentum=0.9)", "Adam(params)", "AdamW(params, lr=3e-4)"])
+def test_the_optimizer_probe_gives_options_its_class_takes(model_file, optimizer: str) -> None:
+    """The functions rebuild the optimizer as `torch.optim.<class>(params, **options)`: every option
+    recorded must be one the constructor takes (AdamW keeps a default it does not: a worker failed)."""
+    import torch
+
+    from cloudless.compiler.model_file import load_model_file, probe_optimizer
+
+    path = model_file(
+        "import torch\n\n"
+        "def build_model():\n    return torch.nn.Linear(2, 2)\n\n"
+        "def example_inputs(batch_size):\n    return (torch.zeros(batch_size, 2),)\n\n"
+        f"def make_optimizer(params):\n    return torch.optim.{optimizer}\n"
+    )
+    probe = probe_optimizer(load_model_file(path))
+    rebuilt = getattr(torch.optim, probe.class_name)([torch.nn.Parameter(torch.zeros(3))], **probe.options)
+    assert rebuilt.defaults["lr"] == probe.options["lr"]
