@@ -148,9 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("cloudless-compile: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console(stderr=True, quiet=args.quiet)
+    console = Console(stderr=True)  # errors: -q never hides them (it quiets the summary and progress)
     if args.check is not None:
         return check_command(args.check, Console(quiet=args.quiet, highlight=False, soft_wrap=True))
     if args.model is None or args.output is None:

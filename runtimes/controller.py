@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from cloudless.ir import protocol
-from cloudless.ir.protocol import EMULATE_ENV, STORAGE_ENV, AbortRecord, InvocationResult, MetricsReport
+from cloudless.ir.protocol import (
+    EMULATE_ENV,
+    STORAGE_ENV,
+    AbortRecord,
+    CorruptBlob,
+    InvocationResult,
+    MetricsReport,
+)
 from cloudless.ir.schedule import local_micro_batches
 from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow
 
@@ -142,6 +149,16 @@ class _ProcessHandle(Handle):
         return False
 
 
+def _die_with_parent() -> None:
+    """In a function's process, before it runs: Linux kills it when the controller dies (even by
+    SIGKILL), so that no function process outlives its run. Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _last_line(log: Path | None) -> str:
     """': <the error>' from the end of a failed process's log (its exception's one line), or ''."""
     try:
@@ -196,6 +213,7 @@ class LocalProcessInvoker(Invoker):
                 stderr=log,
                 env=env,
                 cwd=self.build / function.package,
+                preexec_fn=_die_with_parent,
             )
         return _ProcessHandle(process, invocation, output, time.monotonic() + function.timeout_s)
 
@@ -300,6 +318,7 @@ class RunSettings:
     fault_rate: float = 0.0
     fault_seed: int = 0
     poll_s: float = 0.05
+    resume: bool = False  # continue run_id from its stages' newest common checkpoint
 
 
 @dataclass
@@ -333,6 +352,7 @@ class Controller:
         # One fault generator per region (regions run in threads), so each region's faults replay
         # however the threads interleave; the first region's are those of a one-region run.
         self.records: dict[str, RegionRun] = {}  # what `run` did so far (also when it raised)
+        self.cancelled = threading.Event()
         self.random = {
             region.name: random.Random(settings.fault_seed + index) for index, region in enumerate(workflow.regions)
         }
@@ -358,7 +378,14 @@ class Controller:
 
         def run_region(region: Region) -> None:
             try:
-                at, stop = 0, self.region_iterations(region)
+                at, stop = self.start_of(region), self.region_iterations(region)
+                if at:
+                    # The interrupted range's markers would make its invocations look done or duplicated.
+                    self._forget_range(
+                        region,
+                        at,
+                        {(f.name, r): self.settings.retries for f in region.functions for r in range(f.replicas)},
+                    )
                 while at < stop:
                     at = self._invoke_range(region, at, stop, records[region.name])
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
@@ -367,11 +394,36 @@ class Controller:
         threads = [threading.Thread(target=run_region, args=(r,)) for r in self.workflow.regions]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.2)  # in steps: Ctrl-C reaches this thread between them
+        except KeyboardInterrupt:
+            self.cancelled.set()  # each region kills its invocations and stops
+            for thread in threads:
+                thread.join()
+            raise
         if errors:
             raise errors[0]
         return records
+
+    def start_of(self, region: Region) -> int:
+        """Where the region's run starts: 0, or resuming, the newest iteration at which every stage
+        holds a whole checkpoint (a multiple of checkpoint_every, or the planned end)."""
+        if not self.settings.resume:
+            return 0
+        namespace = self.namespace(region.name)
+        stop, every = self.region_iterations(region), self.workflow.run.checkpoint_every
+        for at in sorted({stop, *range(every, stop, every)}, reverse=True):
+            try:
+                if all(
+                    self.channel.try_get(protocol.state_key(namespace, f.stage, at)) is not None
+                    for f in region.functions
+                ):
+                    return at
+            except CorruptBlob:
+                continue
+        return 0
 
     def _event(self, function: Function, replica: int, start: int, stop: int, attempt: int) -> protocol.Invocation:
         limit = self.settings.time_limit_s or max(1.0, function.timeout_s - 30.0)
@@ -396,9 +448,7 @@ class Controller:
 
     def _invoke_range(self, region: Region, start: int, stop: int, record: RegionRun) -> int:
         """Invoke every replica of every function for start..stop-1; returns where they stopped."""
-        pending = {
-            (f.name, r): self._launch(f, r, start, stop, 0) for f in region.functions for r in range(f.replicas)
-        }
+        pending = {(f.name, r): self._launch(f, r, start, stop, 0) for f in region.functions for r in range(f.replicas)}
         kills = self._plan_faults(self.random[region.name], list(pending), start, stop)
         attempts = dict.fromkeys(pending, 0)  # the last attempt of each, for the clean-up
         range_began = time.time()
@@ -406,6 +456,10 @@ class Controller:
         stopped: list[int] = []
         next_iteration = start
         while pending:
+            if self.cancelled.is_set():
+                for _, handle in pending.values():
+                    handle.kill()
+                raise RunError("interrupted")
             for key, (invocation, handle) in list(pending.items()):
                 try:
                     result = handle.poll()

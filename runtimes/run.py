@@ -5,7 +5,7 @@ OpenFaaS or Lambda call with --invoker); storage is a folder (or Redis/S3 when n
 progress, and writes into the output folder (default BUILD/run/): `metrics.json` (loss per
 iteration, throughput, storage requests, invocations, test loss and accuracy), `trace.json` (the
 timeline, Chrome trace format: open it in chrome://tracing or ui.perfetto.dev), `model.safetensors`
-(the trained parameters and buffers under the model's own names), and `logs/` (local invoker: each
+(the trained parameters and buffers under the model's own names), and `logs/RUN_ID/` (local invoker: each
 invocation's stderr and stdout). Bad input is one line on stderr and exit status 2; a run that
 fails is exit status 1.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import secrets
 import statistics
 import sys
 import time
@@ -89,7 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit", type=float, metavar="S", help="end each invocation before S seconds (default: timeout - 30 s)"
     )
     parser.add_argument("--retries", type=int, default=3, help="retries per failed invocation (default 3)")
-    parser.add_argument("--run-id", help="names this run's keys in storage (default: from the time)")
+    parser.add_argument(
+        "--key-timeout",
+        type=float,
+        metavar="S",
+        help=f"how long a function waits for any one key (default {protocol.DEFAULT_KEY_TIMEOUT_S:g} s)",
+    )
+    parser.add_argument(
+        "--run-id", help="names this run's keys in storage and its logs (default: the time and 6 random hex digits)"
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue an interrupted or failed run (same build, storage and --out) from its last checkpoints",
+    )
     parser.add_argument(
         "--keep-storage",
         action="store_true",
@@ -229,6 +243,15 @@ def final_model(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # The controller has killed its invocations; storage keeps what they wrote.
+        print("cloudless-run: interrupted; the run's functions were stopped", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     build: Path = args.build
     try:
@@ -237,9 +260,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(f"{build}/workflow.yaml: not found; expected a build folder written by cloudless-compile")
     except SchemaError as exc:
         return fail(str(exc))
-    iterations = args.iterations or workflow.run.iterations
-    if iterations < 1:
-        return fail(f"--iterations {iterations}: expected at least 1")
+    iterations = workflow.run.iterations if args.iterations is None else args.iterations
+    for option, value, least in (
+        ("--iterations", iterations, 1),
+        ("--retries", args.retries, 0),
+        ("--threads", args.threads, 1),
+        ("--log-every", args.log_every, 1),
+    ):
+        if value is not None and value < least:
+            return fail(f"{option} {value}: expected at least {least}")
+    for option, seconds in (("--time-limit", args.time_limit), ("--key-timeout", args.key_timeout)):
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            return fail(f"{option} {seconds}: expected a positive number of seconds")
     if not 0 <= args.inject_faults < 1:
         return fail(f"--inject-faults {args.inject_faults}: expected a share in [0, 1)")
     for _, function in workflow.functions():
@@ -262,7 +294,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations: int, out: Path) -> int:
     """Stage the data, run the workflow, write the outputs into `out`; the exit status."""
     storage = args.storage or str((out / "storage").resolve())
-    run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    # Unique: two runs started in the same second must not share keys or logs.
+    if args.resume and args.run_id:
+        return fail("give --run-id or --resume, not both")
+    if args.resume and len(workflow.regions) > 1:
+        return fail("--resume: a workflow of several regions cannot be resumed yet")
+    run_id = args.resume or args.run_id or f"{time.strftime('run-%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     regions = workflow.regions
     region = regions[0].name
     if len(regions) > 1 and args.invoker != "local":
@@ -280,6 +317,8 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
         iterations=iterations,
         run_id=run_id,
         time_limit_s=args.time_limit,
+        key_timeout_s=args.key_timeout or protocol.DEFAULT_KEY_TIMEOUT_S,
+        resume=bool(args.resume),
         retries=args.retries,
         fault_rate=args.inject_faults,
         fault_seed=args.fault_seed,
@@ -288,7 +327,11 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
     invoker: Invoker
     if args.invoker == "local":
         invoker = LocalProcessInvoker(
-            build.resolve(), storage, out / "logs", resources=resources_of(workflow, args), threads=args.threads
+            build.resolve(),
+            storage,
+            out / "logs" / run_id,
+            resources=resources_of(workflow, args),
+            threads=args.threads,
         )
     elif args.invoker == "openfaas":
         invoker = OpenFaaSInvoker(args.gateway, channel, namespace)
@@ -320,6 +363,11 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
     except RunError as exc:
         return fail(str(exc))
     totals.update({entry.name: controller.region_iterations(entry) for entry in regions})
+    if args.resume:
+        resumed = controller.start_of(regions[0])
+        if resumed == 0:
+            return fail(f"--resume {run_id}: {storage} holds no checkpoint of that run; start it again")
+        print(f"resuming run {run_id} from iteration {resumed}", flush=True)
     if not args.quiet:
         for entry in regions:
             functions = entry.functions
@@ -358,7 +406,7 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
     # allow_nan=False: the file is JSON for any reader (a non-finite figure is null, never NaN).
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True, allow_nan=False) + "\n")
     (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began), allow_nan=False) + "\n")
-    if not args.keep_storage:
+    if failure is None and not args.keep_storage:  # a failed run stays resumable
         try:
             controller.clean_up()  # the trained model is in OUT; the staged data stays for the next run
         except Exception as exc:  # noqa: BLE001 - any back end's error: the run itself is done
@@ -379,7 +427,7 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
         if "accuracy" in test:
             figures += f", accuracy {test['accuracy']:.1%}"
         print(f"{figures} on {test['samples']} samples")
-    print(f"wrote {out}/: metrics.json, trace.json, model.safetensors, logs/")
+    print(f"wrote {out}/: metrics.json, trace.json, model.safetensors, logs/{settings.run_id}/")
     return 0
 
 

@@ -164,8 +164,9 @@ def test_summary_and_quiet(compile_cli, tmp_path: Path) -> None:
 def test_bad_option_values(compile_cli, tmp_path: Path) -> None:
     from .conftest import MODELS
 
-    code, _, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "a"), "--blocks", "0")
-    assert code == 2 and "--blocks must be at least 1" in stderr
+    for quiet in ([], ["-q"]):  # -q quiets the summary, never an error
+        code, _, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "a"), "--blocks", "0", *quiet)
+        assert code == 2 and "--blocks must be at least 1" in stderr
 
 
 @pytest.mark.parametrize("optimizer", ["SGD(params, lr=0.1, momentum=0.9)", "Adam(params)", "AdamW(params, lr=3e-4)"])

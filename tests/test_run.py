@@ -5,6 +5,10 @@ faults, and with duplicate invocations."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +130,16 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert f"{missing}: no such model file" in capsys.readouterr().err
     assert run_main([str(build), "--out", str(tmp_path / "out"), "--inject-faults", "1.5"]) == 2
     assert "--inject-faults 1.5: expected a share in [0, 1)" in capsys.readouterr().err
+    # 0 and negatives are errors where they mean nothing (0 iterations used to train the default 200)
+    for option, value, expected in (
+        ("--iterations", "0", "--iterations 0: expected at least 1"),
+        ("--retries", "-1", "--retries -1: expected at least 0"),
+        ("--time-limit", "-5", "--time-limit -5.0: expected a positive number of seconds"),
+        ("--key-timeout", "nan", "--key-timeout nan: expected a positive number of seconds"),
+    ):
+        assert run_main([str(build), "--out", str(tmp_path / "out"), option, value]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == f"cloudless-run: {expected}", err
 
 
 def test_compiled_sample_trains_to_90_percent(compile_cli, tmp_path: Path, capsys) -> None:
@@ -140,3 +154,85 @@ def test_compiled_sample_trains_to_90_percent(compile_cli, tmp_path: Path, capsy
     assert metrics["test"]["accuracy"] >= 0.90, out
     assert f"accuracy {metrics['test']['accuracy']:.1%}" in out
     assert metrics["progress"][-1]["loss"] < metrics["progress"][0]["loss"]
+
+
+def _function_processes(build: Path) -> list[str]:
+    """Command lines of live processes running one of the build's handlers."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(build) in command and "handler.py" in command:
+            found.append(command)
+    return found
+
+
+@pytest.fixture(scope="module")
+def mlp_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits sample compiled as the README does (one function)."""
+    from cloudless.compiler.cli import main as compile_main
+
+    build = tmp_path_factory.mktemp("mlp") / "build"
+    assert compile_main([str(MLP), "-o", str(build), "-q", "--repeats", "1"]) == 0
+    return build.resolve()
+
+
+def _start_run(build: Path, out: Path, *options: str) -> subprocess.Popen[str]:
+    """`cloudless-run` in its own process, once its function trains (it printed an iteration)."""
+    command = [sys.executable, "-m", "cloudless.runtimes.run", str(build), "--out", str(out), "--log-every", "1"]
+    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("iteration"):
+            return process
+    raise AssertionError(f"it never trained: {process.communicate()}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the function processes")
+def test_ctrl_c_and_a_killed_controller_leave_no_function_running(mlp_build: Path, tmp_path: Path) -> None:
+    """Ctrl-C: exit 130, one line, every function process stopped. SIGKILL of the controller: its
+    function processes die with it (no orphans)."""
+    build = mlp_build
+    for sent in (signal.SIGINT, signal.SIGKILL):
+        process = _start_run(build, tmp_path / f"run-{sent.name}", "--iterations", "1000000")
+        assert _function_processes(build), "no function process was found while training"
+        process.send_signal(sent)
+        try:
+            _, err = process.communicate(timeout=30)
+        finally:
+            process.kill()
+        if sent == signal.SIGINT:
+            assert process.returncode == 130
+            assert err.strip().splitlines() == ["cloudless-run: interrupted; the run's functions were stopped"], err
+        deadline = time.monotonic() + 10
+        while _function_processes(build) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _function_processes(build) == [], f"after {sent.name}: function processes outlived the run"
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_same_parameters(mlp_build: Path, tmp_path: Path, capsys) -> None:
+    """SIGKILL of the controller past a checkpoint, then --resume: the same model, bit for bit, as a
+    run that was never interrupted."""
+    iterations = "120"  # checkpoints every 50: the kill lands past the first
+    assert run_main([str(mlp_build), "--out", str(tmp_path / "whole"), "--iterations", iterations, "-q"]) == 0
+    out = tmp_path / "killed"
+    process = _start_run(mlp_build, out, "--iterations", iterations, "--run-id", "k")
+    assert process.stdout is not None
+    for line in process.stdout:
+        if int(line.split()[1].split("/")[0]) >= 70:
+            break
+    process.kill()
+    process.communicate(timeout=30)
+    capsys.readouterr()
+    assert run_main([str(mlp_build), "--out", str(out), "--iterations", iterations, "--resume", "k", "-q"]) == 0
+    assert "resuming run k from iteration 50" in capsys.readouterr().out
+    whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+    # Nothing to resume is one line.
+    assert run_main([str(mlp_build), "--out", str(out), "--resume", "nothing"]) == 2
+    assert "--resume nothing: " in capsys.readouterr().err
