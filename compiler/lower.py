@@ -12,8 +12,10 @@ the optimizer as a torch.optim class and its options, the loss as generated torc
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,6 +137,15 @@ def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: 
         raise CompileError(f"{model_file.name}: loss_fn: {exc}") from exc
 
 
+def portable_path(path: Path) -> str:
+    """`path` as a build records it: relative to the folder the compiler ran in (as a user types
+    it), never an absolute path of the compiling machine; `cloudless-run` resolves it from the
+    same folder (or takes `--model`)."""
+    if not path.is_absolute():
+        return path.as_posix()
+    return Path(os.path.relpath(path.resolve(), Path.cwd().resolve())).as_posix()
+
+
 def checkpoint_interval(iterations: int) -> int:
     return max(1, min(1000, math.ceil(iterations / CHECKPOINTS_PER_RUN)))
 
@@ -252,8 +263,9 @@ def lower_plan(
         ),
         storage=StorageSpec(bucket=f"cloudless-{run_name}", prefix=run_name),
         data=DataSpec(
-            # The file whose load_shard(region, split) gives the data (as given to the compiler).
-            model_file=model_file.path.as_posix(),
+            # The file whose load_shard(region, split) gives the data: as given to the compiler when
+            # relative, never an absolute path of the compiling machine (see `portable_path`).
+            model_file=portable_path(model_file.path),
             inputs=tuple(input_names),
             targets=target_count,
             loss=LOSS_MODULE,

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cloudless.ir import protocol
 from cloudless.ir.protocol import (
@@ -295,6 +295,61 @@ class LambdaInvoker(Invoker):
         return _marker(self.channel, self.namespace, invocation)
 
 
+# --- the controller's storage ---------------------------------------------------------------------
+
+_T = TypeVar("_T")
+
+
+class StorageError(RuntimeError):
+    """Storage did not answer, after retries: one line naming it and the error."""
+
+
+class RetryingChannel(Channel):
+    """The controller's view of storage: a request that fails (a dropped connection, a throttled
+    request) is tried again with back-off, and after the last try the run ends with a
+    StorageError, one line, instead of a back end's traceback. (Functions are retried whole.)"""
+
+    def __init__(self, inner: Channel, tries: int = 4, first_wait_s: float = 0.5) -> None:
+        self.inner, self.tries, self.first_wait_s = inner, tries, first_wait_s
+        self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
+
+    def _retried(self, what: str, key: str, call: Callable[[], _T]) -> _T:
+        wait = self.first_wait_s
+        for attempt in range(self.tries):
+            try:
+                return call()
+            except (CorruptBlob, KeyTimeout, ValueError):
+                raise  # answers, not failures to answer
+            except Exception as exc:  # noqa: BLE001 - any back end's error
+                if attempt + 1 == self.tries:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    raise StorageError(
+                        f"storage did not answer ({what} {self.describe(key)}, {self.tries} tries): "
+                        f"{type(exc).__name__}: {first}"
+                    ) from exc
+                time.sleep(wait)
+                wait *= 2
+        raise AssertionError("unreachable")
+
+    def try_get(self, key: str) -> bytes | None:
+        return self._retried("reading", key, lambda: self.inner.try_get(key))
+
+    def put(self, key: str, data: bytes) -> None:
+        self._retried("writing", key, lambda: self.inner.put(key, data))
+
+    def claim(self, key: str, data: bytes) -> bool:
+        return self._retried("writing", key, lambda: self.inner.claim(key, data))
+
+    def delete(self, key: str) -> None:
+        self._retried("deleting", key, lambda: self.inner.delete(key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self._retried("deleting", prefix, lambda: self.inner.delete_prefix(prefix))
+
+    def describe(self, key: str) -> str:
+        return self.inner.describe(key)
+
+
 # --- the controller ------------------------------------------------------------------------------
 
 
@@ -451,14 +506,31 @@ class Controller:
         pending = {(f.name, r): self._launch(f, r, start, stop, 0) for f in region.functions for r in range(f.replicas)}
         kills = self._plan_faults(self.random[region.name], list(pending), start, stop)
         attempts = dict.fromkeys(pending, 0)  # the last attempt of each, for the clean-up
+        try:
+            return self._follow_range(region, start, stop, record, pending, kills, attempts)
+        except BaseException:
+            for _, handle in pending.values():
+                handle.kill()  # none outlives a controller that gives up (where the invoker can)
+            raise
+
+    def _follow_range(
+        self,
+        region: Region,
+        start: int,
+        stop: int,
+        record: RegionRun,
+        pending: dict[tuple[str, int], tuple[Invocation, Handle]],
+        kills: dict[tuple[str, int], tuple],
+        attempts: dict[tuple[str, int], int],
+    ) -> int:
+        """Wait for the range's invocations: retry the failed ones, inject the faults, follow the
+        progress; where they stopped."""
         range_began = time.time()
         last = region.functions[-1]  # in stage order
         stopped: list[int] = []
         next_iteration = start
         while pending:
             if self.cancelled.is_set():
-                for _, handle in pending.values():
-                    handle.kill()
                 raise RunError("interrupted")
             for key, (invocation, handle) in list(pending.items()):
                 try:
@@ -471,8 +543,6 @@ class Controller:
                         record_ = AbortRecord("failed", f"{exc} ({tried})", start, function.stage, function.name)
                         # Functions the invoker cannot kill (remote) find this and stop waiting.
                         self.channel.claim(protocol.abort_key(self.namespace(region.name)), record_.encode())
-                        for _, other in pending.values():
-                            other.kill()
                         raise RunError(record_.message) from exc
                     record.retries += 1
                     attempts[key] = invocation.attempt + 1
@@ -485,17 +555,15 @@ class Controller:
                 del pending[key]
                 record.results.append(result)
                 record.invocations.append(self._summary(invocation, result.status, result.reason))
-                if result.status in ("diverged", "aborted"):
-                    for _, other in pending.values():
-                        other.kill()  # where the invoker can; the others find the abort record
+                if result.status in ("diverged", "aborted"):  # the others find the abort record
                     raise RunDiverged(self._abort_message(region.name, result))
                 stopped.append(result.stop)
             next_iteration = self._follow(region.name, last, next_iteration, stop, record)
             now = time.time()
             for key, when in list(kills.items()):
-                handle = pending[key][1] if key in pending else None
-                if handle is not None and self._due(when, next_iteration, now, record, range_began):
-                    if handle.kill():
+                victim = pending[key][1] if key in pending else None
+                if victim is not None and self._due(when, next_iteration, now, record, range_began):
+                    if victim.kill():
                         record.faults += 1
                     del kills[key]
             if pending:

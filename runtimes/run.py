@@ -40,8 +40,10 @@ from .controller import (
     OpenFaaSInvoker,
     Progress,
     RegionRun,
+    RetryingChannel,
     RunError,
     RunSettings,
+    StorageError,
 )
 from .data import data_name
 from .emulation import Resources
@@ -249,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The controller has killed its invocations; storage keeps what they wrote.
         print("cloudless-run: interrupted; the run's functions were stopped", file=sys.stderr)
         return 130
+    except StorageError as exc:  # before or after the run itself (staging, the final model)
+        print(f"cloudless-run: {exc}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -305,7 +310,7 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
     if len(regions) > 1 and args.invoker != "local":
         return fail(f"--invoker {args.invoker}: a workflow of several regions runs here with --invoker local")
     try:
-        channel = open_channel(storage)
+        channel: Channel = RetryingChannel(open_channel(storage))
         model = args.model or Path(workflow.data.model_file)
         staged = {
             entry.name: stage_data(channel, entry.name, model, sources=entry.data_sources, name=data_name(entry))
@@ -380,10 +385,10 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
             )
         for name, data in staged.items():
             print(f"{describe_staged(data)}{f' in {name}' if len(regions) > 1 else ''}", flush=True)
-    failure: RunError | None = None
+    failure: RunError | StorageError | None = None
     try:
         records = controller.run()
-    except RunError as exc:
+    except (RunError, StorageError) as exc:
         failure, records = exc, controller.records
     seconds = time.time() - began
     test = None

@@ -186,3 +186,28 @@ def test_the_optimizer_probe_gives_options_its_class_takes(model_file, optimizer
     probe = probe_optimizer(load_model_file(path))
     rebuilt = getattr(torch.optim, probe.class_name)([torch.nn.Parameter(torch.zeros(3))], **probe.options)
     assert rebuilt.defaults["lr"] == probe.options["lr"]
+
+
+def test_no_build_file_holds_a_path_of_the_compiling_machine(compile_cli, tmp_path: Path, monkeypatch) -> None:
+    """A build is deployed elsewhere: it records the model file relative to where it was compiled, or
+    by its name alone, never as this machine's absolute path (nor the build folder's)."""
+    import re
+
+    import yaml
+
+    from .conftest import SAMPLES
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the model file is outside the current folder
+    build = tmp_path / "build"
+    code, _, stderr = compile_cli(str((SAMPLES / "mlp_digits.py").resolve()), "-o", str(build), "-q", "--repeats", "1")
+    assert code == 0, stderr
+    # an absolute path: one that starts there, not a relative path that passes through it (../../x)
+    machine = re.compile("|".join(rf"(?<![\w.]){re.escape(str(f))}" for f in (SAMPLES.resolve().parent, tmp_path)))
+    for path in sorted(p for p in build.rglob("*") if p.is_file() and p.suffix != ".safetensors"):
+        found = machine.search(path.read_text(errors="replace"))
+        assert found is None, f"{path.relative_to(build)}: {found}"
+    recorded = yaml.safe_load((build / "workflow.yaml").read_text())["data"]["model_file"]
+    assert not Path(recorded).is_absolute()
+    assert (elsewhere / recorded).resolve() == (SAMPLES / "mlp_digits.py").resolve()  # from where it was compiled

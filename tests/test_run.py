@@ -236,3 +236,37 @@ def test_a_killed_run_resumes_to_the_same_parameters(mlp_build: Path, tmp_path: 
     # Nothing to resume is one line.
     assert run_main([str(mlp_build), "--out", str(out), "--resume", "nothing"]) == 2
     assert "--resume nothing: " in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_storage_that_stops_answering_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path) -> None:
+    """Redis stopped mid-run: the controller retries with back-off, then the run ends (exit 1, one
+    line naming the storage and the error) within a minute, its functions stopped, no traceback."""
+    import shutil
+
+    from tests.conftest import _start_redis, _stop
+
+    executable = shutil.which("redis-server")
+    if executable is None:
+        pytest.skip("redis-server is not installed")
+    started = _start_redis(executable, tmp_path)
+    assert started is not None
+    server, port = started
+    try:
+        process = _start_run(
+            mlp_build, tmp_path / "out", "--iterations", "1000000", "--storage", f"redis://127.0.0.1:{port}/0"
+        )
+        _stop(server)
+        began = time.monotonic()
+        _, err = process.communicate(timeout=90)
+        assert time.monotonic() - began < 60
+    finally:
+        _stop(server)
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("cloudless-run: the run failed: storage did not answer (reading redis "), err
+    assert f"ConnectionError: Error 111 connecting to 127.0.0.1:{port}" in lines[0], err
+    assert _function_processes(mlp_build) == []
