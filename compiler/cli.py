@@ -158,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console(stderr=True)  # errors: -q never hides them (it quiets the summary and progress)
+    # Errors: one unwrapped line each, and -q never hides them (it quiets the summary and progress).
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
     if args.check is not None:
         return check_command(args.check, Console(quiet=args.quiet, highlight=False, soft_wrap=True))
     if args.model is None or args.output is None:
@@ -167,7 +168,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # before any pass: a refusal must not cost a minute of profiling first
         check_output_folder(args.output, "build", protected=[args.model])
     except FolderError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
+        console.print(f"cloudless-compile: error: {exc}", markup=False)
         return 2
     # Plain, unwrapped lines for the summary: it is read in terminals and in CI logs alike.
     out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
@@ -193,14 +194,18 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.region:
             console.print("cloudless-compile: error: give --region or --regions, not both", markup=False)
             return 2
-        if args.regions == "all":
-            try:
-                regions = tuple(r.name for r in load_catalog(args.catalog).regions)
-            except SchemaError as exc:
-                console.print(f"cloudless-compile: error: {exc}", markup=False)
-                return 2
-        else:
+        if args.regions != "all":
             regions = tuple(name.strip() for name in args.regions.split(",") if name.strip())
+    # The catalog and the regions named, before any pass (tracing and profiling take a while).
+    try:
+        catalog = load_catalog(args.catalog)
+        if args.regions == "all":
+            regions = tuple(r.name for r in catalog.regions)
+        for name in (args.region, *regions):
+            catalog.region(name)
+    except SchemaError as exc:
+        console.print(f"cloudless-compile: error: {exc}", markup=False)
+        return 2
     if args.sync_every < 1:
         console.print("cloudless-compile: error: --sync-every must be at least 1", markup=False)
         return 2

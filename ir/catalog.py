@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from cloudless.ir.schema import SchemaError, validate
+from cloudless.ir.schema import SchemaError, check_finite, read_yaml, validate
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,7 @@ class Catalog:
 
 def parse_catalog(data: Any, source: str) -> Catalog:
     validate(data, "catalog", source)
+    check_finite(data, source)
     regions = tuple(Region.from_json(r) for r in data["regions"])
     for i, region in enumerate(regions):
         if region.min_mbps > region.max_mbps:
@@ -158,12 +159,10 @@ def load_catalog(path: Path | None = None) -> Catalog:
     if path is None:
         text = resources.files("cloudless.ir").joinpath("catalogs", "default.yaml").read_text()
         return parse_catalog(yaml.safe_load(text), "default catalog")
-    if not path.exists():
+    if not path.is_file():
         raise SchemaError(f"{path}: no such file; expected a region catalog (YAML)")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise SchemaError(f"{path}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
-    return parse_catalog(data, str(path))
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SchemaError(f"{path}: cannot be read as text: {exc}") from exc
+    return parse_catalog(read_yaml(text, str(path)), str(path))

@@ -18,7 +18,7 @@ import yaml
 
 from cloudless.ir.graph import dumps
 from cloudless.ir.plan import TrainingPlan
-from cloudless.ir.schema import SchemaError, validate
+from cloudless.ir.schema import SchemaError, read_yaml, validate
 from cloudless.ir.workflow import Workflow
 
 #: the file at the root of every build folder: what wrote it, and every other file's digest. Its
@@ -108,9 +108,10 @@ def save_workflow(workflow: Workflow, path: Path) -> None:
 
 def load_workflow(path: Path) -> Workflow:
     try:
-        document = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise SchemaError(f"{path}: not YAML: {exc}") from exc
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"{path}: not text: {exc}") from exc
+    document = read_yaml(text, str(path))
     check_workflow(document, str(path))
     return Workflow.from_json(document)
 

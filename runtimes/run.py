@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from safetensors.torch import save_file
@@ -115,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-every", type=int, help="print progress every N iterations (default: about 20 lines)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
     return parser
+
+
+def shown(location: str) -> str:
+    """A storage location as printed: a password in it (redis://:secret@host) never is."""
+    parsed = urlparse(location)
+    if parsed.password is None:
+        return location
+    host = parsed.hostname or ""
+    netloc = f"{parsed.username or ''}:***@{host}" + (f":{parsed.port}" if parsed.port else "")
+    return parsed._replace(netloc=netloc).geturl()
 
 
 def fail(message: str) -> int:
@@ -261,8 +272,10 @@ def _main(argv: Sequence[str] | None) -> int:
     build: Path = args.build
     try:
         workflow = load_workflow(build / "workflow.yaml")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return fail(f"{build}/workflow.yaml: not found; expected a build folder written by cloudless-compile")
+    except OSError as exc:
+        return fail(f"{build}/workflow.yaml: cannot be read: {exc.strerror or exc}")
     except SchemaError as exc:
         return fail(str(exc))
     iterations = workflow.run.iterations if args.iterations is None else args.iterations
@@ -371,7 +384,7 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
     if args.resume:
         resumed = controller.start_of(regions[0])
         if resumed == 0:
-            return fail(f"--resume {run_id}: {storage} holds no checkpoint of that run; start it again")
+            return fail(f"--resume {run_id}: {shown(storage)} holds no checkpoint of that run; start it again")
         print(f"resuming run {run_id} from iteration {resumed}", flush=True)
     if not args.quiet:
         for entry in regions:
@@ -380,7 +393,7 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
             where = f" in {entry.name}" if len(regions) > 1 else ""
             print(
                 f"run {run_id}{where}: {len(functions)} stage(s), replicas {shape}, {totals[entry.name]} "
-                f"iterations of {workflow.run.global_batch} samples; storage {storage}",
+                f"iterations of {workflow.run.global_batch} samples; storage {shown(storage)}",
                 flush=True,
             )
         for name, data in staged.items():
@@ -415,7 +428,7 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
         try:
             controller.clean_up()  # the trained model is in OUT; the staged data stays for the next run
         except Exception as exc:  # noqa: BLE001 - any back end's error: the run itself is done
-            print(f"cloudless-run: could not delete the run's keys from {storage}: {exc}", file=sys.stderr)
+            print(f"cloudless-run: could not delete the run's keys from {shown(storage)}: {exc}", file=sys.stderr)
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
         return 1

@@ -7,10 +7,12 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import fields
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -120,11 +122,31 @@ def test_catalog_errors_name_file_and_key(tmp_path: Path, compile_cli) -> None:
     bad.write_text("regions: [\n")
     with pytest.raises(SchemaError, match=r"cloud.yaml:2: not valid YAML"):
         load_catalog(bad)
-    code, _, stderr = compile_cli(
-        str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "--repeats", "1", "--region", "mars-1"
+    # Numbers a schema's minimum lets through: NaN and infinity (YAML's .nan, .inf), by key.
+    text = resources.files("cloudless.ir").joinpath("catalogs", "default.yaml").read_text()
+    for old, new, key in (
+        ("gb_second: 0.0000166667", "gb_second: .nan", "regions/0/prices/gb_second: nan"),
+        ("max_mbps: 90", "max_mbps: .inf", "regions/0/network/max_mbps: inf"),
+    ):
+        assert old in text, old
+        bad.write_text(text.replace(old, new, 1))
+        with pytest.raises(SchemaError, match=f"cloud.yaml: key {key}; expected a finite number"):
+            load_catalog(bad)
+    # An alias bomb is refused before it expands (nine levels of ten: a billion strings).
+    bomb = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
     )
-    assert code == 2 and "no region 'mars-1'; the catalog has aws-us-east-1, aws-eu-west-1" in stderr
-    assert not (tmp_path / "b").exists()
+    bad.write_text(bomb)
+    with pytest.raises(SchemaError, match=r"cloud.yaml:2: YAML aliases \(\*name\) are not accepted"):
+        load_catalog(bad)
+    for option in ("--region", "--regions"):  # refused before any pass: in well under the trace's time
+        began = time.monotonic()
+        code, _, stderr = compile_cli(
+            str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "--repeats", "1", option, "mars-1"
+        )
+        assert code == 2 and "no region 'mars-1'; the catalog has aws-us-east-1, aws-eu-west-1" in stderr
+        assert not (tmp_path / "b").exists()
+        assert time.monotonic() - began < 1.0
 
 
 def test_plan_json_has_the_same_shape_when_profiled_again(compile_cli, tmp_path: Path) -> None:

@@ -124,6 +124,12 @@ def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
 def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], pipelined) -> None:
     assert run_main([str(tmp_path)]) == 2
     assert f"{tmp_path}/workflow.yaml: not found" in capsys.readouterr().err
+    (tmp_path / "README.md").write_text("# not a build\n")
+    assert run_main([str(tmp_path / "README.md")]) == 2  # a file, not a folder: one line too
+    assert capsys.readouterr().err.strip() == (
+        f"cloudless-run: {tmp_path}/README.md/workflow.yaml: not found; expected a build folder written by "
+        "cloudless-compile"
+    )
     build, _, _ = pipelined
     missing = tmp_path / "nowhere.py"
     assert run_main([str(build), "--out", str(tmp_path / "out"), "--model", str(missing)]) == 2
@@ -270,3 +276,11 @@ def test_storage_that_stops_answering_ends_the_run_with_one_line(mlp_build: Path
     assert lines[0].startswith("cloudless-run: the run failed: storage did not answer (reading redis "), err
     assert f"ConnectionError: Error 111 connecting to 127.0.0.1:{port}" in lines[0], err
     assert _function_processes(mlp_build) == []
+
+
+def test_a_storage_password_is_never_printed() -> None:
+    from cloudless.runtimes.run import shown
+
+    assert shown("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert shown("redis://user:s3cret@cache.internal/2#runs") == "redis://user:***@cache.internal/2#runs"
+    assert shown("s3://bucket/prefix") == "s3://bucket/prefix" and shown("/tmp/storage") == "/tmp/storage"
