@@ -88,6 +88,8 @@ def check_build(build: Path, *, packages: bool = True) -> None:
     With `packages=False` the function packages (handler folders, Dockerfiles) are not looked for, so the
     deployment files can be checked before the packages are written."""
     build = Path(build)
+    if not build.is_dir():
+        raise BuildCheckError(f"{build}: no such folder; expected a build folder written by cloudless-compile")
     context = _Build.open(build)
     document, workflow = _check_manifest(build, context)
     _check_run(context, document, workflow)

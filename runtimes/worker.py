@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -128,7 +129,7 @@ class _OwnChannel(Channel):
         key: str,
         timeout: float = 600.0,
         cancelled: threading.Event | None = None,
-        abort: Any = None,
+        abort: Callable[[], None] | None = None,
     ) -> bytes:
         return super().get(key, timeout, cancelled, abort or self.check_abort)
 

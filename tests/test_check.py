@@ -640,3 +640,8 @@ def test_tied_parameters_across_stages(tmp_path: Path) -> None:
     assert str(caught.value).startswith(
         "workflow.yaml: key regions/0/functions/2/shared_parameters: stage 2 holds the tied parameter 'embed.weight'"
     ), caught.value
+
+
+def test_a_missing_build_folder_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(BuildCheckError, match=r"nowhere: no such folder; expected a build folder"):
+        check_build(tmp_path / "nowhere")
