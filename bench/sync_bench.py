@@ -1,6 +1,6 @@
 """Gradient-sync benchmark: the pipelined scatter-reduce against its bandwidth bound.
 
-    python bench/sync_bench.py [--mib 128] [--mbps 90] [--latency 0.02] [--replicas 2 4 8] [--repeats 3]
+    python bench/sync_bench.py [--mib 128] [--mb-per-s 90] [--latency 0.02] [--replicas 2 4 8] [--repeats 3]
 
 For n replicas, each a separate process (spawn) with its own emulated link to storage (an
 `EmulatedChannel` of B bytes per second each way and a per-request latency, over one shared
@@ -12,7 +12,7 @@ reduced chunk). Printed per n: the median over the repeats of the pipelined and 
 variant, their share of the bound's speed (bound / measured), and what the cost model predicts.
 Target: the pipelined variant at >= 85% of the bound's speed for every n.
 
-Defaults follow the default catalog: B is its `max_mbps` (MB/s, as `Region.bandwidth_bps` reads it;
+Defaults follow the default catalog: B is its `max_mb_per_s` (megabytes/s, as `Region.bandwidth_bps` reads it;
 the fastest link is where per-request latency weighs most), the latency its `request_latency_s`;
 P = 128 MiB is a BERT-base-sized stage. Pieces are the runtime's (schedule.SYNC_PIECE_BYTES): the
 downlink cannot start before a first piece has been uploaded, so the bound is out of reach by about
@@ -130,7 +130,10 @@ def run(replicas: int, numel: int, resources: Resources, repeats: int, folder: s
 def predicted(param_bytes: int, replicas: int, bytes_per_s: float, latency_s: float) -> float:
     """CostModel.sync_time for a region whose every tier has this bandwidth and latency."""
     region = dataclasses.replace(
-        load_catalog().regions[0], min_mbps=bytes_per_s / 1e6, max_mbps=bytes_per_s / 1e6, request_latency_s=latency_s
+        load_catalog().regions[0],
+        min_mb_per_s=bytes_per_s / 1e6,
+        max_mb_per_s=bytes_per_s / 1e6,
+        request_latency_s=latency_s,
     )
     problem = Problem(
         blocks=(),
@@ -150,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=float, default=128.0, help="gradient size P in MiB of float32 (default 128)")
     parser.add_argument(
-        "--mbps",
+        "--mb-per-s",
         type=float,
-        default=region.max_mbps,
-        help=f"per-function bandwidth B each way, MB/s (default {region.max_mbps:g}: the catalog's max_mbps)",
+        default=region.max_mb_per_s,
+        help=f"per-function bandwidth B each way, megabytes/s (default {region.max_mb_per_s:g}: the catalog's "
+        "max_mb_per_s)",
     )
     parser.add_argument(
         "--latency",
@@ -172,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
 
     numel = int(args.mib * 2**20) // 4
     param_bytes = numel * 4
-    bandwidth = args.mbps * 1e6
+    bandwidth = args.mb_per_s * 1e6
     resources = Resources(bytes_per_s=bandwidth, latency_s=args.latency)
     print(
-        f"P = {param_bytes / 2**20:g} MiB float32, B = {args.mbps:g} MB/s each way, latency {args.latency:g} s, "
+        f"P = {param_bytes / 2**20:g} MiB float32, B = {args.mb_per_s:g} MB/s each way, latency {args.latency:g} s, "
         f"pieces of <= {SYNC_PIECE_BYTES / 2**20:g} MiB (at most {MAX_SYNC_PIECES} per chunk), "
         f"median of {args.repeats}, slowest replica per run; {os.cpu_count()} cores for all replica processes"
     )

@@ -2,15 +2,27 @@
 
 `regions/<region>/functions/<fn>/` holds the handler (OpenFaaS and Lambda entry points), the stage's
 generated source and weights (safetensors), the loss module on the last stage, `function.json` (the
-function's name and region and the whole workflow), `requirements.txt`, a Dockerfile for Lambda's
+function's name and region and the whole workflow), the requirements, a Dockerfile for Lambda's
 container image, and the vendored runtime: `cloudless/runtimes/` (this project's `runtimes/`, but
 the controller and the local runner) with the `cloudless/ir/` modules it imports (the workflow, the
 schedule and the protocol: standard library and torch only), under the same import names as here.
+
+Requirements: every package comes from one index only, pinned (no --extra-index-url, under which pip
+takes a name from whichever index offers the best version: dependency confusion). torch is the CPU
+build from PyTorch's index; everything else comes from PyPI, pinned with every dependency (`PYPI_PINS`).
+- `requirements-torch.txt` and `requirements-pypi.txt`: the Lambda image's two pip steps (Dockerfile),
+  torch from PyTorch's CPU index (`--index-url`, its dependencies too), then the rest from PyPI with
+  their hashes (`--require-hashes`).
+- `requirements.txt`: what OpenFaaS's template installs, in one pip call, so one file: PyPI is its index,
+  and torch is pinned to its `+cpu` build, which only PyTorch's page of torch builds (`--find-links`) has:
+  PyPI refuses local versions like `+cpu`. No hashes: torch's cannot be known offline, and pip checks
+  hashes for all of a call's packages or none.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
@@ -21,6 +33,53 @@ from safetensors.torch import save
 from cloudless.ir.workflow import Function, Workflow
 
 PYTHON_VERSION = "3.11"
+#: PyTorch's index of CPU builds, and its page of torch's files: torch comes from there only (PyPI's torch
+#: for Linux x86_64 is the CUDA build, gigabytes larger, and functions have no GPU)
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_PAGE = f"{TORCH_INDEX}/torch/"
+#: every other package's only index
+PYPI_INDEX = "https://pypi.org/simple"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A pinned requirement from PyPI: its version, the sha256 of each wheel an image may install (CPython
+    3.11 on manylinux x86_64 and aarch64) and, if it is not always needed, the environment marker."""
+
+    name: str
+    version: str
+    hashes: tuple[str, ...]
+    marker: str = ""
+
+
+#: What a function imports besides torch (safetensors; boto3 and redis, the storage clients), with all of
+#: their dependencies, pinned: known good together (and with torch 2.13); the hashes are PyPI's files'.
+PYPI_PINS = (
+    Pin(
+        "safetensors",
+        "0.8.0",
+        (
+            "fd6f3f93c9a0a7cc2788ee63fb763353d4bd2e89b0751bc78fcf7dda00bea774",  # manylinux x86_64
+            "7a46e5ff292c356d6991e60942ba7f79817682d3a2cef0702136448cb9c4d235",  # manylinux aarch64
+        ),
+    ),
+    Pin("boto3", "1.44.5", ("70c3e0409794b29ec1900bcaff0695b73234a2d32ffaed35045b94caa26212a5",)),
+    Pin("botocore", "1.44.5", ("8f16a56d1dff125dd65322ae021efa7ba5195a6db5102b96862566055b748921",)),
+    Pin("s3transfer", "0.19.3", ("24eb7535804306355e31c952a90022bf5b2f9d760f9a11062c7493a217c08553",)),
+    Pin("jmespath", "1.1.0", ("a5663118de4908c91729bea0acadca56526eb2698e83de10cd116ae0f4e97c64",)),
+    Pin("python-dateutil", "2.9.0.post0", ("a8b2bc7bffae282281c8140a97d3aa9c14da0b136dfe83f850eea9a5f7470427",)),
+    Pin("six", "1.17.0", ("4721f391ed90541fddacab5acf947aa0d3dc7d27b2e1e8eda2be8970586c3274",)),
+    Pin("urllib3", "2.8.0", ("0cf3cae568d36aa9576b28dfb35f11328f1cb974ca7647d9475ebb86c75ac6e3",)),
+    Pin("redis", "8.1.0", ("a4fe1aac3d3b3cc791d4b3d5931c5a956045dc951ee74d1c913ee3ac4d2ee9fb",)),
+    Pin(
+        "async-timeout",
+        "5.0.1",
+        ("39e3809566ff85354557ec2398b55e096c8364bacac9405a7a1fa429e77fe76c",),
+        'python_full_version < "3.11.3"',  # redis needs it on older Pythons only
+    ),
+)
+#: a package's requirement files, by the template each is rendered from
+REQUIREMENT_FILES = ("requirements.txt", "requirements-torch.txt", "requirements-pypi.txt")
 #: what a function runs, by package: the runtime modules (the controller and local runner stay out
 #: of the packages) and the ir modules they import
 VENDORED_MODULES = {
@@ -75,13 +134,17 @@ def render_function_package(
         "model": workflow.model,
         "python": PYTHON_VERSION,
         "torch_version": torch_version,
+        "torch_index": TORCH_INDEX,
+        "torch_page": TORCH_PAGE,
+        "pypi_index": PYPI_INDEX,
+        "pins": PYPI_PINS,
     }
     env = _environment()
     root = function.package
     files: dict[str, bytes] = {
         f"{root}/handler.py": env.get_template("handler.py.j2").render(context).encode(),
         f"{root}/Dockerfile": env.get_template("Dockerfile.j2").render(context).encode(),
-        f"{root}/requirements.txt": env.get_template("requirements.txt.j2").render(context).encode(),
+        **{f"{root}/{name}": env.get_template(f"{name}.j2").render(context).encode() for name in REQUIREMENT_FILES},
         f"{root}/stage.py": stage_source.encode(),
         f"{root}/weights.safetensors": weights_bytes(weights),
         f"{root}/function.json": (

@@ -9,8 +9,9 @@ and `render_samconfig` writes the build root's `samconfig.toml`, one config-env 
 
 The function packages themselves (handler, Dockerfile, stage code) are written elsewhere; these files only
 name their folders. Everything is rendered from jinja templates in a fixed order, so the same manifest gives
-byte-identical files. No credentials appear anywhere: OpenFaaS functions read the `cloudless-storage` secret,
-Lambda functions get an IAM role scoped to the run's bucket.
+byte-identical files. No credentials appear anywhere: OpenFaaS functions read the `cloudless-storage` secret
+(and accept only requests carrying the `cloudless-token` secret's value), Lambda functions get an IAM role
+that may only get, put and delete objects under the run's prefix of the run's bucket (`S3_OBJECT_ACTIONS`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 import jinja2
 
-from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET
+from cloudless.ir.catalog import AWS_REGION_PREFIX
+from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
 from cloudless.ir.workflow import Region, Workflow
 
 TARGETS = frozenset({"openfaas", "sam"})
@@ -36,6 +38,15 @@ OPENFAAS_GATEWAY = "http://127.0.0.1:8080"
 #: read/write timeouts of the function's HTTP server exceed the execution timeout by this, so that a
 #: handler finishing just in time can still send its response.
 TIMEOUT_MARGIN_S = 10
+
+#: What a Lambda function may do with the objects under the run's prefix, and nothing more: the worker's
+#: storage requests (runtimes/storage.py, S3Channel) are GetObject (`try_get`), PutObject (`put`, and `claim`,
+#: a conditional PutObject with If-None-Match, which needs no other right) and DeleteObject (`delete`).
+#: `delete_prefix` (ListObjectsV2, DeleteObjects) is the controller's, which runs with the user's credentials.
+#: The role also gets s3:ListBucket on the bucket, restricted to keys under the prefix: without it S3 answers
+#: a GetObject of a missing key with 403 (AccessDenied) instead of 404 (NoSuchKey), and a worker polls for
+#: keys that are not written yet.
+S3_OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 
 #: Step Functions runs at most this many iterations of an inline Map at once.
 MAX_MAP_CONCURRENCY = 40
@@ -81,11 +92,12 @@ class Worker:
 
 
 def aws_region(region_name: str) -> str:
-    """The AWS region of a catalog region: the catalog names AWS regions `aws-<aws region>`.
+    """The AWS region of a catalog region: the catalog names AWS regions `aws-<aws region>` (and rejects an
+    aws region named otherwise, see cloudless.ir.catalog.aws_region_of).
 
     Rule: a name starting with `aws-` loses that prefix (aws-us-east-1 -> us-east-1); any other name is
     kept as it is (it is not an AWS region, and tools that need one will say so)."""
-    return region_name[len("aws-") :] if region_name.startswith("aws-") else region_name
+    return region_name.removeprefix(AWS_REGION_PREFIX)
 
 
 def logical_id(function_name: str) -> str:
@@ -124,6 +136,8 @@ def render_samconfig(workflow: Workflow) -> str:
     """The build root's samconfig.toml: one config-env per region, named like the region."""
     regions = []
     for entry in workflow.regions:
+        if entry.provider != "aws":
+            continue  # SAM deploys to AWS only
         name = entry.name
         regions.append(
             {
@@ -191,6 +205,8 @@ def _render_stack(workflow: Workflow, entry: Region) -> str:
         template_source=OPENFAAS_TEMPLATE_SOURCE,
         storage=_storage_url(workflow),
         secret=STORAGE_SECRET,
+        token_secret=TOKEN_SECRET,
+        token_header=TOKEN_HEADER,
         storage_env=STORAGE_ENV,
         s3_endpoint_env=S3_ENDPOINT_ENV,
         functions=functions,
@@ -218,12 +234,24 @@ def _sam_functions(entry: Region) -> list[dict[str, Any]]:
     return functions
 
 
+def object_prefix(workflow: Workflow) -> str:
+    """The key prefix of every object the run's functions use: the storage prefix, as S3Channel joins it
+    to a key (`<prefix>/<key>`; empty when there is no prefix)."""
+    prefix = workflow.storage.prefix.strip("/")
+    return f"{prefix}/" if prefix else ""
+
+
 def _render_template(workflow: Workflow, entry: Region) -> str:
+    prefix = object_prefix(workflow)
     return _ENV.get_template("template.yaml.j2").render(
         run=workflow.run.name,
         region=entry.name,
         bucket=workflow.storage.bucket,
         storage_sub="s3://${BucketName}/" + workflow.storage.prefix,
+        object_actions=S3_OBJECT_ACTIONS,
+        object_prefix=prefix,
+        object_arn="arn:${AWS::Partition}:s3:::${BucketName}/" + prefix + "*",
+        bucket_arn="arn:${AWS::Partition}:s3:::${BucketName}",
         storage_env=STORAGE_ENV,
         functions=_sam_functions(entry),
         iterations=workflow.run.iterations,

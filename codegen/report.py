@@ -120,7 +120,8 @@ def fmt_usd(value: float) -> str:
 
 
 def fmt_ratio(value: float | None) -> str:
-    return "-" if value is None else f"{fmt(value, 3)}×"
+    """A ratio of plan.json; null (a baseline's figure is zero, so no ratio exists) is `n/a`."""
+    return "n/a" if value is None or not math.isfinite(value) else f"{fmt(value, 3)}×"
 
 
 # --- entry point -----------------------------------------------------------------------------------
@@ -306,7 +307,10 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
 
     lines += ["", "## Baselines", ""]
     if plan.baselines:
-        lines.append("Ratios are this plan's figure over the baseline's: below 1× means this plan is better.")
+        explained = "Ratios are this plan's figure over the baseline's: below 1× means this plan is better."
+        if any(b.feasible and None in (b.time_ratio, b.cost_ratio) for b in plan.baselines):
+            explained += " n/a: the baseline's figure is 0 (the catalog's prices or times), so there is no ratio."
+        lines.append(explained)
         lines.append("")
         rows = []
         for b in plan.baselines:

@@ -3,6 +3,17 @@
 The module defines `Stage(torch.nn.Module)` with every parameter and buffer the stage reads,
 registered under its name in the original model (so the stage loads a slice of the model's
 state dict, for example from safetensors), and the stage's forward as straight-line torch code.
+
+torch.export puts regions and control flow in higher-order ops that take sub-graph modules. Each
+sub-graph becomes a class of the file, rendered the same way (recursively: a sub-graph may hold
+higher-order ops too), and an attribute of the stage (or of the sub-graph using it) holds an
+instance; a sub-graph holds no tensors, its operands say what it reads. A grad-mode or autocast
+region (`wrap_with_set_grad_enabled`, `wrap_with_autocast`) becomes a call of its sub-graph's
+module, whose forward runs under `with torch.set_grad_enabled(...)` or `with torch.autocast(...)`,
+which is all the op does when run eagerly. Control flow (`cond`, `map_impl`, `while_loop`, `scan`)
+stays a call of the op itself on the sub-graphs' modules: torch runs those eagerly, autograd
+included. Any other higher-order op is refused (`unsupported_higher_order_ops` lets the compiler
+refuse it at trace time, naming the model's line).
 """
 
 from __future__ import annotations
@@ -13,7 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx
+from torch._ops import HigherOrderOperator
+from torch.utils import _pytree as pytree
 
 #: Modules a stage's code may take functions from besides torch itself.
 STANDARD_MODULES = {"operator", "_operator", "math", "builtins"}
@@ -24,6 +38,16 @@ _CONSTANTS = {
     "NoneType": "NoneType = type(None)",
     "device": "from torch import device",
 }
+
+#: Region ops, by name: the position of the sub-graph argument (the arguments before it are the
+#: region's settings, those after it the sub-graph's operands).
+REGION_OPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+#: Control-flow ops, called as they are, on the sub-graphs' modules.
+CALL_OPS = frozenset({"cond", "map_impl", "while_loop", "scan"})
+SUPPORTED_HIGHER_ORDER_OPS = frozenset(REGION_OPS) | CALL_OPS
+
+#: Names of the generated file a sub-graph's class must not take.
+_RESERVED_CLASSES = {"Stage", "NoneType", "INPUTS", "OUTPUTS", "TENSORS"}
 
 
 @dataclass(frozen=True)
@@ -43,11 +67,43 @@ class StageHeader:
     title: str = ""
 
 
+def higher_order_op(node: fx.Node) -> str | None:
+    """The name of the higher-order op `node` calls (`torch.ops.higher_order.<name>`), else None."""
+    if node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
+        return str(node.target.name())
+    return None
+
+
+def unsupported_higher_order_ops(
+    module: torch.nn.Module, supported: frozenset[str] = SUPPORTED_HIGHER_ORDER_OPS
+) -> list[tuple[fx.Node, str]]:
+    """Each higher-order op not in `supported` (by default: those stage code can hold) in `module`'s
+    graph, or in a sub-graph of one that is: (the node of `module`'s graph that holds it, the op)."""
+    found: list[tuple[fx.Node, str]] = []
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return found
+    for node in graph.nodes:
+        name = higher_order_op(node)
+        if name is None:
+            continue
+        if name not in supported:
+            found.append((node, name))
+            continue
+        for arg in pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                sub = _fetch(module, str(arg.target))
+                found.extend((node, inner) for _, inner in unsupported_higher_order_ops(sub, supported))
+    return found
+
+
 def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
-    code = graph.python_code(root_module="self")
-    body = code.src.strip("\n")
-    preamble = _preamble(body, code.globals)
-    forward = "\n".join(("    " + line) if line.strip() else "" for line in body.splitlines())
+    """The stage's module. A graph with sub-graph modules must be owned by its GraphModule (they are
+    read from there); ValueError if the graph reads what the file would not hold."""
+    renderer = _Renderer()
+    body, children = renderer.forward(graph, graph.owning_module, tensors=set(header.tensors))
+    preamble = _preamble(renderer.text(body), renderer.globals)
+    forward = _indent(body)
     tensors = "\n".join(
         f"    {name!r}: ({tuple(shape)!r}, {dtype!r}, {trainable!r}),"
         for name, (shape, dtype, trainable) in header.tensors.items()
@@ -72,11 +128,13 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         "}",
         "",
         "",
+        *[line for source in renderer.classes for line in (*source, "", "")],
         "class Stage(torch.nn.Module):",
         "    def __init__(self) -> None:",
         "        super().__init__()",
         "        for name, (shape, dtype, trainable) in TENSORS.items():",
         "            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), trainable)",
+        *[f"        self.{attr} = {cls}()" for attr, cls in children],
         "",
         forward.rstrip(),
         "",
@@ -95,6 +153,178 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+class _Renderer:
+    """Renders a graph's forward and, as classes, the sub-graph modules it calls."""
+
+    def __init__(self) -> None:
+        #: each sub-graph class's lines (a class before those that use it)
+        self.classes: list[list[str]] = []
+        self.globals: dict[str, Any] = {}
+        self._bodies: list[str] = []
+        self._class_names: set[str] = set(_RESERVED_CLASSES)
+
+    def text(self, body: str) -> str:
+        """All the code rendered, for the preamble's imports."""
+        return "\n".join([body, *self._bodies])
+
+    def forward(
+        self, graph: fx.Graph, owner: torch.nn.Module | None, tensors: set[str] | None
+    ) -> tuple[str, list[tuple[str, str]]]:
+        """`def forward(...)` of `graph` and its submodules, (attribute, class name) each.
+
+        `tensors`: the tensor attributes the graph may read (None: none, a sub-graph)."""
+        children: list[tuple[str, str]] = []
+        if _has_subgraphs(graph, owner):
+            if owner is None:
+                raise ValueError("internal: a graph with sub-graph modules must be owned by its module")
+            graph, children = self._rewrite(graph, owner, tensors or set())
+        _check_attributes(graph, tensors or set(), {attr for attr, _ in children})
+        code = graph.python_code(root_module="self")
+        for name, value in code.globals.items():
+            if name in self.globals and self.globals[name] is not value:
+                raise ValueError(f"internal: two sub-graphs' code name different values {name}")
+            self.globals[name] = value
+        return code.src.strip("\n"), children
+
+    def _rewrite(
+        self, graph: fx.Graph, owner: torch.nn.Module, tensors: set[str]
+    ) -> tuple[fx.Graph, list[tuple[str, str]]]:
+        """A copy of `graph` whose region ops call their sub-graph's module and whose sub-graph
+        attributes are named as the generated class holds them."""
+        copy = fx.Graph()
+        copy.output(copy.graph_copy(graph, {}))
+        taken = {name.split(".")[0] for name in tensors}
+        made: dict[tuple[Any, ...], str] = {}
+        children: list[tuple[str, str]] = []
+
+        def child(target: str, sub: fx.GraphModule, doc: str, region: str | None) -> str:
+            key = (target, region)
+            if key not in made:
+                attr = _unique(_identifier(target), taken)
+                taken.add(attr)
+                made[key] = attr
+                children.append((attr, self._render_class(attr, sub, doc, region)))
+            return made[key]
+
+        for node in list(copy.nodes):
+            name = higher_order_op(node)
+            if name is None:
+                continue
+            if name not in SUPPORTED_HIGHER_ORDER_OPS:
+                raise ValueError(
+                    f"stage code cannot hold torch.ops.higher_order.{name} (node {node.name}); it holds "
+                    f"{', '.join(sorted(SUPPORTED_HIGHER_ORDER_OPS))}"
+                )
+            if name not in REGION_OPS:
+                continue
+            position = REGION_OPS[name]
+            if len(node.args) <= position:
+                raise ValueError(f"internal: unexpected arguments of torch.ops.higher_order.{name} ({node.name})")
+            settings, body, operands = node.args[:position], node.args[position], node.args[position + 1 :]
+            if not isinstance(body, fx.Node) or body.op != "get_attr" or any(isinstance(a, fx.Node) for a in settings):
+                raise ValueError(f"internal: unexpected arguments of torch.ops.higher_order.{name} ({node.name})")
+            sub = _subgraph(owner, str(body.target))
+            region = _region(name, settings)
+            attr = child(str(body.target), sub, f"Sub-graph `{body.target}`: runs under `{region}`.", region)
+            node.op, node.target, node.args = "call_module", attr, tuple(operands)
+            if not body.users:
+                copy.erase_node(body)
+        for node in copy.nodes:
+            if node.op == "get_attr" and isinstance(_fetch(owner, str(node.target)), fx.GraphModule):
+                sub = _subgraph(owner, str(node.target))
+                ops = sorted({op for user in node.users if (op := higher_order_op(user))})
+                doc = f"Sub-graph `{node.target}` of {', '.join(f'torch.ops.higher_order.{op}' for op in ops)}."
+                node.target = child(str(node.target), sub, doc, None)
+        copy.lint()
+        return copy, children
+
+    def _render_class(self, attr: str, sub: fx.GraphModule, doc: str, region: str | None) -> str:
+        name = _unique("".join(part.capitalize() for part in attr.split("_") if part) or "Subgraph", self._class_names)
+        self._class_names.add(name)
+        body, children = self.forward(sub.graph, sub, None)
+        self._bodies.append(body)
+        definition, *statements = body.splitlines()
+        if not definition.startswith("def forward("):
+            raise ValueError(f"internal: unexpected code for sub-graph {attr}: {definition}")
+        if region is not None:
+            statements = [f"    with {region}:", *("    " + line if line.strip() else "" for line in statements)]
+        lines = [f"class {name}(torch.nn.Module):", f'    """{doc}"""', ""]
+        if children:
+            lines += ["    def __init__(self) -> None:", "        super().__init__()"]
+            lines += [f"        self.{a} = {c}()" for a, c in children]
+            lines.append("")
+        lines += _indent("\n".join([definition, *statements])).splitlines()
+        self.classes.append([line.rstrip() for line in lines])
+        return name
+
+
+def _has_subgraphs(graph: fx.Graph, owner: torch.nn.Module | None) -> bool:
+    for node in graph.nodes:
+        if higher_order_op(node) is not None:
+            return True
+        if node.op == "get_attr" and owner is not None:
+            try:
+                if isinstance(_fetch(owner, str(node.target)), fx.GraphModule):
+                    return True
+            except AttributeError:
+                continue
+    return False
+
+
+def _check_attributes(graph: fx.Graph, tensors: set[str], modules: set[str]) -> None:
+    """Every attribute the code reads is one the generated module holds."""
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target not in tensors and node.target not in modules:
+            raise ValueError(f"stage code reads self.{node.target}, which it does not hold")
+        if node.op == "call_module" and node.target not in modules:
+            raise ValueError(f"stage code calls module self.{node.target}, which it does not hold")
+
+
+def _region(name: str, settings: tuple[Any, ...]) -> str:
+    """The context manager that does what the region op does."""
+    if name == "wrap_with_set_grad_enabled":
+        (enabled,) = settings
+        return f"torch.set_grad_enabled({bool(enabled)!r})"
+    device_type, dtype, enabled, cache_enabled = settings
+    dtype_text = "None" if dtype is None else f"torch.{str(dtype).removeprefix('torch.')}"
+    return (
+        f"torch.autocast(device_type={str(device_type)!r}, dtype={dtype_text}, enabled={bool(enabled)!r}, "
+        f"cache_enabled={cache_enabled!r})"
+    )
+
+
+def _subgraph(owner: torch.nn.Module, target: str) -> fx.GraphModule:
+    value = _fetch(owner, target)
+    if not isinstance(value, fx.GraphModule):
+        raise ValueError(f"internal: {target} is not a sub-graph module")
+    return value
+
+
+def _fetch(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _identifier(text: str) -> str:
+    name = re.sub(r"\W", "_", text)
+    return name if name and not name[0].isdigit() else f"_{name}"
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    if name not in taken:
+        return name
+    i = 1
+    while f"{name}_{i}" in taken:
+        i += 1
+    return f"{name}_{i}"
+
+
+def _indent(code: str) -> str:
+    return "\n".join(("    " + line) if line.strip() else "" for line in code.splitlines())
 
 
 def _preamble(body: str, globals_: dict[str, Any]) -> list[str]:

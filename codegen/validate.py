@@ -40,6 +40,7 @@ from cloudless.codegen.platforms import (
     aws_region,
     logical_id,
 )
+from cloudless.ir.catalog import AWS_REGIONS
 from cloudless.ir.files import BUILD_MARKER, check_workflow, file_digest, read_manifest
 from cloudless.ir.plan import PlannedStage, TrainingPlan
 from cloudless.ir.schema import SchemaError, load_schema
@@ -240,8 +241,6 @@ def _check_stack(build: Path, region: Region, packages: bool) -> None:
 
 def _check_samconfig(build: Path, workflow: Workflow, sam_regions: list[str]) -> dict[str, str]:
     """Check samconfig.toml; return each SAM region's AWS region (what cfn-lint checks the template for)."""
-    from cfnlint.helpers import REGIONS
-
     file = "samconfig.toml"
     path = build / file
     if not path.exists():
@@ -269,7 +268,7 @@ def _check_samconfig(build: Path, workflow: Workflow, sam_regions: list[str]) ->
         for needed in ("stack_name", "region", "template_file", "capabilities"):
             if not isinstance(deploy.get(needed), str) or not deploy[needed]:
                 _fail(file, f"{name}.deploy.parameters.{needed}", "missing or not a string")
-        if deploy["region"] not in REGIONS:
+        if deploy["region"] not in AWS_REGIONS:
             _fail(file, f"{name}.deploy.parameters.region", f"{deploy['region']!r} is not an AWS region")
         if deploy["region"] != aws_region(name):
             _fail(file, f"{name}.deploy.parameters.region", f"{deploy['region']!r}, but the region is {name!r}")
@@ -294,9 +293,7 @@ def _walk_refs(node: Any, where: list[str]) -> list[tuple[str, str]]:
     return found
 
 
-def _check_template(
-    build: Path, workflow: Workflow, region: Region, deploy_region: str, packages: bool
-) -> None:
+def _check_template(build: Path, workflow: Workflow, region: Region, deploy_region: str, packages: bool) -> None:
     path = build / "regions" / region.name / "template.yaml"
     file = _relative(build, path)
     template = _load_yaml(build, path)
@@ -359,9 +356,7 @@ def _check_function(build: Path, path: Path, name: str, resource: dict[str, Any]
             _fail(file, f"{key}/Metadata/Dockerfile", f"no {metadata['Dockerfile']} in {metadata['DockerContext']!r}")
 
 
-def _check_state_machine(
-    build: Path, template_path: Path, name: str, resource: dict[str, Any], region: Region
-) -> None:
+def _check_state_machine(build: Path, template_path: Path, name: str, resource: dict[str, Any], region: Region) -> None:
     file = _relative(build, template_path)
     key = f"Resources/{name}/Properties"
     properties = resource.get("Properties", {})
@@ -503,7 +498,9 @@ _PACKAGE_FILES = {
     "handler.py": "the function's entry point (Lambda's CMD, OpenFaaS's handler)",
     "stage.py": "the stage's generated module, which the worker runs",
     "weights.safetensors": "the stage's initial weights, which the worker loads at iteration 0",
-    "requirements.txt": "the image's dependencies",
+    "requirements.txt": "the OpenFaaS image's dependencies",
+    "requirements-torch.txt": "the Lambda image's torch (its Dockerfile's first pip step)",
+    "requirements-pypi.txt": "the Lambda image's other dependencies (its Dockerfile's second pip step)",
     "Dockerfile": "what the Lambda image is built from",
 }
 

@@ -10,6 +10,7 @@ the best such choice is found by enumeration on the same cost model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,10 +27,28 @@ class Baseline:
     evaluation: Evaluation | None
     reason: str = ""
 
-    def ratios(self, chosen: Evaluation) -> tuple[float, float]:
-        """The chosen plan's (time, cost) over this baseline's: below 1 means the plan is better."""
+    def ratios(self, chosen: Evaluation) -> tuple[float | None, float | None]:
+        """The chosen plan's (time, cost) over this baseline's: below 1 means the plan is better; None
+        where the baseline's figure is zero (a catalog with zero prices), so no ratio exists."""
         assert self.evaluation is not None
-        return chosen.iteration_s / self.evaluation.iteration_s, chosen.cost_usd / self.evaluation.cost_usd
+        return (
+            ratio(chosen.iteration_s, self.evaluation.iteration_s),
+            ratio(chosen.cost_usd, self.evaluation.cost_usd),
+        )
+
+
+def ratio(ours: float, theirs: float) -> float | None:
+    """ours / theirs, or None when that is no finite number (theirs zero, or either not finite): what
+    plan.json writes as null and the report and the CLI as n/a."""
+    if not (math.isfinite(ours) and math.isfinite(theirs)) or theirs <= 0:
+        return None
+    value = ours / theirs
+    return value if math.isfinite(value) else None
+
+
+def ratio_text(value: float | None) -> str:
+    """A ratio as the CLI prints it: `0.83x`, or `n/a` when there is none."""
+    return "n/a" if value is None else f"{value:.2f}x"
 
 
 def _best_uniform(

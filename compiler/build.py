@@ -2,7 +2,9 @@
 
 Assembling the whole tree as {path: bytes} first makes the output easy to compare (two compiles,
 golden files) and lets the validators run on a staging folder: the build is renamed into place only
-when it passes them, so a failed compile leaves the previous build as it was.
+when it passes them, so a failed compile leaves the previous build as it was. Every generated stage
+is loaded before its package is written (`check_stage_loads`): one that does not load is a compile
+error, never a function's failure at run time.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from cloudless.codegen.package import render_function_package, torch_release
 from cloudless.codegen.platforms import TARGETS, render_region, render_samconfig
@@ -20,6 +25,7 @@ from cloudless.codegen.report import render_report
 from cloudless.compiler.lower import Lowered
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
 from cloudless.compiler.simulate import Timeline
+from cloudless.compiler.verify import check_stage_loads
 from cloudless.ir.blocks import BlockChain
 from cloudless.ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
 from cloudless.ir.folders import FolderError, check_output_folder, run_lock, run_outputs
@@ -43,28 +49,34 @@ def build_files(
         "ir/blocks.json": dumps(chain.to_json()).encode(),
     }
     if planned is not None and plan_options is not None and timeline is not None and lowered is not None:
-        files.update(_planned_files(plan_ir(planned, chain, plan_options, timeline), timeline, lowered, targets))
+        plan = plan_ir(planned, chain, plan_options, timeline)
+        files.update(_planned_files(plan, timeline, lowered, targets, graph))
     return dict(sorted({**files, BUILD_MARKER: build_manifest(files)}.items()))
 
 
 def _planned_files(
-    plan: TrainingPlan, timeline: Timeline, lowered: Lowered, targets: frozenset[str]
+    plan: TrainingPlan, timeline: Timeline, lowered: Lowered, targets: frozenset[str], graph: OpGraph
 ) -> dict[str, bytes]:
     """plan.json, the packages, each region's deployment files, samconfig.toml and the report."""
     files = {"plan.json": plan_text(plan).encode()}
     workflow = lowered.workflow
-    files.update(package_files(lowered))
+    files.update(package_files(lowered, graph))
     for region in workflow.regions:
-        for path, text in render_region(workflow, region.name, set(targets)).items():
+        # SAM deploys to AWS only: another provider's region gets the OpenFaaS files alone
+        wanted = set(targets) if region.provider == "aws" else set(targets) - {"sam"}
+        for path, text in render_region(workflow, region.name, wanted).items():
             files[path] = text.encode()
-    if "sam" in targets:
+    if "sam" in targets and any(region.provider == "aws" for region in workflow.regions):
         files["samconfig.toml"] = render_samconfig(workflow).encode()
     files.update(render_report(plan, timeline, workflow))
     return files
 
 
-def package_files(lowered: Lowered) -> dict[str, bytes]:
-    """workflow.yaml and every function package: what `cloudless-run` needs of a build."""
+def package_files(lowered: Lowered, graph: OpGraph | None = None) -> dict[str, bytes]:
+    """workflow.yaml and every function package: what `cloudless-run` needs of a build. The stages
+    and the loss module are loaded first (with `graph`, the stages' forward also runs on meta tensors
+    of their inputs' shapes)."""
+    check_modules_load(lowered, graph)
     workflow = lowered.workflow
     files = {"workflow.yaml": workflow_text(workflow).encode()}
     for region in workflow.regions:
@@ -81,6 +93,30 @@ def package_files(lowered: Lowered) -> dict[str, bytes]:
                 )
             )
     return files
+
+
+def check_modules_load(lowered: Lowered, graph: OpGraph | None = None) -> None:
+    """Load every generated stage, and the loss module, as a function would (on the meta device):
+    CompileError naming the stage if one does not."""
+    count = len(lowered.stages)
+    for stage in lowered.stages:
+        inputs = _meta_inputs(graph, stage.inputs) if graph is not None else None
+        label = f"stage {stage.index} of {count} (blocks {stage.first_block}-{stage.last_block})"
+        check_stage_loads(stage.source, stage.state, label, inputs)
+    check_stage_loads(lowered.loss_source, {}, "the loss module")
+
+
+def _meta_inputs(graph: OpGraph, names: Sequence[str]) -> list[Any] | None:
+    """Meta tensors of the stage inputs' shapes and dtypes (None if one is not a tensor or tensors)."""
+    inputs: list[Any] = []
+    by_name = {node.name: node for node in graph.nodes}
+    for name in names:
+        node = by_name.get(name)
+        if node is None or node.value not in ("tensor", "tensors"):
+            return None
+        tensors = [torch.empty(m.shape, dtype=getattr(torch, m.dtype), device="meta") for m in node.outputs]
+        inputs.append(tensors[0] if node.value == "tensor" else tuple(tensors))
+    return inputs
 
 
 def write_build(

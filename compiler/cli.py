@@ -8,6 +8,7 @@ must be new, empty or an earlier build (ir/folders.py), so a compile never repla
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,11 +18,13 @@ from rich.console import Console
 
 from cloudless.codegen.platforms import TARGETS
 from cloudless.codegen.validate import check_build
+from cloudless.compiler.baselines import ratio, ratio_text
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS
 from cloudless.compiler.errors import CompileError, display_path
 from cloudless.compiler.pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
 from cloudless.compiler.plan import PlanOptions
 from cloudless.compiler.verify import TOLERANCE
+from cloudless.ir.arguments import OneLineParser
 from cloudless.ir.catalog import load_catalog
 from cloudless.ir.folders import FolderError, check_output_folder
 from cloudless.ir.schema import SchemaError
@@ -38,7 +41,7 @@ SLOW_STEPS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="cloudless-compile",
         description="Compile a PyTorch training job (a model file) into pipelined serverless functions.",
     )
@@ -206,6 +209,17 @@ def _main(argv: Sequence[str] | None) -> int:
     except SchemaError as exc:
         console.print(f"cloudless-compile: error: {exc}", markup=False)
         return 2
+    for name, number in (
+        ("--deadline", args.deadline),
+        ("--budget", args.budget),
+        ("--solver-time-limit", args.solver_time_limit),
+    ):
+        if number is not None and not (math.isfinite(number) and number > 0):
+            console.print(f"cloudless-compile: error: {name} {number}: expected a positive number", markup=False)
+            return 2
+    if args.repeats < 0:
+        console.print(f"cloudless-compile: error: --repeats {args.repeats}: expected 0 or more", markup=False)
+        return 2
     if args.sync_every < 1:
         console.print("cloudless-compile: error: --sync-every must be at least 1", markup=False)
         return 2
@@ -312,7 +326,7 @@ def print_plan(out: Console, result: Compiled) -> None:
             time_ratio, cost_ratio = b.ratios(ev)
             out.print(
                 f"  baseline    {b.name}: {b.evaluation.iteration_s:.2f} s, {b.evaluation.cost_usd * 1e3:.4f} mUSD "
-                f"per iteration (ours: {time_ratio:.2f}x time, {cost_ratio:.2f}x cost)"
+                f"per iteration (ours: {ratio_text(time_ratio)} time, {ratio_text(cost_ratio)} cost)"
             )
 
 
@@ -347,7 +361,8 @@ def print_regions(out: Console, result: Compiled) -> None:
         other = b.solution.evaluation
         out.print(
             f"  baseline    {b.name}: {other.training_s:.1f} s, {other.cost_usd:.4f} USD "
-            f"(ours: {ev.training_s / other.training_s:.2f}x time, {ev.cost_usd / other.cost_usd:.2f}x cost)"
+            f"(ours: {ratio_text(ratio(ev.training_s, other.training_s))} time, "
+            f"{ratio_text(ratio(ev.cost_usd, other.cost_usd))} cost)"
         )
 
 
@@ -358,9 +373,7 @@ def human_flops(flops: int) -> str:
     return f"{flops} FLOP"
 
 
-def print_summary(
-    out: Console, result: Compiled, output: Path, requested_blocks: int
-) -> None:
+def print_summary(out: Console, result: Compiled, output: Path, requested_blocks: int) -> None:
     graph, chain, files = result.front.graph, result.front.chain, result.files
     compute = sum(1 for n in graph.nodes if n.op in ("call_function", "call_method", "call_module"))
     out.print(f"{graph.model}: traced with torch.{graph.tracer} at micro-batch {graph.batch_size}")
@@ -394,9 +407,7 @@ def print_summary(
     out.print("  time        " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
     top = sorted({path.split("/")[0] + ("/" if "/" in path else "") for path in files})
     size = sum(len(data) for data in files.values())
-    out.print(
-        f"  wrote       {display_path(output)}/: {len(files)} files, {size / 2**20:.1f} MiB ({', '.join(top)})"
-    )
+    out.print(f"  wrote       {display_path(output)}/: {len(files)} files, {size / 2**20:.1f} MiB ({', '.join(top)})")
 
 
 def _gap_text(gap: float) -> str:

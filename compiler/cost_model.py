@@ -16,12 +16,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cloudless.compiler.errors import CompileError
 from cloudless.ir import BlockChain
-from cloudless.ir.catalog import Region
+from cloudless.ir.catalog import AWS_MAX_WORKERS, Region
 from cloudless.ir.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20
+#: The most one iteration of the simplest plan (the whole model in one function) may take and cost. A
+#: region whose figures exceed them (a bandwidth or a CPU share near zero, prices near infinity) is
+#: outside any deployment, and outside the range of coefficients the MILP solvers handle.
+MAX_ITERATION_S = 1e9
+MAX_ITERATION_USD = 1e9
+
+
+class OutOfRange(CompileError):
+    """A catalog region's figures put every plan's time or cost beyond what can be planned."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,11 @@ class Problem:
 
     @property
     def function_limit(self) -> int:
+        """The most functions (all stages' replicas) a plan may use: the region's limit, --max-functions, and
+        on aws the Step Functions inline Map that runs them together (AWS_MAX_WORKERS)."""
         limit = self.region.max_functions
+        if self.region.provider == "aws":
+            limit = min(limit, AWS_MAX_WORKERS)
         return min(limit, self.max_functions) if self.max_functions else limit
 
     def micro_batch_counts(self) -> dict[int, int]:
@@ -208,9 +222,7 @@ class CostModel:
         number of stages from here to the end under 1F1B."""
         return per_replica if schedule == "gpipe" else min(per_replica, stages_from_here)
 
-    def sync_time(
-        self, param_bytes: float, replicas: int, tier_mb: int, in_flight: int = SYNC_IN_FLIGHT
-    ) -> float:
+    def sync_time(self, param_bytes: float, replicas: int, tier_mb: int, in_flight: int = SYNC_IN_FLIGHT) -> float:
         """Pipelined scatter-reduce among `replicas` (runtimes/sync.py): each downlink receives 2(r-1)
         chunks of P/r bytes (its own chunk from every other replica, then every other reduced chunk) in
         k pieces of x bytes, one request each, while its uplink sends P. A request costs L + x/B, but
@@ -398,6 +410,44 @@ class CostModel:
         return found
 
 
+def check_range(problem: Problem) -> None:
+    """Raise OutOfRange when the problem's region gives the simplest plan (the whole model in one function,
+    on every tier, at the largest micro-batch) a time or cost that is not finite or beyond MAX_ITERATION_S or
+    MAX_ITERATION_USD on every tier: what the catalog says of the region is then far outside any real platform.
+    Zero figures (free, instant) are fine."""
+    counts = problem.micro_batch_counts()
+    if not problem.blocks or not counts:
+        return
+    model = CostModel(problem)
+    region = problem.region
+    last = len(problem.blocks) - 1
+    mu = max(counts)
+    evaluations = {m: model.evaluate(Plan(mu, (StageChoice(0, last, m, 1),))) for m in region.tiers_mb}
+    fastest = min(region.tiers_mb, key=lambda m: _ordered(evaluations[m].iteration_s))
+    seconds = evaluations[fastest].iteration_s
+    if not seconds <= MAX_ITERATION_S:
+        rates = model._tier_rates(fastest)
+        raise OutOfRange(
+            f"catalog region {region.name}: its figures make one iteration take {seconds:.3g} s even as one "
+            f"function of {fastest} MB ({model.vcpus(fastest):.3g} vCPUs, compute {rates[0]:.3g}x the profiling "
+            f"machine's time, {rates[1] / 1e6:.3g} MB/s and {region.request_latency_s:.3g} s per request to storage, "
+            f"optimizer step at {rates[2] / 1e9:.3g} GB/s); beyond {MAX_ITERATION_S:.0e} s is no plan: check the "
+            "region's cpu, network and memory figures"
+        )
+    cheapest = min(region.tiers_mb, key=lambda m: _ordered(evaluations[m].cost_usd))
+    usd = evaluations[cheapest].cost_usd
+    if not usd <= MAX_ITERATION_USD:
+        raise OutOfRange(
+            f"catalog region {region.name}: its prices make one iteration cost {usd:.3g} USD even as one function "
+            f"of {cheapest} MB; beyond {MAX_ITERATION_USD:.0e} USD is no plan: check the region's prices"
+        )
+
+
+def _ordered(value: float) -> float:
+    """NaN sorts last (as infinity), so that min() finds a finite figure when there is one."""
+    return value if not math.isnan(value) else math.inf
+
+
 def problem_from_chain(
     chain: BlockChain,
     region: Region,
@@ -429,7 +479,7 @@ def problem_from_chain(
         )
         for b in chain.blocks
     )
-    return Problem(
+    problem = Problem(
         blocks=blocks,
         shared_bytes=dict(chain.shared_params),
         profile_batch=chain.batch_size,
@@ -445,4 +495,27 @@ def problem_from_chain(
         optimizer_state=optimizer_state,
         iterations=iterations,
         samples_per_epoch=samples_per_epoch,
+    )
+    check_replicas(problem)
+    check_range(problem)
+    return problem
+
+
+def check_replicas(problem: Problem) -> None:
+    """CompileError when no replica count fits the function limit: no stage could be planned at all."""
+    limit, region = problem.function_limit, problem.region
+    if not problem.replicas or min(problem.replicas) <= limit:
+        return
+    if problem.max_functions and problem.max_functions == limit:
+        why = f"--max-functions {limit}"
+    elif region.provider == "aws" and limit == AWS_MAX_WORKERS:
+        why = (
+            f"the {limit} functions of an aws region's iteration (a Step Functions inline Map runs at most "
+            f"{AWS_MAX_WORKERS} at once, and all must run together)"
+        )
+    else:
+        why = f"the catalog's limits.max_functions {limit} of {region.name}"
+    raise CompileError(
+        f"no plan fits: every replica count of --replicas {','.join(map(str, problem.replicas))} exceeds {why}; "
+        f"use replica counts of at most {limit}"
     )

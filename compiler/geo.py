@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cloudless.compiler.cost_model import Objective, Plan
+from cloudless.compiler.cost_model import MAX_ITERATION_S, MAX_ITERATION_USD, Objective, OutOfRange, Plan
 from cloudless.compiler.solver import Goal, Program, SolveStatus, solve_program
 from cloudless.ir.catalog import Link
 
@@ -98,6 +98,31 @@ class GeoProblem:
         if a == b:
             return next(s.local for s in self.sites if s.name == a)
         return self.links[frozenset((a, b))]
+
+    def __post_init__(self) -> None:
+        """Raise OutOfRange when a WAN link or an egress price of the catalog puts one transfer (a part of a
+        region's data, or a stage's model) beyond MAX_ITERATION_S or MAX_ITERATION_USD: the schedule's MILP
+        cannot weigh such figures against the others (it would find no schedule at all)."""
+        largest = max((o.largest_stage_bytes for s in self.sites for o in s.options), default=0)
+        part = max((s.data for s in self.sites), default=0) / self.parts * self.sample_bytes
+        nbytes = max(largest, part)
+        for i, a in enumerate(self.sites):
+            for b in self.sites[i + 1 :]:
+                link = self.link(a.name, b.name)
+                seconds = link.transfer_s(nbytes)
+                if not seconds <= MAX_ITERATION_S:
+                    raise OutOfRange(
+                        f"catalog wan link {a.name} <-> {b.name}: one transfer of {nbytes / 1e6:.3g} MB would take "
+                        f"{seconds:.3g} s ({link.bandwidth_bps / 1e6:.3g} MB/s, {link.latency_s:.3g} s latency); "
+                        f"beyond {MAX_ITERATION_S:.0e} s is no schedule: check the catalog's wan section"
+                    )
+        for site in self.sites:
+            usd = site.egress_usd_per_gb * nbytes / 1e9
+            if not usd <= MAX_ITERATION_USD:
+                raise OutOfRange(
+                    f"catalog region {site.name}: sending {nbytes / 1e6:.3g} MB to another region would cost "
+                    f"{usd:.3g} USD; beyond {MAX_ITERATION_USD:.0e} USD is no schedule: check its prices.egress_per_gb"
+                )
 
 
 @dataclass(frozen=True)
@@ -497,8 +522,7 @@ def _solve_one(
         return None, outcome.status, math.inf if outcome.status == "infeasible" else -math.inf, outcome.solver
     values = outcome.values
     options = tuple(
-        next((k for k in range(len(sites[r].options)) if (r, k) in y and values[y[r, k]] > 0.5), None)
-        for r in range(n)
+        next((k for k in range(len(sites[r].options)) if (r, k) in y and values[y[r, k]] > 0.5), None) for r in range(n)
     )
     chosen_moves = tuple(
         sorted(((a, b), round(values[var])) for (a, b), var in moves.items() if round(values[var]) > 0)

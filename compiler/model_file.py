@@ -86,6 +86,11 @@ class ModelFile:
             raise ModelFileError(
                 f"{display_path(self.path)}: build_model() returned {type(model).__name__}; expected a torch.nn.Module"
             )
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ModelFileError(
+                f"{display_path(self.path)}: build_model() returned a {type(model).__name__} with no trainable "
+                "parameters; there is nothing to train"
+            )
         inputs = self.call("example_inputs", batch_size)
         if not isinstance(inputs, tuple) or not inputs:
             raise ModelFileError(
@@ -107,6 +112,26 @@ class ModelFile:
                 )
         return model, inputs, targets
 
+    def check_inputs_fit(self, model: nn.Module, inputs: tuple[Any, ...], batch_size: int) -> None:
+        """Call the model on its example inputs once, eagerly (without gradients; the random number
+        generator is left as it was): a mismatch is the user's, and says so before any tracing
+        error could blame the tracer. The caller restores buffers and training flags."""
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                model(*inputs)
+        except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+            shapes = ", ".join(_tensor_shape(leaf) for leaf in pytree.tree_leaves(inputs))
+            raise self.error_at(
+                exc,
+                f"the example inputs do not fit the model: calling the model of build_model() on "
+                f"example_inputs({batch_size}) ({shapes}) raised {describe(exc)}",
+            ) from exc
+
+
+def _tensor_shape(tensor: torch.Tensor) -> str:
+    """`float32[8, 4]`"""
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
 
 def _signature(function_name: str, args: tuple[Any, ...]) -> str:
     shown = ", ".join(repr(a) if isinstance(a, int | str) else "…" for a in args)
@@ -120,7 +145,12 @@ def load_model_file(path: Path) -> ModelFile:
         raise ModelFileError(f"{shown}: no such file; expected a Python model file (see README)")
     if not path.is_file() or path.suffix != ".py":
         raise ModelFileError(f"{shown}: not a .py file; expected a Python model file")
-    source = path.read_text()
+    try:
+        source = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelFileError(
+            f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected Python source"
+        ) from exc
     try:
         compile(source, str(path), "exec")
     except SyntaxError as exc:
@@ -134,9 +164,12 @@ def load_model_file(path: Path) -> ModelFile:
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered, as an import would: torch.cond/map and pickling look a function's module up by name.
+    sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - any import-time failure becomes one message
+        sys.modules.pop(module_name, None)
         frame = user_frame(exc, path)
         where = frame_location(frame) if frame else shown
         raise ModelFileError(f"{where}: importing the model file failed: {describe(exc)}") from exc

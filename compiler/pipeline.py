@@ -178,6 +178,7 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
         model, example_inputs, targets = model_file.instantiate(batch_size)
         flat_inputs = pytree.tree_leaves(example_inputs)
     with preserved_state(model):
+        model_file.check_inputs_fit(model, example_inputs, batch_size)
         with timed("trace"):
             program = trace_model(
                 model,

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cloudless.compiler.baselines import Baseline, baselines
+from cloudless.compiler.baselines import Baseline, baselines, ratio
 from cloudless.compiler.cost_model import (
     MB,
     CostModel,
@@ -501,8 +501,8 @@ def plan_ir(result: PlanResult, chain: BlockChain, options: PlanOptions, timelin
                     micro_batch=b.plan.micro_batch,
                     stages=_stages(b.plan, b.evaluation, chain),
                     predicted=_figures(problem, b.evaluation, simulate(problem, b.plan).iteration_s),
-                    time_ratio=_round(time_ratio, 6),
-                    cost_ratio=_round(cost_ratio, 6),
+                    time_ratio=None if time_ratio is None else _round(time_ratio, 6),
+                    cost_ratio=None if cost_ratio is None else _round(cost_ratio, 6),
                 )
             )
         else:
@@ -563,6 +563,8 @@ def _region_schedule(geo: GeoResult, chain: BlockChain) -> RegionSchedule:
     baselines = []
     for b in geo.baselines:
         found = b.solution.evaluation if b.solution is not None else None
+        time_ratio = ratio(chosen.training_s, found.training_s) if found else None
+        cost_ratio = ratio(chosen.cost_usd, found.cost_usd) if found else None
         baselines.append(
             RegionsBaseline(
                 name=b.name,
@@ -571,8 +573,8 @@ def _region_schedule(geo: GeoResult, chain: BlockChain) -> RegionSchedule:
                 reason=b.reason,
                 training_s=_round(found.training_s) if found else None,
                 cost_usd=_round(found.cost_usd) if found else None,
-                time_ratio=_round(chosen.training_s / found.training_s, 6) if found and found.training_s > 0 else None,
-                cost_ratio=_round(chosen.cost_usd / found.cost_usd, 6) if found and found.cost_usd > 0 else None,
+                time_ratio=None if time_ratio is None else _round(time_ratio, 6),
+                cost_ratio=None if cost_ratio is None else _round(cost_ratio, 6),
             )
         )
     server = solution.plan.server

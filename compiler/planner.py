@@ -343,8 +343,10 @@ def prune(
             table.least_paths(table.fixed, True)[first] + table.fixed + table.least_paths(table.fixed, False)[end]
         )
         weight = table.least_usd
+        # A free platform's functions cost nothing alive (and 0 * inf, a configuration on no path, is no cost).
+        alive = price * table.low * least_gb if price > 0 else np.zeros(len(table))
         least_cost = np.maximum(
-            price * table.low * least_gb + least_fixed,
+            alive + least_fixed,
             table.least_paths(weight, True)[first] + weight + table.least_paths(weight, False)[end],
         )
         keep = np.isfinite(least_gb)
@@ -751,10 +753,13 @@ def solve_for_micro_batch(
         chosen = sorted(
             (table.configs[i][0] for i in range(len(table)) if outcome.values[stage.x[i]] > 0.5), key=lambda c: c.first
         )
-        plan = Plan(mu, tuple(chosen))
-        evaluation = model.evaluate(plan)
-        primary = objective_key(problem, objective, evaluation)[0]
-        solution = Solution(plan, evaluation, primary, "", 0.0, 0.0, outcome.solver)
+        # A solver in numerical trouble (coefficients many orders of magnitude apart) may return values
+        # that are no chain of stages: that answer is no plan.
+        if _tiles(chosen, len(problem.blocks)):
+            plan = Plan(mu, tuple(chosen))
+            evaluation = model.evaluate(plan)
+            primary = objective_key(problem, objective, evaluation)[0]
+            solution = Solution(plan, evaluation, primary, "", 0.0, 0.0, outcome.solver)
     # HiGHS may return a plan above the cutoff it was given: the heuristic's plan is then the better.
     if found is not None and (solution is None or found[1] <= solution.objective_value):
         solution = found[0]
@@ -774,6 +779,16 @@ def solve_for_micro_batch(
     proven = gap <= 1e-6
     solution.status, solution.gap = "optimal" if proven else "feasible", max(gap, 0.0)
     return solution, bound, "optimal" if proven else "time limit", outcome.solver
+
+
+def _tiles(stages: list[StageChoice], n_blocks: int) -> bool:
+    """The stages (by first block) cover blocks 0..n_blocks-1 contiguously, each once."""
+    end = 0
+    for choice in stages:
+        if choice.first != end or choice.last < choice.first:
+            return False
+        end = choice.last + 1
+    return end == n_blocks and len(stages) > 0
 
 
 def _indices(table: ConfigTable, plan: Plan) -> list[int]:

@@ -8,6 +8,11 @@ summed.
 
 `inline_leaf_modules` replaces the remaining `call_module` nodes by the ATen code torch.export
 traces for them, so that the stage's source imports nothing but torch.
+
+A higher-order op (a `torch.no_grad()` or `torch.autocast` region, as torch.export keeps it) is one
+node whose sub-graph modules are attributes read by get_attr nodes: a stage holds those it calls,
+under the program's (or, inlined from a leaf, the leaf's path and) attribute name, and the stage's
+source renders them as classes of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from cloudless.codegen.stage_source import unsupported_higher_order_ops
 from cloudless.compiler.annotate import fetch_attr, node_tensors
 from cloudless.compiler.coarsen import compute_positions, crossing_values
 from cloudless.compiler.errors import CompileError
@@ -137,6 +143,11 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
                     f"torch.export failed ({type(exc).__name__}); leave it out of --leaf-module"
                 ) from exc
             leaf_program = exported.module()
+            for _, op in unsupported_higher_order_ops(leaf_program):
+                raise CompileError(
+                    f"module {node.target} ({type(leaf).__name__}) cannot be turned into torch-only code: "
+                    f"torch.export turned it into torch.ops.higher_order.{op}; leave it out of --leaf-module"
+                )
             spec = leaf_program.graph._codegen.pytree_info.out_spec
             _EXPORT_CACHE[key] = (leaf_program, spec)
         leaf_program, out_spec = _EXPORT_CACHE[key]

@@ -2,6 +2,14 @@
 
 The program's placeholders are the flattened example inputs and its output is a flat tuple; the
 pytree spec to rebuild the model's (possibly structured) output is kept beside it.
+
+torch.fx records no grad mode or autocast state: a `torch.no_grad()` or `torch.autocast(...)`
+region of the model's forward would run without it in the stages. The fx tracer therefore refuses
+code traced in any other mode than the trace's start, and the model goes to torch.export, which
+keeps such regions as higher-order ops over sub-graphs (`wrap_with_set_grad_enabled`,
+`wrap_with_autocast`). Any other higher-order op is a TraceFailure naming the model's line and
+module: control flow (`torch.cond`, `map`, `while_loop`, `scan`) too, which stage code could hold,
+but which annotation cannot run (see TRACEABLE_HIGHER_ORDER_OPS).
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from torch import fx, nn
 from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
+from cloudless.codegen.stage_source import CALL_OPS, REGION_OPS, unsupported_higher_order_ops
 from cloudless.compiler.errors import (
+    _LIBRARY_MARKERS,
     TraceFailure,
     describe,
     display_path,
@@ -30,6 +40,11 @@ from cloudless.compiler.errors import (
 )
 
 TracerName = Literal["fx", "export"]
+
+#: The higher-order ops a traced program may hold: the grad-mode and autocast regions. The control
+#: flow ops (CALL_OPS) render, but annotation cannot run them yet: torch runs them eagerly by tracing
+#: their branches' autograd, which breaks under its FLOP counter and saved-tensor hooks.
+TRACEABLE_HIGHER_ORDER_OPS = frozenset(REGION_OPS)
 
 
 @dataclass
@@ -55,11 +70,32 @@ class TracedProgram:
         return next(n for n in reversed(self.module.graph.nodes) if n.op == "output")
 
 
+class RegionNotTraceable(Exception):
+    """Code under another grad mode or autocast state than the trace's: fx would drop the region."""
+
+
+def _modes() -> tuple[Any, ...]:
+    """The state torch.fx does not record: grad mode, inference mode and autocast."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+    )
+
+
+def _region(start: tuple[Any, ...], now: tuple[Any, ...]) -> str:
+    if now[0] != start[0]:
+        return "torch.enable_grad()" if now[0] else "torch.no_grad()"
+    return "torch.inference_mode()" if now[1] != start[1] else "torch.autocast(...)"
+
+
 class InliningTracer(fx.Tracer):
     """Traces through every module, torch.nn ones included, so the graph is functional code.
 
     Modules named as leaves stay single `call_module` nodes; so does a torch.nn module whose
     forward fx cannot trace (BatchNorm checks `input.dim()`), found by trying and rolling back.
+    A node traced under another grad mode or autocast state than the trace's start raises
+    RegionNotTraceable: the graph cannot say so.
     """
 
     def __init__(self, leaf_modules: Sequence[str] = ()) -> None:
@@ -67,6 +103,13 @@ class InliningTracer(fx.Tracer):
         self.leaf_modules = set(leaf_modules)
         self._force_leaf = False
         self._param_cache: dict[str, Any] = {}
+        self._modes = _modes()
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **options: Any) -> fx.Node:
+        now = _modes()
+        if now != self._modes:
+            raise RegionNotTraceable(f"torch.fx cannot keep the {_region(self._modes, now)} region of the forward")
+        return super().create_node(kind, target, args, kwargs, *rest, **options)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._force_leaf or _is_named_leaf(m, module_qualified_name, self.leaf_modules)
@@ -128,6 +171,10 @@ def trace_model(
         program = _trace_export(model, example_inputs)
     except Exception as exc:  # noqa: BLE001 - reported with the user's line
         raise _trace_failure(model_path, fx_exc, exc) from exc
+    for node, op in unsupported_higher_order_ops(program.module, TRACEABLE_HIGHER_ORDER_OPS):
+        raise _higher_order_failure(model_path, node, op)
+    if any(n.target is torch.ops.higher_order.wrap_with_autocast for n in program.module.graph.nodes):
+        _check_autocast_gradients(program, model, example_inputs, model_path)
     program.fx_error = describe(fx_exc) if fx_exc else ""
     program.tensor_names = _model_names(program.module, model)
     return program
@@ -250,6 +297,40 @@ def _agrees_with_eager(program: TracedProgram, model: nn.Module, example_inputs:
     return True
 
 
+def _check_autocast_gradients(
+    program: TracedProgram, model: nn.Module, example_inputs: tuple[Any, ...], model_path: Path
+) -> None:
+    """torch.export (2.13) drops a torch.no_grad() region nested in a torch.autocast one: gradients
+    would flow where the model has none. With an autocast region in the program, compare which
+    parameters get gradients, and how large, between the model and the program (one forward and
+    backward each); TraceFailure if they differ."""
+    from cloudless.compiler.state import preserved_state
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradients(run: Any) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        outputs = [t for t in pytree.tree_leaves(run(*example_inputs)) if isinstance(t, torch.Tensor)]
+        loss = sum((t.float().sum() for t in outputs if t.requires_grad), torch.zeros(()))
+        if not loss.requires_grad:
+            return [None] * len(params)
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+    with preserved_state(model), torch.random.fork_rng(devices=[]):
+        expected = gradients(model)
+        got = gradients(program.module)
+    names = {id(p): name for name, p in model.named_parameters()}
+    for param, e, g in zip(params, expected, got, strict=True):
+        if (e is None) != (g is None) or (
+            e is not None and g is not None and not torch.allclose(e, g, rtol=1e-3, atol=1e-5)
+        ):
+            raise TraceFailure(
+                f"{display_path(model_path)}: torch.export changed the gradient of {names[id(param)]}: it drops a "
+                "torch.no_grad() region inside a torch.autocast() region, so gradients would flow through it. "
+                "Fix: put the torch.no_grad() region outside the torch.autocast() one, or .detach() its result"
+            )
+
+
 _FIXES = (
     "replace the branch on a tensor's value with torch.where(...) or torch.cond(...), "
     "or name the module that holds it with --leaf-module"
@@ -269,7 +350,65 @@ def _trace_failure(model_path: Path, fx_exc: BaseException | None, export_exc: B
         reasons.append(f"torch.fx: {describe(fx_exc)}")
     if export_exc is not None:
         reasons.append(f"torch.export: {_short(describe(export_exc))}")
-    return TraceFailure(f"{where}: cannot trace the model{line} ({'; '.join(reasons)}). Fix: {_FIXES}")
+    fixes = _FIXES
+    if isinstance(fx_exc, RegionNotTraceable) and export_exc is None:
+        fixes = "trace with --tracer auto or --tracer export, which keep the region"
+    return TraceFailure(f"{where}: cannot trace the model{line} ({'; '.join(reasons)}). Fix: {fixes}")
+
+
+def _higher_order_failure(model_path: Path, node: fx.Node, op: str) -> TraceFailure:
+    """torch.export put part of the model in a higher-order op that stage code cannot hold: where, in
+    which module, and what stage code can hold."""
+    where = display_path(model_path)
+    line = ""
+    frame = _stack_frame(str(node.meta.get("stack_trace") or ""), model_path)
+    if frame is not None:
+        where, line = frame[0], f" `{frame[1]}`" if frame[1] else ""
+    from cloudless.compiler.annotate import module_path  # annotate imports this module
+
+    stack = node.meta.get("nn_module_stack") or {}
+    path = module_path(node)
+    kind = list(stack.values())[-1][1] if stack else ""
+    kind = str(getattr(kind, "__qualname__", kind)).rsplit(".", 1)[-1]
+    module = (f"module {path}" if path else "the model's own forward") + (f" ({kind})" if kind else "")
+    why = (
+        "which Cloudless cannot measure yet (torch runs it by tracing its branches, which the FLOP counter and "
+        "activation accounting do not support)"
+        if op in CALL_OPS
+        else "which Cloudless cannot generate stage code for"
+    )
+    return TraceFailure(
+        f"{where}: torch.export turned the model's code{line} in {module} into torch.ops.higher_order.{op}, "
+        f"{why}; it supports the regions of torch.no_grad(), torch.enable_grad(), torch.set_grad_enabled() and "
+        "torch.autocast(). Fix: write that code with plain torch operations (torch.where for a branch)"
+    )
+
+
+def _stack_frame(stack_trace: str, model_path: Path) -> tuple[str, str] | None:
+    """(file:line, source) of the innermost frame of a node's recorded stack in the model file, else
+    in any file outside the libraries."""
+    frames = []
+    lines = stack_trace.splitlines()
+    for i, text in enumerate(lines):
+        text = text.strip()
+        if text.startswith('File "') and ", line " in text:
+            filename = text[len('File "') : text.index('", line ')]
+            number = text.split(", line ", 1)[1].split(",", 1)[0]
+            source = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
+            frames.append((filename, number, source))
+    wanted = str(model_path.resolve())
+    own = [f for f in frames if _same_file(f[0], wanted)]
+    others = [f for f in frames if not f[0].startswith("<") and not any(m in f[0] for m in _LIBRARY_MARKERS)]
+    for filename, number, source in (own or others)[-1:]:
+        return f"{display_path(Path(filename))}:{number}", source
+    return None
+
+
+def _same_file(filename: str, resolved: str) -> bool:
+    try:
+        return str(Path(filename).resolve()) == resolved
+    except OSError:
+        return False
 
 
 def _short(text: str, limit: int = 240) -> str:

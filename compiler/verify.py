@@ -9,10 +9,17 @@ sum over the stages that hold it) and every buffer after the step (BatchNorm sta
 The error of a tensor is max|stage - reference| / max(max|reference|, 1e-6): relative to the
 tensor's scale, so that tiny gradients are not held to an absolute bar they cannot meet. The
 tolerance, TOLERANCE, allows for float32 summation order; identical kernels give 0.
+
+`check_stage_loads` is the load check every compile runs on the stages it writes (verified or
+not): a generated module that does not load, or whose forward names something it does not hold, is
+a compile error of one line, never a function's failure at run time.
 """
 
 from __future__ import annotations
 
+import traceback
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +28,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cloudless.compiler.chain import run_chain
-from cloudless.compiler.errors import VerificationError
+from cloudless.compiler.errors import CompileError, VerificationError, describe
 
 TOLERANCE = 1e-4
 
@@ -61,6 +68,58 @@ def load_stage(source: str, state: dict[str, torch.Tensor], name: str) -> nn.Mod
     return stage
 
 
+#: what a forward on the meta device raises when the code itself is wrong (a name or an attribute it
+#: does not hold, a call with the wrong arguments); anything else may be the meta device's limits
+#: (data-dependent code: `.item()`, a branch on a tensor's value), not the code's
+_CODE_ERRORS = (NameError, AttributeError, ImportError, TypeError)
+
+
+def check_stage_loads(
+    source: str, state: dict[str, torch.Tensor], label: str, inputs: Sequence[Any] | None = None
+) -> None:
+    """Load a generated module as a function would: compile and run its source in a fresh namespace,
+    instantiate `Stage` and load `state` (names, shapes and dtypes); with `inputs` (meta tensors, or
+    None to skip), also run its forward on them. All on the meta device: no memory, no copy.
+    CompileError naming `label` and the generated line if it fails."""
+    name = f"generated {label}"
+    try:
+        namespace: dict[str, Any] = {"__name__": name.replace(" ", "_")}
+        exec(compile(source, f"<{name}>", "exec"), namespace)
+        with torch.device("meta"):
+            stage = namespace["Stage"]()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # copying into a meta tensor does nothing: wanted
+            stage.load_state_dict(state, strict=True)
+        held = dict(stage.state_dict(keep_vars=True))
+        for key, tensor in state.items():
+            if held[key].dtype != tensor.dtype:
+                raise TypeError(f"{key} is {str(held[key].dtype)} in the module, {str(tensor.dtype)} in the weights")
+    except Exception as exc:  # noqa: BLE001 - reported as one line
+        raise CompileError(f"{label}: the generated module does not load: {_where(exc, name, source)}") from exc
+    if inputs is None:
+        return
+    try:
+        with torch.no_grad():
+            stage(*inputs)
+    except _CODE_ERRORS as exc:
+        raise CompileError(f"{label}: the generated module's forward fails: {_where(exc, name, source)}") from exc
+    except Exception:  # noqa: BLE001, S110 - the meta device's limits, not the code's
+        pass
+
+
+def _where(exc: BaseException, name: str, source: str) -> str:
+    """`ExceptionType: message`, and the generated line it was raised from."""
+    text = describe(exc)
+    if isinstance(exc, SyntaxError) and exc.filename == f"<{name}>":
+        return f"{text} (line {exc.lineno})"
+    lines = source.splitlines()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename == f"<{name}>" and frame.lineno and 0 < frame.lineno <= len(lines):
+            code = lines[frame.lineno - 1].strip().split(";")[0]
+            return f"{text} (line {frame.lineno}: `{code}`)"
+    return text
+
+
 def verify_stages(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
@@ -88,7 +147,13 @@ def _compare(
     for param in reference.parameters():
         param.grad = None
     # Load the stages first: their weights may alias the model's, whose buffers the reference run updates.
-    modules = [load_stage(src, state, f"stage{i}") for i, (src, state, _, _) in enumerate(stages)]
+    modules = []
+    for i, (source, state, _, _) in enumerate(stages):
+        try:
+            modules.append(load_stage(source, state, f"stage{i}"))
+        except Exception as exc:  # noqa: BLE001 - reported as one line
+            where = _where(exc, f"stage{i}", source)
+            raise CompileError(f"stage {i}: the generated module does not load: {where}") from exc
     torch.manual_seed(0)
     expected_out = reference(*example_inputs)
     expected_loss = loss_fn(expected_out, targets)
@@ -97,12 +162,22 @@ def _compare(
     flat_inputs = pytree.tree_leaves(example_inputs)
     first_inputs = stages[0][2]
     torch.manual_seed(0)
-    run = run_chain(
-        modules,
-        [(inputs, outputs) for _, _, inputs, outputs in stages],
-        dict(zip(first_inputs, flat_inputs, strict=True)),
-        lambda flat: loss_fn(pytree.tree_unflatten(list(flat), out_spec), targets),
-    )
+    try:
+        run = run_chain(
+            modules,
+            [(inputs, outputs) for _, _, inputs, outputs in stages],
+            dict(zip(first_inputs, flat_inputs, strict=True)),
+            lambda flat: loss_fn(pytree.tree_unflatten(list(flat), out_spec), targets),
+        )
+    except Exception as exc:  # noqa: BLE001 - reported as one line
+        frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
+        failed = [i for i in range(len(stages)) if f"<stage{i}>" in frames]
+        where = (
+            f"stage {failed[-1]}: {_where(exc, f'stage{failed[-1]}', stages[failed[-1]][0])}"
+            if failed
+            else describe(exc)
+        )
+        raise VerificationError(f"the {len(stages)} stages fail on the example micro-batch: {where}") from exc
 
     report = VerifyReport(stages=len(stages))
     report.loss_error = relative_error(run.loss, expected_loss.detach())

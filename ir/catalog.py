@@ -14,6 +14,79 @@ import yaml
 
 from cloudless.ir.schema import SchemaError, check_finite, read_yaml, validate
 
+#: Catalog keys that were renamed: "mbps" read as megabits per second, but these are megabytes.
+RENAMED_KEYS = {"min_mbps": "min_mb_per_s", "max_mbps": "max_mb_per_s", "mbps": "mb_per_s"}
+
+#: A catalog region of provider aws is named AWS_REGION_PREFIX + its AWS region (aws-us-east-1).
+AWS_REGION_PREFIX = "aws-"
+#: The AWS regions (those cfn-lint knows, which the build's check lints SAM templates for: a region it
+#: does not know could not be checked); tests/test_plan.py checks this against cfnlint.helpers.REGIONS.
+AWS_REGIONS = frozenset(
+    {
+        "af-south-1",
+        "ap-east-1",
+        "ap-east-2",
+        "ap-northeast-1",
+        "ap-northeast-2",
+        "ap-northeast-3",
+        "ap-south-1",
+        "ap-south-2",
+        "ap-southeast-1",
+        "ap-southeast-2",
+        "ap-southeast-3",
+        "ap-southeast-4",
+        "ap-southeast-5",
+        "ap-southeast-6",
+        "ap-southeast-7",
+        "ca-central-1",
+        "ca-west-1",
+        "cn-north-1",
+        "cn-northwest-1",
+        "eu-central-1",
+        "eu-central-2",
+        "eu-isoe-west-1",
+        "eu-north-1",
+        "eu-south-1",
+        "eu-south-2",
+        "eu-west-1",
+        "eu-west-2",
+        "eu-west-3",
+        "eusc-de-east-1",
+        "il-central-1",
+        "me-central-1",
+        "me-south-1",
+        "mx-central-1",
+        "sa-east-1",
+        "us-east-1",
+        "us-east-2",
+        "us-gov-east-1",
+        "us-gov-west-1",
+        "us-iso-east-1",
+        "us-iso-west-1",
+        "us-isob-east-1",
+        "us-isob-west-1",
+        "us-isof-east-1",
+        "us-isof-south-1",
+        "us-west-1",
+        "us-west-2",
+    }
+)
+#: Lambda's limits (https://docs.aws.amazon.com/lambda/latest/dg/gettingstarted-limits.html): what an aws
+#: region's tiers and timeout may be (the generated SAM template's MemorySize and Timeout).
+LAMBDA_MEMORY_MB = (128, 10240)
+LAMBDA_MAX_TIMEOUT_S = 900
+#: An aws region's iteration is a Step Functions inline Map over all its (stage, replica) workers, which runs
+#: at most this many at once (codegen.platforms.MAX_MAP_CONCURRENCY), and every worker must run together.
+AWS_MAX_WORKERS = 40
+
+
+def aws_region_of(region_name: str) -> str | None:
+    """The AWS region a catalog region named aws-<region> deploys to; None if the name is no such name."""
+    if not region_name.startswith(AWS_REGION_PREFIX):
+        return None
+    region = region_name[len(AWS_REGION_PREFIX) :]
+    return region if region in AWS_REGIONS else None
+
 
 @dataclass(frozen=True)
 class Prices:
@@ -32,8 +105,9 @@ class Region:
     mb_per_vcpu: float
     max_vcpus: float
     gflops_per_vcpu: float | None
-    min_mbps: float
-    max_mbps: float
+    #: megabytes (10^6 bytes) per second each way, at the smallest and the largest tier
+    min_mb_per_s: float
+    max_mb_per_s: float
     request_latency_s: float
     runtime_overhead_mb: float
     memory_gbps_per_vcpu: float
@@ -53,7 +127,7 @@ class Region:
         downloads run at once): linear in the tier between the catalog's min and max."""
         low, high = min(self.tiers_mb), max(self.tiers_mb)
         share = 0.0 if high == low else (tier_mb - low) / (high - low)
-        return (self.min_mbps + share * (self.max_mbps - self.min_mbps)) * 1e6
+        return (self.min_mb_per_s + share * (self.max_mb_per_s - self.min_mb_per_s)) * 1e6
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> Region:
@@ -65,8 +139,8 @@ class Region:
             mb_per_vcpu=data["cpu"]["mb_per_vcpu"],
             max_vcpus=data["cpu"]["max_vcpus"],
             gflops_per_vcpu=data["cpu"].get("gflops_per_vcpu"),
-            min_mbps=data["network"]["min_mbps"],
-            max_mbps=data["network"]["max_mbps"],
+            min_mb_per_s=data["network"]["min_mb_per_s"],
+            max_mb_per_s=data["network"]["max_mb_per_s"],
             request_latency_s=data["network"]["request_latency_s"],
             runtime_overhead_mb=data["memory"]["runtime_overhead_mb"],
             memory_gbps_per_vcpu=data["memory"]["bandwidth_gbps_per_vcpu"],
@@ -121,19 +195,74 @@ class Catalog:
         raise SchemaError(f"{self.source}: no region {name!r}; the catalog has {known}")
 
 
+def _check_renamed(data: Any, source: str) -> None:
+    """SchemaError naming the first key a catalog spells the old way (before the schema's generic
+    "Additional properties" message, which would not say what the key became)."""
+
+    def fail(where: str, old: str) -> None:
+        raise SchemaError(f"{source}: key {where}/{old}: renamed to {RENAMED_KEYS[old]} (megabytes per second)")
+
+    if not isinstance(data, dict):
+        return
+    regions = data.get("regions")
+    for i, region in enumerate(regions if isinstance(regions, list) else []):
+        network = region.get("network") if isinstance(region, dict) else None
+        for old in ("min_mbps", "max_mbps"):
+            if isinstance(network, dict) and old in network:
+                fail(f"regions/{i}/network", old)
+    wan = data.get("wan")
+    if not isinstance(wan, dict):
+        return
+    if isinstance(wan.get("default"), dict) and "mbps" in wan["default"]:
+        fail("wan/default", "mbps")
+    links = wan.get("links")
+    for i, link in enumerate(links if isinstance(links, list) else []):
+        if isinstance(link, dict) and "mbps" in link:
+            fail(f"wan/links/{i}", "mbps")
+
+
+def _check_region(region: Region, source: str, where: str) -> None:
+    """What the schema cannot say of one region, and what its platform's generated files would reject
+    (AWS: the region name samconfig.toml deploys to, Lambda's memory and timeout limits)."""
+    if region.min_mb_per_s > region.max_mb_per_s:
+        raise SchemaError(f"{source}: key {where}/network: min_mb_per_s exceeds max_mb_per_s")
+    too_big = [t for t in region.tiers_mb if t > region.max_memory_mb]
+    if too_big:
+        raise SchemaError(
+            f"{source}: key {where}/tiers_mb: tier {too_big[0]} MB exceeds limits.max_memory_mb {region.max_memory_mb}"
+        )
+    largest = max(region.tiers_mb)
+    if region.runtime_overhead_mb >= largest:
+        raise SchemaError(
+            f"{source}: key {where}/memory/runtime_overhead_mb: {region.runtime_overhead_mb:g} MB leaves no memory "
+            f"for the model in the largest tier ({largest} MB)"
+        )
+    if region.provider != "aws":
+        return
+    if aws_region_of(region.name) is None:
+        raise SchemaError(
+            f"{source}: key {where}/name: {region.name!r} is not an AWS region name; aws regions are named "
+            f"{AWS_REGION_PREFIX}<region>, e.g. aws-us-east-1"
+        )
+    low, high = LAMBDA_MEMORY_MB
+    if region.max_memory_mb > high:
+        raise SchemaError(
+            f"{source}: key {where}/limits/max_memory_mb: {region.max_memory_mb} MB; Lambda allows {low} to {high} MB"
+        )
+    if region.timeout_s > LAMBDA_MAX_TIMEOUT_S:
+        raise SchemaError(
+            f"{source}: key {where}/limits/timeout_s: {region.timeout_s:g} s; Lambda allows 1 to "
+            f"{LAMBDA_MAX_TIMEOUT_S} s"
+        )
+
+
 def parse_catalog(data: Any, source: str) -> Catalog:
+    _check_renamed(data, source)
     validate(data, "catalog", source)
     check_finite(data, source)
     regions = tuple(Region.from_json(r) for r in data["regions"])
     for i, region in enumerate(regions):
-        if region.min_mbps > region.max_mbps:
-            raise SchemaError(f"{source}: key regions/{i}/network: min_mbps exceeds max_mbps")
-        too_big = [t for t in region.tiers_mb if t > region.max_memory_mb]
-        if too_big:
-            raise SchemaError(
-                f"{source}: key regions/{i}/tiers_mb: tier {too_big[0]} MB exceeds limits.max_memory_mb "
-                f"{region.max_memory_mb}"
-            )
+        _check_region(region, source, f"regions/{i}")
     names = [r.name for r in regions]
     if len(set(names)) != len(names):
         raise SchemaError(f"{source}: key regions: region names must be unique")
@@ -149,8 +278,8 @@ def parse_catalog(data: Any, source: str) -> Catalog:
                 )
         if entry["between"][0] == entry["between"][1]:
             raise SchemaError(f"{source}: key wan/links/{i}/between: a link joins two different regions")
-        links.append((frozenset(entry["between"]), Link(entry["mbps"] * 1e6, entry["latency_s"])))
-    default = Link(wan["default"]["mbps"] * 1e6, wan["default"]["latency_s"])
+        links.append((frozenset(entry["between"]), Link(entry["mb_per_s"] * 1e6, entry["latency_s"])))
+    default = Link(wan["default"]["mb_per_s"] * 1e6, wan["default"]["latency_s"])
     return Catalog(source, regions, default, tuple(links))
 
 

@@ -106,7 +106,8 @@ def _stray_file(build: Path, listed: set[str], runs: set[str]) -> str | None:
         here = Path(folder).relative_to(build)
         if here == Path("."):
             dirs[:] = [d for d in dirs if d not in runs]
-        dirs.sort()
+        # Python's bytecode caches of the build's own modules (a handler run in place) are not the user's
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         # a symbolic link to a folder is not walked into: as an entry of its own it is the user's
         entries = sorted(files + [d for d in dirs if Path(folder, d).is_symlink()])
         dirs[:] = [d for d in dirs if not Path(folder, d).is_symlink()]

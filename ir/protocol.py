@@ -23,6 +23,7 @@ Lifetimes. Each key has one owner, the function (replica) that writes it:
   `checkpoint_every`, and the one its invocation started from until two newer ones exist;
 - completion markers, claims and stop decisions, per invocation: the controller deletes them when
   the range they belong to is done;
+- the run's `alive_key` and `abort_key` live as long as the run's namespace;
 - at the end of a run the controller deletes the run's namespaces unless asked to keep them; staged
   data is kept (it is shared by the runs on that storage and re-staged only when it changes).
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,9 +54,19 @@ EMULATE_ENV = "CLOUDLESS_EMULATE"
 #: the OpenFaaS secret holding storage credentials as NAME=value lines, and where OpenFaaS mounts it
 STORAGE_SECRET = "cloudless-storage"
 SECRETS_DIR = "/var/openfaas/secrets"
+#: OpenFaaS: the secret holding the deployment's invocation token (one line), the request header an
+#: invocation carries it in (a function answers 401 without it), and the controller's variable for it
+TOKEN_SECRET = "cloudless-token"
+TOKEN_HEADER = "X-Cloudless-Token"
+TOKEN_ENV = "CLOUDLESS_TOKEN"
 
 #: how long a function waits for any one key unless the invocation says otherwise, seconds
 DEFAULT_KEY_TIMEOUT_S = 600.0
+#: the largest iteration, replica or attempt number a payload may carry (a signed 64-bit integer);
+#: beyond it a key's name (`from<start>`, `a<attempt>`) outgrows what a storage holds
+MAX_NUMBER = 2**63 - 1
+#: a run name is one segment of every key of the run (`namespace`): a folder storage holds 255 bytes
+MAX_RUN_BYTES = 128
 
 
 # -- the invocation payload ----------------------------------------------------------------------
@@ -91,7 +103,9 @@ class Invocation:
                 f'expected a JSON object like {{"iteration": 0, "replica": 0}}, got {type(event).__name__}'
             )
         if "iteration" in event:
-            fields = {"start": event["iteration"], "replica": event.get("replica", 0)}
+            start = event["iteration"]  # one iteration: its stop is checked as a range's is
+            fields = {"start": start, "stop": start + 1 if isinstance(start, int) else start}
+            fields["replica"] = event.get("replica", 0)
         else:
             fields = {"start": event.get("start"), "stop": event.get("stop"), "replica": event.get("replica", 0)}
         if event.get("attempt") is not None:
@@ -99,14 +113,15 @@ class Invocation:
         for name, value in fields.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name}: expected an integer, got {value!r}")
+            if not 0 <= value <= MAX_NUMBER:
+                raise ValueError(f"{name}: expected an integer from 0 to 2**63 - 1, got {value}")
         run = event.get("run", "")
-        if not isinstance(run, str) or "/" in run or ".." in run:
-            raise ValueError(f"run: expected a name without '/', got {run!r}")
+        check_run_name(run, "run")
         numbers: dict[str, float | None] = {}
         for name in ("time_limit_s", "timeout"):
             value = event.get(name)
             if value is not None and (
-                not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0
+                not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= sys.float_info.max
             ):
                 raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
             numbers[name] = None if value is None else float(value)
@@ -199,7 +214,9 @@ class AbortRecord:
     """Why a region's run stopped, written once (create-if-absent) at `abort_key` by the function
     that found out; every function waiting on a key looks there now and then and gives up."""
 
-    reason: Literal["diverged", "failed"]  # failed: the controller gave up on an invocation
+    # diverged: a loss or parameter not finite; failed: the model's code raised (deterministic, so
+    # no retry can help) or the controller gave up on an invocation after its retries
+    reason: Literal["diverged", "failed"]
     message: str  # one line: what, where (iteration, stage, function)
     iteration: int
     stage: int
@@ -360,6 +377,22 @@ def stop_key(ns: str, start: int) -> str:
     return f"{ns}/stop/from{start}"
 
 
+def check_run_name(run: Any, field: str) -> None:
+    """ValueError naming `field` unless `run` can name a run: one segment of every key of the run."""
+    # "." would alias the namespace without a run in a folder storage, "data" put the run's keys
+    # (and its clean-up) under the training data's (`data_key`)
+    if not isinstance(run, str) or "/" in run or ".." in run or run in (".", "data"):
+        raise ValueError(f"{field}: expected a name without '/' or '..', other than '.' and 'data', got {run!r}")
+    if not run.isprintable() or len(run.encode()) > MAX_RUN_BYTES:
+        raise ValueError(f"{field}: expected at most {MAX_RUN_BYTES} bytes of printable characters, got {run!r}")
+
+
+def alive_key(ns: str) -> str:
+    """The controller's mark that a region's run exists, written when the run (or a resumed run)
+    begins: if it goes, storage lost the run's keys (flushed, evicted, expired) and the run stops."""
+    return f"{ns}/alive"
+
+
 def abort_key(ns: str) -> str:
     """Where a region's run records why it stopped (`AbortRecord`)."""
     return f"{ns}/abort"
@@ -409,4 +442,3 @@ ROUND_VERSION = "meta/version"
 def module_values(values: Mapping[str, _V]) -> dict[str, _V]:
     """A checkpoint's module state under the module's own names."""
     return {k.removeprefix(MODULE_PREFIX): v for k, v in values.items() if k.startswith(MODULE_PREFIX)}
-

@@ -34,6 +34,11 @@ def validate(document: Any, schema_name: str, source: str = "<document>") -> Non
 
 #: user-written YAML (catalogs, hand-edited manifests) is small; anything larger is refused unread
 MAX_YAML_BYTES = 4 * 2**20
+#: how deeply mappings and lists may nest: ours need 5 levels; deeper costs the parser quadratic time
+#: and the composer its recursion limit
+MAX_YAML_DEPTH = 32
+#: no figure of a catalog or manifest is larger; beyond, arithmetic on it overflows a float
+MAX_MAGNITUDE = 1e300
 
 
 def read_yaml(text: str, source: str) -> Any:
@@ -44,21 +49,38 @@ def read_yaml(text: str, source: str) -> Any:
     if len(text) > MAX_YAML_BYTES:
         raise SchemaError(f"{source}: {len(text):,} characters; a YAML file here holds at most {MAX_YAML_BYTES:,}")
     try:
+        depth = 0
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            line = event.start_mark.line + 1 if event.start_mark else 0
             if isinstance(event, yaml.AliasEvent):
-                line = event.start_mark.line + 1 if event.start_mark else 0
                 raise SchemaError(f"{source}:{line}: YAML aliases (*name) are not accepted; write the value out")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise SchemaError(f"{source}:{line}: nested more than {MAX_YAML_DEPTH} levels deep")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
-        raise SchemaError(f"{source}{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from exc
+        problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+        raise SchemaError(f"{source}{line}: not valid YAML: {problem}") from exc
+    except SchemaError:
+        raise
+    except ValueError as exc:  # an integer of more digits than Python converts
+        why = str(exc).strip().splitlines()[0].split(";")[0]
+        raise SchemaError(f"{source}: a number cannot be read: {why}") from exc
 
 
 def check_finite(document: Any, source: str, where: str = "") -> None:
-    """SchemaError naming the key of the first number that is NaN or infinite (YAML's .nan, .inf)."""
+    """SchemaError naming the key of the first number that is NaN or infinite (YAML's .nan, .inf),
+    or larger than MAX_MAGNITUDE."""
     if isinstance(document, float) and not math.isfinite(document):
         raise SchemaError(f"{source}: key {where or '(top level)'}: {document}; expected a finite number")
+    if isinstance(document, int | float) and abs(document) > MAX_MAGNITUDE:
+        shown = f"{document:.3g}" if isinstance(document, float) else f"an integer of {len(str(abs(document)))} digits"
+        raise SchemaError(f"{source}: key {where or '(top level)'}: {shown}; expected at most {MAX_MAGNITUDE:g}")
     if isinstance(document, dict):
         for key, value in document.items():
             check_finite(value, source, f"{where}/{key}" if where else str(key))

@@ -196,6 +196,8 @@ class LocalProcessInvoker(Invoker):
             STORAGE_ENV: self.storage,
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
+            # The package is the user's build: no __pycache__ in it (a recompile would find a foreign file).
+            "PYTHONDONTWRITEBYTECODE": "1",
         }
         env.pop(EMULATE_ENV, None)
         resources = self.resources(function)
@@ -248,20 +250,37 @@ def _marker(channel: Channel, namespace: str, invocation: Invocation) -> _Marker
 
 
 class OpenFaaSInvoker(Invoker):
-    """POSTs the event to the gateway's /async-function/<name> (202 Accepted: queued)."""
+    """POSTs the event to the gateway's /async-function/<name> (202 Accepted: queued), with the functions'
+    token (the value of their secret cloudless-token) in the X-Cloudless-Token header: without it a function
+    refuses the request (401; asynchronous, so only its log says so). The token is never printed."""
 
     name = "OpenFaaS async"
 
-    def __init__(self, gateway: str, channel: Channel, namespace: str, names: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        gateway: str,
+        channel: Channel,
+        namespace: str,
+        names: dict[str, str] | None = None,
+        *,
+        token: str | None = None,
+    ) -> None:
         self.gateway, self.channel, self.namespace = gateway.rstrip("/"), channel, namespace
         self.names = names or {}
+        self._token = token
+
+    def __repr__(self) -> str:
+        return f"OpenFaaSInvoker({self.gateway!r}, token={'***' if self._token else None})"
 
     def start(self, invocation: Invocation) -> Handle:
         name = self.names.get(invocation.function.name, invocation.function.name)
+        headers = {"Content-Type": "application/json"}
+        if self._token:
+            headers[protocol.TOKEN_HEADER] = self._token
         request = urllib.request.Request(
             f"{self.gateway}/async-function/{name}",
             data=_wire(invocation).encode(),
-            headers={"Content-Type": "application/json"},
+            headers=headers,
             method="POST",
         )
         try:
@@ -301,7 +320,7 @@ _T = TypeVar("_T")
 
 
 class StorageError(RuntimeError):
-    """Storage did not answer, after retries: one line naming it and the error."""
+    """A storage request failed every retry: one line naming it and the error."""
 
 
 class RetryingChannel(Channel):
@@ -324,7 +343,7 @@ class RetryingChannel(Channel):
                 if attempt + 1 == self.tries:
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                     raise StorageError(
-                        f"storage did not answer ({what} {self.describe(key)}, {self.tries} tries): "
+                        f"storage failed ({what} {self.describe(key)}, {self.tries} tries): "
                         f"{type(exc).__name__}: {first}"
                     ) from exc
                 time.sleep(wait)
@@ -374,6 +393,7 @@ class RunSettings:
     fault_seed: int = 0
     poll_s: float = 0.05
     resume: bool = False  # continue run_id from its stages' newest common checkpoint
+    alive_check_s: float = 2.0  # how often the controller checks that storage still holds the run
 
 
 @dataclass
@@ -435,12 +455,15 @@ class Controller:
             try:
                 at, stop = self.start_of(region), self.region_iterations(region)
                 if at:
-                    # The interrupted range's markers would make its invocations look done or duplicated.
+                    # What stopped the run must not stop the resumed one; the interrupted range's
+                    # markers would make its invocations look done or duplicated.
+                    self.channel.delete(protocol.abort_key(self.namespace(region.name)))
                     self._forget_range(
                         region,
                         at,
                         {(f.name, r): self.settings.retries for f in region.functions for r in range(f.replicas)},
                     )
+                self.channel.put(protocol.alive_key(self.namespace(region.name)), self.settings.run_id.encode())
                 while at < stop:
                     at = self._invoke_range(region, at, stop, records[region.name])
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
@@ -525,7 +548,7 @@ class Controller:
     ) -> int:
         """Wait for the range's invocations: retry the failed ones, inject the faults, follow the
         progress; where they stopped."""
-        range_began = time.time()
+        range_began = last_look = time.time()
         last = region.functions[-1]  # in stage order
         stopped: list[int] = []
         next_iteration = start
@@ -537,6 +560,9 @@ class Controller:
                     result = handle.poll()
                 except InvocationFailed as exc:
                     record.invocations.append(self._summary(invocation, "failed", str(exc)))
+                    recorded = self._abort_record(region.name)
+                    if recorded is not None:  # its model code raised (no retry can mend that), or another aborted
+                        raise RunError(recorded.message) from exc
                     if invocation.attempt >= self.settings.retries:
                         tried = f"attempt {invocation.attempt + 1} of {self.settings.retries + 1}"
                         function = invocation.function
@@ -560,6 +586,9 @@ class Controller:
                 stopped.append(result.stop)
             next_iteration = self._follow(region.name, last, next_iteration, stop, record)
             now = time.time()
+            if now - last_look > self.settings.alive_check_s:
+                self._check_alive(region, next_iteration)
+                last_look = now
             for key, when in list(kills.items()):
                 victim = pending[key][1] if key in pending else None
                 if victim is not None and self._due(when, next_iteration, now, record, range_began):
@@ -575,10 +604,30 @@ class Controller:
         self._forget_range(region, start, attempts)
         return stopped[0]
 
-    def _abort_message(self, region: str, result: InvocationResult) -> str:
-        """Why the region's run stopped: the abort record (the function that found out), else the result's reason."""
+    def _check_alive(self, region: Region, iteration: int) -> None:
+        """Raise RunError if storage lost the region's keys (its alive key is gone): whatever a
+        function waits for may be gone too, so the run stops now instead of after the key timeout.
+        The abort record tells functions the controller cannot kill."""
+        namespace = self.namespace(region.name)
+        if self.channel.exists(protocol.alive_key(namespace)):
+            return
+        gone = self.channel.describe(protocol.alive_key(namespace))
+        message = (
+            f"storage lost the run's keys near iteration {iteration} ({gone} is gone: flushed, evicted "
+            "or expired?); what is left cannot be trusted, start the run again"
+        )
+        self.channel.claim(protocol.abort_key(namespace), AbortRecord("failed", message, iteration, 0, "").encode())
+        raise RunError(message)
+
+    def _abort_record(self, region: str) -> AbortRecord | None:
+        """The region's abort record, if a function wrote one (the function that found out why)."""
         data = self.channel.try_get(protocol.abort_key(self.namespace(region)))
-        return AbortRecord.decode(data).message if data is not None else result.reason
+        return AbortRecord.decode(data) if data is not None else None
+
+    def _abort_message(self, region: str, result: InvocationResult) -> str:
+        """Why the region's run stopped: the abort record, else the result's reason."""
+        recorded = self._abort_record(region)
+        return recorded.message if recorded is not None else result.reason
 
     def _forget_range(self, region: Region, start: int, attempts: dict[tuple[str, int], int]) -> None:
         """A finished range's markers (completion, claims, the stop decision) are needed no more:

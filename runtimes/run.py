@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import secrets
 import statistics
 import sys
@@ -28,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from cloudless.ir import protocol
+from cloudless.ir.arguments import OneLineParser
 from cloudless.ir.files import load_workflow
 from cloudless.ir.folders import FolderError, check_output_folder, run_lock, write_run_marker
 from cloudless.ir.schema import SchemaError
@@ -54,7 +56,7 @@ from .tensors import unpack
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="cloudless-run", description="Run a compiled Cloudless workflow: train it for real on this machine."
     )
     parser.add_argument("build", type=Path, help="a build folder written by cloudless-compile")
@@ -75,11 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gateway", default="http://127.0.0.1:8080", help="OpenFaaS gateway URL (--invoker openfaas)")
     parser.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help=f"the file holding the functions' token, the value of the OpenFaaS secret {protocol.TOKEN_SECRET} "
+        f"(--invoker openfaas; default: ${protocol.TOKEN_ENV})",
+    )
+    parser.add_argument(
         "--emulate",
         action="store_true",
         help="give each function its tier's resources: bandwidth and request latency to storage, CPU share",
     )
-    parser.add_argument("--bandwidth", type=float, metavar="MBPS", help="emulate this bandwidth (MB/s each way)")
+    parser.add_argument(
+        "--bandwidth", type=float, metavar="MB_PER_S", help="emulate this bandwidth (megabytes/s each way)"
+    )
     parser.add_argument("--latency-ms", type=float, help="emulate this latency per storage request")
     parser.add_argument(
         "--inject-faults",
@@ -131,6 +142,30 @@ def shown(location: str) -> str:
 def fail(message: str) -> int:
     print(f"cloudless-run: {message}", file=sys.stderr)
     return 2
+
+
+def openfaas_token(token_file: Path | None) -> str:
+    """The token the OpenFaaS functions require (the value of their secret cloudless-token): the file's
+    content, else $CLOUDLESS_TOKEN. ValueError says where it was looked for, never what it holds."""
+    if token_file is not None:
+        where = f"--token-file {token_file}"
+        try:
+            token = token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{where}: cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    else:
+        where, token = f"${protocol.TOKEN_ENV}", os.environ.get(protocol.TOKEN_ENV, "").strip()
+        if not token:
+            raise ValueError(
+                f"--invoker openfaas: the functions run only requests carrying their token (the OpenFaaS secret "
+                f"{protocol.TOKEN_SECRET}): give --token-file FILE or set {protocol.TOKEN_ENV}"
+            )
+    if not token:
+        raise ValueError(f"{where}: empty; expected the value of the OpenFaaS secret {protocol.TOKEN_SECRET}")
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        # It travels in an HTTP header: printable ASCII only, and one word.
+        raise ValueError(f"{where}: expected one word of printable ASCII (e.g. openssl rand -hex 32)")
+    return token
 
 
 def resources_of(workflow: Workflow, args: argparse.Namespace) -> Callable[[Function], Resources | None]:
@@ -287,11 +322,31 @@ def _main(argv: Sequence[str] | None) -> int:
     ):
         if value is not None and value < least:
             return fail(f"{option} {value}: expected at least {least}")
-    for option, seconds in (("--time-limit", args.time_limit), ("--key-timeout", args.key_timeout)):
-        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-            return fail(f"{option} {seconds}: expected a positive number of seconds")
+    for option, number, what in (
+        ("--time-limit", args.time_limit, "a positive number of seconds"),
+        ("--key-timeout", args.key_timeout, "a positive number of seconds"),
+        ("--bandwidth", args.bandwidth, "a positive number of megabytes per second"),
+    ):
+        if number is not None and not (math.isfinite(number) and number > 0):
+            return fail(f"{option} {number}: expected {what}")
+    if args.latency_ms is not None and not (math.isfinite(args.latency_ms) and args.latency_ms >= 0):
+        return fail(f"--latency-ms {args.latency_ms}: expected a number of milliseconds, 0 or more")
     if not 0 <= args.inject_faults < 1:
         return fail(f"--inject-faults {args.inject_faults}: expected a share in [0, 1)")
+    for option, name in (("--run-id", args.run_id), ("--resume", args.resume)):
+        try:
+            if name is not None:
+                protocol.check_run_name(name, option)
+        except ValueError as exc:
+            return fail(str(exc))
+    token = None
+    if args.invoker == "openfaas":
+        try:
+            token = openfaas_token(args.token_file)
+        except ValueError as exc:
+            return fail(str(exc))
+    elif args.token_file is not None:
+        return fail(f"--token-file: only with --invoker openfaas, not {args.invoker}")
     for _, function in workflow.functions():
         if not (build / function.package / "handler.py").is_file():
             return fail(f"{build / function.package}: no handler.py; was the build written with --target?")
@@ -304,13 +359,16 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(str(exc))
     try:
         with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder
-            return _train(args, build, workflow, iterations, out)
+            return _train(args, build, workflow, iterations, out, token)
     except FolderError as exc:
         return fail(str(exc))
 
 
-def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations: int, out: Path) -> int:
-    """Stage the data, run the workflow, write the outputs into `out`; the exit status."""
+def _train(
+    args: argparse.Namespace, build: Path, workflow: Workflow, iterations: int, out: Path, token: str | None = None
+) -> int:
+    """Stage the data, run the workflow, write the outputs into `out`; the exit status. `token`: what the
+    OpenFaaS functions require (--invoker openfaas)."""
     storage = args.storage or str((out / "storage").resolve())
     # Unique: two runs started in the same second must not share keys or logs.
     if args.resume and args.run_id:
@@ -352,7 +410,7 @@ def _train(args: argparse.Namespace, build: Path, workflow: Workflow, iterations
             threads=args.threads,
         )
     elif args.invoker == "openfaas":
-        invoker = OpenFaaSInvoker(args.gateway, channel, namespace)
+        invoker = OpenFaaSInvoker(args.gateway, channel, namespace, token=token)
     else:
         invoker = LambdaInvoker(channel, namespace)
     every = args.log_every or max(1, iterations // 20)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file
@@ -57,6 +57,13 @@ from .storage import Channel, open_channel
 from .sync import scatter_reduce
 from .tensors import pack, unpack
 
+_T = TypeVar("_T")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
 
 def load_module(path: Path, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
@@ -73,6 +80,25 @@ class Diverged(RuntimeError):
     def __init__(self, record: AbortRecord) -> None:
         super().__init__(record.message)
         self.record = record
+
+
+class ModelFailed(RuntimeError):
+    """The model's own code (forward, loss, backward, optimizer step) raised. It computes the same
+    thing on a retry, so the function stops the region's run at once (`AbortRecord`, reason
+    failed) rather than let the controller retry it and its neighbours wait for its output."""
+
+    def __init__(self, record: AbortRecord) -> None:
+        super().__init__(record.message)
+        self.record = record
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of an exception as `file:line` (the file's name only: no path of the
+    machine it ran on)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" (at {Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno})" if tb is not None else ""
 
 
 class Aborted(RuntimeError):
@@ -406,6 +432,11 @@ class StageWorker:
             # The first function to find out records why; every other one gives up on reading it.
             self.channel.claim(protocol.abort_key(self.namespace), exc.record.encode())
             status, reason = "diverged", str(exc)
+        except ModelFailed as exc:
+            # Recorded for every waiting neighbour and the controller (no retry), then raised: the
+            # invocation fails, as a platform expects of a function that raised.
+            self.channel.claim(protocol.abort_key(self.namespace), exc.record.encode())
+            raise
         except Aborted as exc:
             status, reason = "aborted", str(exc)
         finally:
@@ -436,6 +467,21 @@ class StageWorker:
     @staticmethod
     def _span(spans: list[list[Any]], name: str) -> _Span:
         return _Span(spans, name)
+
+    def _model_code(self, iteration: int, what: str, call: Callable[[], _T]) -> _T:
+        """Run the model's own code (`what`: forward, loss, backward, optimizer step); what it raises
+        becomes ModelFailed, naming the iteration, stage, function, replica and the exception."""
+        try:
+            with self.cpu.compute():
+                return call()
+        except (Aborted, Diverged):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's model may raise anything
+            message = (
+                f"iteration {iteration}: the {what} of stage {self.stage} ({self.function.name}, replica "
+                f"{self.replica}) raised {type(exc).__name__}: {_one_line(str(exc))}{_where(exc)}"
+            )
+            raise ModelFailed(AbortRecord("failed", message, iteration, self.stage, self.function.name)) from exc
 
     def iteration(self, iteration: int, replica: int, timeout: float, spans: list[list[Any]]) -> list[float]:
         """Forward and backward of this replica's micro-batches, sync, step; the last stage's losses.
@@ -486,8 +532,8 @@ class StageWorker:
             self._reports.append(self._background().submit(self.channel.put, key, record))
         with self._span(spans, "sync"):
             self._synchronise(iteration, replica, timeout)
-        with self._span(spans, "step"), self.cpu.compute():
-            self.optimizer.step()
+        with self._span(spans, "step"):
+            self._model_code(iteration, "optimizer step", self.optimizer.step)
             self.optimizer.zero_grad(set_to_none=True)
             self._check_finite(iteration, [])
         if self.inter_region and self.round_iterations and (iteration + 1) % self.round_iterations == 0:
@@ -623,15 +669,14 @@ class StageWorker:
         torch.default_generator.manual_seed(
             (((self.seed * 1_000_003 + iteration) * 1_000_003 + self.stage) * 1_000_003 + m) % 2**63
         )
-        with self.cpu.compute():
-            outputs = tuple(self.module(*[taken[name] for name in self.inputs]))
+        outputs = tuple(self._model_code(iteration, "forward", lambda: self.module(*[taken[n] for n in self.inputs])))
         if self.last:
-            assert self.loss is not None
+            loss = self.loss
+            assert loss is not None
             indices = self._indices(iteration, m)
             assert self._reader is not None
             targets = self._reader.gather(indices, "target")
-            with self.cpu.compute():
-                (losses[m],) = self.loss(*outputs, *targets)
+            (losses[m],) = self._model_code(iteration, "loss", lambda: loss(*outputs, *targets))
         else:
             key = protocol.activation_key(self.namespace, iteration, self.stage, m)
             sending.append(uplink.submit(self.channel.put, key, pack(dict(zip(self.outputs, outputs, strict=True)))))
@@ -650,8 +695,8 @@ class StageWorker:
     ) -> None:
         if self.last:
             # The global batch's loss is the mean of its micro-batches' (equal-sized) mean losses.
-            with self.cpu.compute():
-                (losses[m] / self.micro_batches).backward()
+            loss = losses[m]
+            self._model_code(iteration, "backward", lambda: (loss / self.micro_batches).backward())
             losses[m] = losses[m].detach()
         else:
             assert data is not None
@@ -662,8 +707,9 @@ class StageWorker:
                 if name in grads and isinstance(value, torch.Tensor) and value.requires_grad
             ]
             if pairs:
-                with self.cpu.compute():
-                    torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                self._model_code(
+                    iteration, "backward", lambda: torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                )
         if not self.first:
             sent = {
                 name: value.grad

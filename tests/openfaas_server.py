@@ -5,6 +5,11 @@ The template imports `handler` from the function folder, calls `handle(event, co
 event carrying the request's body, headers, method, query and path, and turns the returned
 {"statusCode", "body", "headers"} into the HTTP response.
 
+Secrets: OpenFaaS mounts each secret a function lists as a file named like the secret in
+/var/openfaas/secrets/. `mount_secrets` writes them into a folder of their own instead and points the
+generated handlers there (their `SECRETS`, the folder they read secrets from); `serve` and
+`serve_gateway` take the secrets to mount for as long as they serve.
+
 The gateway answers `POST /async-function/<name>` with 202 Accepted and an X-Call-Id at once, and
 runs the function later (OpenFaaS queues the request and a queue worker invokes the function): here
 each request gets its own background thread that calls the function's `handle(event, context)`.
@@ -16,10 +21,11 @@ replicas runs several invocations at once. The reply only goes to the gateway's 
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from flask import Flask, request
+from werkzeug.datastructures import Headers
 from werkzeug.serving import make_server
 
 
@@ -64,16 +71,39 @@ def make_app(handler: ModuleType) -> Flask:
 
 
 @contextmanager
-def serve(handler: ModuleType) -> Iterator[str]:
-    """Serve the handler on a free loopback port; yields its URL."""
+def mount_secrets(handlers: Iterable[Any], secrets: Mapping[str, str] | None) -> Iterator[Path | None]:
+    """Mount `secrets` (name -> content) for these handlers, as OpenFaaS mounts a function's secrets: one
+    file per secret, in a folder of their own that each generated handler's `SECRETS` names while this
+    lasts (handlers without one, stubs, are left alone). None mounts nothing. Yields the folder."""
+    if secrets is None:
+        yield None
+        return
+    patched = [h for h in handlers if hasattr(h, "SECRETS")]
+    saved = [h.SECRETS for h in patched]
+    with tempfile.TemporaryDirectory(prefix="openfaas-secrets-") as folder:
+        for name, content in secrets.items():
+            (Path(folder) / name).write_text(content)
+        for handler in patched:
+            handler.SECRETS = Path(folder)
+        try:
+            yield Path(folder)
+        finally:
+            for handler, previous in zip(patched, saved, strict=True):
+                handler.SECRETS = previous
+
+
+@contextmanager
+def serve(handler: ModuleType, secrets: Mapping[str, str] | None = None) -> Iterator[str]:
+    """Serve the handler on a free loopback port, with `secrets` mounted; yields its URL."""
     server = make_server("127.0.0.1", 0, make_app(handler), threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/"
-    finally:
-        server.shutdown()
-        thread.join()
+    with mount_secrets([handler], secrets):
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_port}/"
+        finally:
+            server.shutdown()
+            thread.join()
 
 
 # --- the gateway's asynchronous endpoint ---------------------------------------------------------
@@ -86,6 +116,7 @@ class Call:
     function: str
     call_id: str
     body: bytes
+    headers: Headers = field(default_factory=Headers)
     status: int | None = None
     reply: Any = None
 
@@ -116,7 +147,9 @@ def make_gateway_app(functions: Mapping[str, Any], gateway: Gateway) -> Flask:
         if name not in functions:
             return f"error finding function {name}: not found", 404, {"Content-Type": "text/plain"}
         event = Event()  # read in the request; the function runs after the reply
-        call = Call(name, str(uuid.uuid4()), event.body)
+        # The queue keeps the request's headers and the queue worker sends them on to the function.
+        event.headers = Headers(event.headers)
+        call = Call(name, str(uuid.uuid4()), event.body, event.headers)
 
         def invoke() -> None:
             try:
@@ -136,17 +169,18 @@ def make_gateway_app(functions: Mapping[str, Any], gateway: Gateway) -> Flask:
 
 
 @contextmanager
-def serve_gateway(functions: Mapping[str, Any]) -> Iterator[Gateway]:
-    """Serve the gateway for these functions on a free loopback port. Calls still running on exit are
-    left to end on their own (daemon threads): a function waiting for a stage that never ran would
-    otherwise hold the test up until its key timeout."""
+def serve_gateway(functions: Mapping[str, Any], secrets: Mapping[str, str] | None = None) -> Iterator[Gateway]:
+    """Serve the gateway for these functions, with `secrets` mounted, on a free loopback port. Calls still
+    running on exit are left to end on their own (daemon threads): a function waiting for a stage that
+    never ran would otherwise hold the test up until its key timeout."""
     gateway = Gateway("")
     server = make_server("127.0.0.1", 0, make_gateway_app(functions, gateway), threaded=True)
     gateway.url = f"http://127.0.0.1:{server.server_port}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield gateway
-    finally:
-        server.shutdown()
-        thread.join()
+    with mount_secrets(functions.values(), secrets):
+        thread.start()
+        try:
+            yield gateway
+        finally:
+            server.shutdown()
+            thread.join()

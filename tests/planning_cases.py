@@ -19,8 +19,8 @@ def random_problem(seed: int) -> Problem:
         tiers_mb=tiers,
         runtime_overhead_mb=rng.choice([100, 400]),
         request_latency_s=rng.choice([0.0, 0.02]),
-        min_mbps=rng.choice([20, 50]),
-        max_mbps=rng.choice([60, 90]),
+        min_mb_per_s=rng.choice([20, 50]),
+        max_mb_per_s=rng.choice([60, 90]),
     )
     blocks = []
     previous = rng.randint(10**4, 10**7)

@@ -53,6 +53,23 @@ CASES = {
         + GOOD_TAIL,
         r"model.py: TRAINING\['iterations'\] is str; expected int",
     ),
+    "no_parameters": (
+        "import torch\nclass Double(torch.nn.Module):\n    def forward(self, x):\n        return 2 * x\n"
+        "def build_model():\n    return Double()\n" + GOOD_TAIL,
+        r"model.py: build_model\(\) returned a Double with no trainable parameters; there is nothing to train",
+    ),
+    "inputs_do_not_fit": (
+        "import torch\ndef build_model():\n    return torch.nn.Linear(5, 2)\n" + GOOD_TAIL,
+        r"model.py: the example inputs do not fit the model: .*example_inputs\(2\) \(float32\[2, 4\]\) raised "
+        r"RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+    ),
+    "input_dtype_does_not_fit": (
+        "import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(4, 2)\n    def forward(self, x):\n        return self.fc(x)\n"
+        "def build_model():\n    return Net()\n"
+        "def example_inputs(batch_size):\n    return (torch.ones(batch_size, 4, dtype=torch.long),)\n",
+        r"model.py:7: the example inputs do not fit the model: .*\(int64\[2, 4\]\) raised RuntimeError: ",
+    ),
     "unknown_training_key": (
         "import torch\nTRAINING = {'iters': 3}\ndef build_model():\n    return torch.nn.Linear(4, 2)\n" + GOOD_TAIL,
         r"model.py: TRAINING key 'iters' is unknown",
@@ -167,6 +184,15 @@ def test_bad_option_values(compile_cli, tmp_path: Path) -> None:
     for quiet in ([], ["-q"]):  # -q quiets the summary, never an error
         code, _, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "a"), "--blocks", "0", *quiet)
         assert code == 2 and "--blocks must be at least 1" in stderr
+    for option, value, expected in (
+        ("--deadline", "nan", "--deadline nan: expected a positive number"),
+        ("--budget", "-1", "--budget -1.0: expected a positive number"),
+        ("--solver-time-limit", "0", "--solver-time-limit 0.0: expected a positive number"),
+        ("--repeats", "-2", "--repeats -2: expected 0 or more"),
+    ):
+        code, _, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "a"), option, value, "-q")
+        assert code == 2 and stderr.strip() == f"cloudless-compile: error: {expected}", stderr
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.parametrize("optimizer", ["SGD(params, lr=0.1, momentum=0.9)", "Adam(params)", "AdamW(params, lr=3e-4)"])

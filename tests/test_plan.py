@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,11 +19,14 @@ from typing import Any, Literal
 
 import pytest
 
+from cloudless.compiler.cost_model import OutOfRange
+from cloudless.compiler.errors import CompileError
 from cloudless.compiler.model_file import load_model_file
-from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_training
+from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_ir, plan_training
+from cloudless.compiler.simulate import simulate
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir import plan as ir_plan
-from cloudless.ir.catalog import load_catalog
+from cloudless.ir.catalog import AWS_MAX_WORKERS, AWS_REGIONS, aws_region_of, load_catalog
 from cloudless.ir.files import load_plan, plan_text, save_plan
 from cloudless.ir.graph import dumps
 from cloudless.ir.plan import HEADER_KEYS, BaselinePlan, TrainingPlan, document_classes, json_key
@@ -126,7 +130,7 @@ def test_catalog_errors_name_file_and_key(tmp_path: Path, compile_cli) -> None:
     text = resources.files("cloudless.ir").joinpath("catalogs", "default.yaml").read_text()
     for old, new, key in (
         ("gb_second: 0.0000166667", "gb_second: .nan", "regions/0/prices/gb_second: nan"),
-        ("max_mbps: 90", "max_mbps: .inf", "regions/0/network/max_mbps: inf"),
+        ("max_mb_per_s: 90", "max_mb_per_s: .inf", "regions/0/network/max_mb_per_s: inf"),
     ):
         assert old in text, old
         bad.write_text(text.replace(old, new, 1))
@@ -147,6 +151,213 @@ def test_catalog_errors_name_file_and_key(tmp_path: Path, compile_cli) -> None:
         assert code == 2 and "no region 'mars-1'; the catalog has aws-us-east-1, aws-eu-west-1" in stderr
         assert not (tmp_path / "b").exists()
         assert time.monotonic() - began < 1.0
+
+
+def _default_catalog_text() -> str:
+    return resources.files("cloudless.ir").joinpath("catalogs", "default.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("min_mb_per_s: 50", "min_mbps: 50", "key regions/0/network/min_mbps: renamed to min_mb_per_s"),
+        ("max_mb_per_s: 90", "max_mbps: 90", "key regions/0/network/max_mbps: renamed to max_mb_per_s"),
+        (
+            "{min_mb_per_s: 50, max_mb_per_s: 90,",
+            "{min_mb_per_s: 50, max_mbps: 90,",
+            "key regions/1/network/max_mbps: renamed to max_mb_per_s",
+        ),
+        ("default: {mb_per_s: 100,", "default: {mbps: 100,", "key wan/default/mbps: renamed to mb_per_s"),
+        (
+            "wan:",
+            "wan:\n  links: [{between: [aws-us-east-1, aws-eu-west-1], mbps: 50, latency_s: 0.1}]\n ",
+            "key wan/links/0/mbps: renamed to mb_per_s",
+        ),
+    ],
+)
+def test_catalog_keys_in_megabits_spelling_are_renamed_with_a_clear_error(
+    old: str, new: str, message: str, tmp_path: Path, compile_cli
+) -> None:
+    """Bandwidths are megabytes per second, named *_mb_per_s; the old *mbps keys (which read as megabits)
+    get their own message, not the schema's generic one, also through the CLI (exit 2, before any pass)."""
+    text = _default_catalog_text()
+    assert old in text, old
+    bad = tmp_path / "cat.yaml"
+    bad.write_text(text.replace(old, new, 1))
+    with pytest.raises(SchemaError, match=rf"^{bad}: {message} \(megabytes per second\)$"):
+        load_catalog(bad)
+    code, stdout, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "-c", str(bad))
+    assert code == 2 and stdout == ""
+    assert stderr == f"cloudless-compile: error: {bad}: {message} (megabytes per second)\n"
+    assert not (tmp_path / "b").exists()
+
+
+def test_catalog_bandwidths_are_megabytes_per_second() -> None:
+    catalog = load_catalog()
+    region = catalog.regions[0]
+    assert (region.min_mb_per_s, region.max_mb_per_s) == (50, 90)
+    assert region.bandwidth_bps(min(region.tiers_mb)) == 50e6 and region.bandwidth_bps(max(region.tiers_mb)) == 90e6
+    assert catalog.link(*(r.name for r in catalog.regions)).bandwidth_bps == 100e6
+    properties = load_schema("catalog")["$defs"]["link"]["properties"]
+    assert "mb_per_s" in properties and "mbps" not in properties
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        (
+            "name: aws-us-east-1",
+            "name: my-cloud",
+            "key regions/0/name: 'my-cloud' is not an AWS region name; aws regions are named aws-<region>, "
+            "e.g. aws-us-east-1",
+        ),
+        ("name: aws-eu-west-1", "name: aws-mars-1", "key regions/1/name: 'aws-mars-1' is not an AWS region name"),
+        (
+            "max_memory_mb: 10240               #",
+            "max_memory_mb: 20480  #",
+            "key regions/0/limits/max_memory_mb: 20480 MB",
+        ),
+        ("timeout_s: 900                     #", "timeout_s: 901  #", "key regions/0/limits/timeout_s: 901 s; Lambda"),
+        ("timeout_s: 900                     #", "timeout_s: 0.5  #", "key regions/0/limits/timeout_s: 0.5 is less"),
+    ],
+)
+def test_catalog_values_a_generated_build_would_reject_are_catalog_errors(
+    old: str, new: str, message: str, tmp_path: Path, compile_cli
+) -> None:
+    """An aws region deploys to the AWS region its name gives (samconfig.toml) within Lambda's limits: a
+    catalog that breaks them is refused at load time naming its key, not by the build's own check after
+    the compile (which reports a Cloudless bug)."""
+    text = _default_catalog_text()
+    assert old in text, old
+    bad = tmp_path / "cat.yaml"
+    bad.write_text(text.replace(old, new, 1))
+    with pytest.raises(SchemaError, match=re.escape(f"{bad}: {message}")):
+        load_catalog(bad)
+    code, stdout, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "-c", str(bad))
+    assert code == 2 and stdout == "" and stderr.startswith(f"cloudless-compile: error: {bad}: {message}")
+    assert stderr.count("\n") == 1 and not (tmp_path / "b").exists()
+
+
+def test_non_aws_regions_may_have_any_name(tmp_path: Path) -> None:
+    text = _default_catalog_text().replace(
+        "name: aws-us-east-1\n    provider: aws", "name: my-cloud\n    provider: openfaas"
+    )
+    path = tmp_path / "cat.yaml"
+    path.write_text(text.replace("max_memory_mb: 10240 ", "max_memory_mb: 20480 ", 1))
+    assert load_catalog(path).regions[0].name == "my-cloud"
+
+
+def test_aws_region_list_is_the_one_cfn_lint_checks_templates_for() -> None:
+    """The catalog's list of AWS regions (which the build's check also uses) is cfn-lint's: a region cfn-lint
+    did not know could not be linted for, and one it knows should not be refused."""
+    from cfnlint.helpers import REGIONS
+
+    assert AWS_REGIONS == set(REGIONS)
+    assert aws_region_of("aws-us-east-1") == "us-east-1" and aws_region_of("aws-mars-1") is None
+    assert aws_region_of("us-east-1") is None
+
+
+def _catalog_with_prices(tmp_path: Path, value: str, only: tuple[str, ...] | None = None) -> Path:
+    text = _default_catalog_text()
+    keys = only or (
+        "gb_second",
+        "per_million_requests",
+        "storage_put_per_1000",
+        "storage_get_per_1000",
+        "egress_per_gb",
+    )
+    text = re.sub(rf"\b({'|'.join(keys)}): [0-9.]+", rf"\g<1>: {value}", text)
+    path = tmp_path / f"prices-{value}.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("objective", "limits"),
+    [("cost", {}), ("time", {}), ("time-under-budget", {"budget": 1.0}), ("cost-under-deadline", {"deadline": 1e5})],
+)
+def test_zero_prices_give_a_plan_whose_cost_ratios_are_null(objective: str, limits: dict, tmp_path: Path) -> None:
+    """A free platform: every cost is 0, so no baseline has a cost ratio (null in plan.json), and no
+    figure is infinite or NaN (plan.json would not be JSON)."""
+    options = PlanOptions(catalog=_catalog_with_prices(tmp_path, "0"), objective=objective, **limits)
+    chain = synthetic_chain(0.01)
+    result = plan_training(chain, load_model_file(MODELS / "tricky.py"), options)
+    document = plan_ir(result, chain, options, simulate(result.problem, result.solution.plan))
+    text = plan_text(document)  # checked against its schema
+    assert "Infinity" not in text and "NaN" not in text
+    assert document.predicted.cost_usd == 0
+    feasible = [b for b in document.baselines if b.feasible]
+    assert feasible and all(b.cost_ratio is None and b.time_ratio is not None for b in feasible)
+
+
+def test_zero_prices_compile_and_extreme_ones_are_one_line(tmp_path: Path, compile_cli) -> None:
+    """Through the CLI: a free catalog compiles (the baselines' cost ratios printed n/a), one with one price
+    zero too; prices of 1e300 end with one line naming the region (exit 2, nothing written)."""
+    profile = Path(__file__).resolve().parent / "golden" / "mlp_digits" / "ir" / "blocks.json"
+    model = str(SAMPLES / "mlp_digits.py")
+    free = _catalog_with_prices(tmp_path, "0")
+    code, stdout, stderr = compile_cli(model, "-o", str(tmp_path / "free"), "-c", str(free), "--profile", str(profile))
+    assert code == 0, stderr
+    assert "n/a cost)" in stdout and "inf" not in stdout.lower()
+    plan = load_plan(tmp_path / "free" / "plan.json")
+    assert [b.cost_ratio for b in plan.baselines if b.feasible] == [None] * len(plan.baselines)
+    report = (tmp_path / "free" / "report.md").read_text()
+    assert "| n/a |" in report and "n/a: the baseline's figure is 0" in report
+    one = _catalog_with_prices(tmp_path, "0", ("gb_second",))
+    code, _, stderr = compile_cli(
+        model, "-o", str(tmp_path / "one"), "-c", str(one), "--profile", str(profile), "-q", "--objective", "time"
+    )
+    assert code == 0, stderr
+    huge = _catalog_with_prices(tmp_path, "1.0e+300")
+    code, stdout, stderr = compile_cli(model, "-o", str(tmp_path / "huge"), "-c", str(huge), "--profile", str(profile))
+    assert code == 2 and stdout == "" and stderr.count("\n") == 1
+    assert stderr.startswith("cloudless-compile: error: catalog region aws-us-east-1: its prices make one iteration ")
+    assert not (tmp_path / "huge").exists()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        (
+            "min_mb_per_s: 50 ",
+            "min_mb_per_s: 1.0e-300 ",
+            "regions/0/network/min_mb_per_s: 1e-300 is less than the minimum",
+        ),
+        ("default: {mb_per_s: 100,", "default: {mb_per_s: 0.0001,", "wan/default/mb_per_s: 0.0001 is less than"),
+        (
+            "runtime_overhead_mb: 400 ",
+            "runtime_overhead_mb: 1.0e+300 ",
+            "regions/0/memory/runtime_overhead_mb: 1e+300 MB leaves no memory for the model in the largest tier",
+        ),
+    ],
+)
+def test_catalog_figures_no_build_could_hold_are_catalog_errors(
+    old: str, new: str, message: str, tmp_path: Path
+) -> None:
+    """A bandwidth below what workflow.yaml records (0.001 MB/s), a runtime larger than every function."""
+    text = _default_catalog_text()
+    assert old in text, old
+    bad = tmp_path / "cat.yaml"
+    bad.write_text(text.replace(old, new, 1))
+    with pytest.raises(SchemaError, match=re.escape(f"{bad}: key {message}")):
+        load_catalog(bad)
+
+
+def test_extreme_wan_figures_are_one_clear_error(tmp_path: Path) -> None:
+    """Between regions: a link or an egress price that puts one transfer beyond any schedule is refused
+    naming it, rather than leaving the schedule's MILP without an answer."""
+    text = _default_catalog_text()
+    chain = synthetic_chain(0.01)
+    model_file = load_model_file(SAMPLES / "mlp_digits_geo.py")
+    for old, new, message in (
+        ("latency_s: 0.08}", "latency_s: 1.0e+300}", "catalog wan link aws-us-east-1 <-> aws-eu-west-1: one transfer"),
+        ("egress_per_gb: 0.02 ", "egress_per_gb: 1.0e+300 ", "catalog region aws-us-east-1: sending"),
+    ):
+        path = tmp_path / "cat.yaml"
+        path.write_text(text.replace(old, new, 1))
+        options = PlanOptions(catalog=path, regions=("aws-us-east-1", "aws-eu-west-1"))
+        with pytest.raises(OutOfRange, match=re.escape(message)):
+            plan_training(chain, model_file, options)
 
 
 def test_plan_json_has_the_same_shape_when_profiled_again(compile_cli, tmp_path: Path) -> None:
@@ -301,3 +512,44 @@ def test_ir_plan_and_timeline_import_the_standard_library_only() -> None:
         and not name.startswith(("cloudless.ir.", "__editable__"))
     ]
     assert foreign == []
+
+
+def test_an_aws_region_never_plans_more_workers_than_its_state_machine_runs() -> None:
+    """An aws region's iteration is one Step Functions inline Map over all its workers (at most 40 at once,
+    all together): the planner keeps within it, and replica counts all above it are one clear error, not
+    a failure of the deployment files' generation."""
+    from cloudless.codegen.platforms import MAX_MAP_CONCURRENCY
+
+    assert AWS_MAX_WORKERS == MAX_MAP_CONCURRENCY
+    chain = synthetic_chain(0.01, blocks=8)
+    result = plan_training(
+        chain,
+        load_model_file(MODELS / "tricky.py"),
+        PlanOptions(objective="time", replicas=(8, 16, 32), max_stages=8),
+    )
+    assert sum(c.replicas for c in result.solution.plan.stages) <= AWS_MAX_WORKERS
+    for baseline in result.baselines:
+        assert baseline.plan is None or sum(c.replicas for c in baseline.plan.stages) <= AWS_MAX_WORKERS
+    with pytest.raises(CompileError, match=r"every replica count of --replicas 64 exceeds the 40 functions of an aws"):
+        plan_for(chain, replicas=(64,))
+    with pytest.raises(CompileError, match=r"every replica count of --replicas 4,8 exceeds --max-functions 2;"):
+        plan_for(chain, replicas=(4, 8), max_functions=2)
+
+
+def test_a_region_of_another_provider_gets_openfaas_files_only(compile_cli, tmp_path: Path) -> None:
+    """SAM deploys to AWS only: with the default --target both, an OpenFaaS region gets its stack and
+    no template or samconfig entry (these used to fail the build's own check, "a Cloudless bug")."""
+    text = resources.files("cloudless.ir").joinpath("catalogs", "default.yaml").read_text()
+    text = text.replace("name: aws-us-east-1\n    provider: aws", "name: of-us-east-1\n    provider: openfaas", 1)
+    catalog = tmp_path / "cloud.yaml"
+    catalog.write_text(text)
+    root = Path(__file__).resolve().parent.parent
+    build = tmp_path / "build"
+    profile = root / "tests/golden/mlp_digits/ir/blocks.json"
+    sample = str(root / "samples/mlp_digits.py")
+    code, _, err = compile_cli(sample, "-o", str(build), "-c", str(catalog), "--profile", str(profile), "-q")
+    assert code == 0, err
+    assert (build / "regions/of-us-east-1/stack.yaml").is_file()
+    assert not (build / "regions/of-us-east-1/template.yaml").exists()
+    assert not (build / "samconfig.toml").exists()
+    assert compile_cli("--check", str(build))[0] == 0

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from cloudless.compiler import planner
-from cloudless.compiler.baselines import baselines
-from cloudless.compiler.cost_model import CostModel, problem_from_chain
+from cloudless.compiler.baselines import baselines, ratio, ratio_text
+from cloudless.compiler.cost_model import CostModel, OutOfRange, check_range, problem_from_chain
 from cloudless.compiler.exhaustive import exhaustive
 from cloudless.compiler.planner import Infeasible, solve
 from cloudless.compiler.solver import Program, solve_program
@@ -233,3 +233,105 @@ def test_model_state_is_one_formula() -> None:
         held = problem.global_batch // mu if problem.schedule == "gpipe" else 1
         expected = model.model_state_bytes(0, n - 1) + activations * held + 2 * inputs
         assert (terms.memory_mb - problem.region.runtime_overhead_mb) * 2**20 == pytest.approx(expected, rel=1e-12)
+
+
+# --- figures at the edges: zero prices, extreme catalogs ---------------------------------------------
+
+
+def with_prices(problem, **prices):
+    region = problem.region
+    return dataclasses.replace(
+        problem, region=dataclasses.replace(region, prices=dataclasses.replace(region.prices, **prices))
+    )
+
+
+FREE = {
+    "gb_second": 0.0,
+    "per_million_requests": 0.0,
+    "storage_put_per_1000": 0.0,
+    "storage_get_per_1000": 0.0,
+    "egress_per_gb": 0.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("objective", "limits"),
+    [("cost", {}), ("time", {}), ("time-under-budget", {"budget": 1.0}), ("cost-under-deadline", {"deadline": 1e6})],
+)
+@pytest.mark.parametrize(
+    "prices", [FREE, {"gb_second": 0.0}, {"per_million_requests": 0.0, "storage_put_per_1000": 0.0}]
+)
+def test_zero_prices_plan_and_their_ratios_are_none(objective: str, limits: dict, prices: dict) -> None:
+    """A free platform (every price, or one, zero) plans like any other; a baseline whose cost is zero
+    has no cost ratio (None: plan.json's null, the report's n/a), never a division by zero."""
+    for seed in range(6):
+        problem = with_prices(random_problem(seed), **prices)
+        try:
+            solution = solve(problem, objective, time_limit=None, **limits)
+        except Infeasible:
+            continue
+        assert math.isfinite(solution.evaluation.cost_usd) and math.isfinite(solution.gap)
+        for baseline in baselines(problem, objective, **limits):
+            if baseline.evaluation is None:
+                continue
+            time_ratio, cost_ratio = baseline.ratios(solution.evaluation)
+            assert time_ratio is None or math.isfinite(time_ratio)
+            if baseline.evaluation.cost_usd == 0:
+                assert cost_ratio is None
+            else:
+                assert cost_ratio == solution.evaluation.cost_usd / baseline.evaluation.cost_usd
+
+
+def test_ratio_is_none_without_a_finite_quotient() -> None:
+    assert ratio(1.0, 2.0) == 0.5 and ratio(0.0, 2.0) == 0.0
+    for ours, theirs in [(1.0, 0.0), (0.0, 0.0), (math.inf, 1.0), (1.0, math.inf), (math.nan, 1.0), (1e300, 1e-300)]:
+        assert ratio(ours, theirs) is None, (ours, theirs)
+    assert ratio_text(None) == "n/a" and ratio_text(0.5) == "0.50x"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"min_mb_per_s": 1e-300, "max_mb_per_s": 1e-300}, r"its figures make one iteration take .* s even as one"),
+        ({"request_latency_s": 1e300}, r"its figures make one iteration take .* s"),
+        ({"max_vcpus": 1e-300}, r"its figures make one iteration take .* s"),
+        ({"memory_gbps_per_vcpu": 1e-300}, r"its figures make one iteration take .* s"),
+        ({"gflops_per_vcpu": 1e-300}, r"its figures make one iteration take .* s"),
+        ("prices", r"its prices make one iteration cost .* USD even as one function .* check the region's prices"),
+    ],
+)
+def test_a_region_out_of_any_range_is_one_clear_error(change, message: str) -> None:
+    """Figures that put even the simplest plan beyond MAX_ITERATION_S or MAX_ITERATION_USD (or to infinity)
+    are refused naming the region, before the MILP is given coefficients it cannot weigh."""
+    problem = random_problem(3)
+    check_range(problem)  # the seeded problem itself is in range
+    if change == "prices":
+        bad = with_prices(problem, gb_second=1e300, per_million_requests=1e300)
+    else:
+        bad = dataclasses.replace(problem, region=dataclasses.replace(problem.region, **change))
+    with pytest.raises(OutOfRange, match=f"catalog region {problem.region.name}: {message}"):
+        check_range(bad)
+
+
+def test_extreme_but_finite_figures_plan() -> None:
+    """Tiny prices and huge bandwidths are no error: the plan's figures stay finite."""
+    for change in ({"min_mb_per_s": 1e300, "max_mb_per_s": 1e300}, {"gflops_per_vcpu": 1e300}):
+        problem = random_problem(3)
+        problem = dataclasses.replace(problem, region=dataclasses.replace(problem.region, **change))
+        check_range(problem)
+        for objective in ("cost", "time"):
+            solution = solve(problem, objective, time_limit=None)
+            assert math.isfinite(solution.evaluation.iteration_s) and math.isfinite(solution.evaluation.cost_usd)
+    problem = with_prices(random_problem(3), **dict.fromkeys(FREE, 1e-300))
+    check_range(problem)
+    assert math.isfinite(solve(problem, "cost", time_limit=None).evaluation.cost_usd)
+
+
+def test_a_solver_answer_that_is_no_chain_of_stages_is_no_plan() -> None:
+    """HiGHS in numerical trouble may set no configuration (or overlapping ones): that is no plan."""
+    choice = planner.StageChoice
+    assert planner._tiles([choice(0, 1, 1024, 1), choice(2, 2, 1024, 1)], 3)
+    assert not planner._tiles([], 3)
+    assert not planner._tiles([choice(0, 1, 1024, 1)], 3)
+    assert not planner._tiles([choice(0, 1, 1024, 1), choice(1, 2, 1024, 1)], 3)
+    assert not planner._tiles([choice(0, 0, 1024, 1), choice(2, 2, 1024, 1)], 3)

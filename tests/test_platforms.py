@@ -12,14 +12,24 @@ import re
 import shutil
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from cloudless.codegen.package import (
+    PYPI_INDEX,
+    PYPI_PINS,
+    REQUIREMENT_FILES,
+    TORCH_INDEX,
+    TORCH_PAGE,
+    render_function_package,
+)
 from cloudless.codegen.platforms import (
     LAMBDA_RETRY_ERRORS,
+    S3_OBJECT_ACTIONS,
     aws_region,
     iterations_per_execution,
     logical_id,
@@ -185,7 +195,7 @@ def test_stack_file_content(good_build: Path) -> None:
     assert s2["environment"]["CLOUDLESS_STORAGE"] == "s3://cloudless-mlp-digits/mlp-digits"
     assert s2["environment"]["exec_timeout"] == "900s"
     assert s2["environment"]["read_timeout"] == s2["environment"]["write_timeout"] == "910s"
-    assert s2["secrets"] == ["cloudless-storage"]
+    assert s2["secrets"] == ["cloudless-storage", "cloudless-token"]
     assert s2["limits"] == s2["requests"] == {"memory": "3008Mi", "cpu": "1700m"}
     assert s2["labels"] == {"com.openfaas.scale.min": "4", "com.openfaas.scale.max": "4"}
     assert s2["build_args"] == {"TEST_ENABLED": "false"}
@@ -276,12 +286,142 @@ def test_no_credentials_and_bucket_scoped_policies(good_build: Path) -> None:
     for region in (EAST, WEST):
         template = yaml.safe_load((good_build / "regions" / region / "template.yaml").read_text())
         for resource in template["Resources"].values():
-            for policy in resource["Properties"].get("Policies", []):
-                for name, arguments in policy.items():
-                    if name.startswith("S3"):
-                        assert arguments == {"BucketName": {"Ref": "BucketName"}}
-                    else:
-                        assert name == "LambdaInvokePolicy"
+            policies = resource["Properties"].get("Policies", [])
+            if resource["Type"] == "AWS::Serverless::StateMachine":
+                assert all(list(policy) == ["LambdaInvokePolicy"] for policy in policies)
+                continue
+            # A function: one inline policy, no SAM policy template (S3CrudPolicy would allow deleting the
+            # bucket's objects anywhere, its lifecycle rules and more).
+            assert [list(policy) for policy in policies] == [["Statement"]], policies
+            statements = policies[0]["Statement"]
+            assert all(statement["Effect"] == "Allow" for statement in statements)
+            objects, listing = statements
+            assert objects["Action"] == list(S3_OBJECT_ACTIONS) == ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
+            assert objects["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BucketName}/mlp-digits/*"}
+            assert "Condition" not in objects
+            assert listing["Action"] == "s3:ListBucket"
+            assert listing["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BucketName}"}
+            assert listing["Condition"] == {"StringLike": {"s3:prefix": "mlp-digits/*"}}
+            actions = [a for statement in statements for a in _as_list(statement["Action"])]
+            assert all(re.fullmatch(r"s3:[A-Za-z]+", a) for a in actions), actions  # no wildcard: s3:*, s3:Get*
+            for refused in (
+                "DeleteBucket",
+                "PutBucketAcl",
+                "PutObjectAcl",
+                "PutLifecycleConfiguration",
+                "PutBucketPolicy",
+            ):
+                assert f"s3:{refused}" not in actions
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def test_the_policy_follows_the_storage_prefix() -> None:
+    """The objects' ARN and the listing condition are the prefix S3Channel puts before every key."""
+    workflow = make_workflow()
+    for prefix, expected in (("runs/mlp", "runs/mlp/"), ("runs/mlp/", "runs/mlp/")):
+        moved = Workflow.from_json({**workflow.to_json(), "storage": {"bucket": "b-1", "prefix": prefix}})
+        template = yaml.safe_load(render_region(moved, EAST, {"sam"})[f"regions/{EAST}/template.yaml"])
+        function = template["Resources"]["MlpDigitsS0Function"]["Properties"]
+        objects, listing = function["Policies"][0]["Statement"]
+        assert objects["Resource"]["Fn::Sub"].endswith(f":::${{BucketName}}/{expected}*")
+        assert listing["Condition"]["StringLike"]["s3:prefix"] == f"{expected}*"
+        assert function["Environment"]["Variables"]["CLOUDLESS_STORAGE"] == {
+            "Fn::Sub": f"s3://${{BucketName}}/{prefix}"
+        }
+
+
+def _logical_lines(text: str) -> list[str]:
+    """A requirements file's lines as pip reads them: continuations joined, comments and blanks dropped."""
+    lines = re.sub(r"[ \t]*\\\n[ \t]*", " ", text).splitlines()
+    return [line.split(" #")[0].strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_requirements_pin_every_package_to_one_index() -> None:
+    """Every requirements file of a package has one index (no --extra-index-url, under which pip takes a
+    name from whichever index offers the best version) and pins each requirement with ==; torch is the
+    CPU build and comes from PyTorch's index only, everything else from PyPI, with hashes for Lambda."""
+    from packaging.requirements import Requirement
+
+    workflow = make_workflow()
+    region = workflow.regions[0]
+    function = region.functions[-1]
+    files = render_function_package(
+        workflow, region.name, function, stage_source="", weights={}, loss_source="", torch_version="2.13.0"
+    )
+    root = function.package
+    requirement_files = {
+        path.rsplit("/", 1)[1]: data.decode() for path, data in files.items() if "requirements" in path
+    }
+    assert sorted(requirement_files) == sorted(REQUIREMENT_FILES)
+    pinned: dict[str, dict[str, str]] = {}
+    for name, text in requirement_files.items():
+        assert "--extra-index-url" not in text and "--trusted-host" not in text, name
+        lines = _logical_lines(text)
+        options = [line for line in lines if line.startswith("-")]
+        indexes = [line for line in options if line.startswith(("--index-url", "-i ", "--no-index"))]
+        assert len(indexes) == 1, (name, indexes)
+        assert all(line.startswith(("--index-url ", "--find-links ")) for line in options), (name, options)
+        requirements = {}
+        for line in lines:
+            if line.startswith("-"):
+                continue
+            spec, _, hashes = line.partition(" --hash=")
+            requirement = Requirement(spec)
+            (specifier,) = requirement.specifier  # exactly one: ==version, no wildcard
+            assert specifier.operator == "==" and "*" not in specifier.version, line
+            requirements[requirement.name] = specifier.version
+            if name == "requirements-pypi.txt":  # hashes, so the Dockerfile may --require-hashes it
+                assert re.fullmatch(r"sha256:[0-9a-f]{64}( --hash=sha256:[0-9a-f]{64})*", hashes), line
+            else:
+                assert not hashes
+        pinned[name] = requirements
+    # torch: the CPU build (+cpu: PyPI cannot have it), from PyTorch only
+    assert pinned["requirements-torch.txt"] == {"torch": "2.13.0+cpu"}
+    assert f"--index-url {TORCH_INDEX}" in _logical_lines(requirement_files["requirements-torch.txt"])
+    others = {pin.name: pin.version for pin in PYPI_PINS}
+    assert pinned["requirements-pypi.txt"] == others
+    assert f"--index-url {PYPI_INDEX}" in _logical_lines(requirement_files["requirements-pypi.txt"])
+    # OpenFaaS's single pip call: PyPI, and PyTorch's torch page for torch's +cpu build only
+    assert pinned["requirements.txt"] == {"torch": "2.13.0+cpu", **others}
+    options = [line for line in _logical_lines(requirement_files["requirements.txt"]) if line.startswith("-")]
+    assert options == [f"--index-url {PYPI_INDEX}", f"--find-links {TORCH_PAGE}"]
+    assert TORCH_PAGE.startswith(TORCH_INDEX) and TORCH_PAGE.endswith("/torch/")
+
+    # The Dockerfile installs torch, then the rest with their hashes, then copies the code and weights.
+    dockerfile = files[f"{root}/Dockerfile"].decode().splitlines()
+    steps = [line for line in dockerfile if line.startswith(("COPY", "RUN"))]
+    assert steps == [
+        "COPY requirements-torch.txt ${LAMBDA_TASK_ROOT}/",
+        "RUN pip install --no-cache-dir -r ${LAMBDA_TASK_ROOT}/requirements-torch.txt",
+        "COPY requirements-pypi.txt ${LAMBDA_TASK_ROOT}/",
+        "RUN pip install --no-cache-dir --require-hashes -r ${LAMBDA_TASK_ROOT}/requirements-pypi.txt",
+        "COPY . ${LAMBDA_TASK_ROOT}/",
+    ]
+    assert "public.ecr.aws/lambda/python:3.11" in dockerfile[1]
+
+
+def test_the_pins_cover_every_dependency() -> None:
+    """What the pinned packages require (their metadata here, on Python 3.11) is pinned too, so an image
+    installs no version nobody chose."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+
+    names = {pin.name for pin in PYPI_PINS}
+    for pin in PYPI_PINS:
+        try:
+            declared = requires(pin.name) or []
+        except PackageNotFoundError:
+            continue  # async-timeout: not installed on this Python (3.11.3 or later)
+        for line in declared:
+            requirement = Requirement(line)
+            for version in ("3.11.0", "3.11.9"):
+                environment = {"python_version": "3.11", "python_full_version": version, "extra": ""}
+                if requirement.marker is None or requirement.marker.evaluate(environment):
+                    assert requirement.name in names, f"{pin.name} needs {requirement.name}, which is not pinned"
 
 
 def test_unknown_target_and_region_are_refused() -> None:
@@ -509,6 +649,74 @@ def test_state_machine_runs_in_moto(good_build: Path, monkeypatch: pytest.Monkey
         output, history = run({"start": 3, "stop": 3})  # nothing to do
         assert output == {"iteration": 3, "stop": 3}
         assert not any(e["type"] == "TaskScheduled" for e in history)
+
+
+def test_the_function_policy_allows_what_the_runtime_does_in_moto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The functions' S3 channel does all its work (put, get, a missing key, claim, delete) under the
+    generated policy, in moto with IAM enforced; other prefixes and bucket-level actions are refused.
+    (moto does not evaluate the ListBucket condition, nor answer a missing key 403 without ListBucket.)"""
+    import boto3
+    from botocore.exceptions import ClientError
+    from moto import mock_aws
+    from moto.core import set_initial_no_auth_action_count
+
+    from cloudless.runtimes.storage import S3Channel
+
+    template = yaml.safe_load(render_region(make_workflow(), EAST, {"sam"})[f"regions/{EAST}/template.yaml"])
+    statements = template["Resources"]["MlpDigitsS0Function"]["Properties"]["Policies"][0]["Statement"]
+
+    def substituted(value: Any) -> Any:
+        if isinstance(value, dict) and list(value) == ["Fn::Sub"]:
+            return value["Fn::Sub"].replace("${AWS::Partition}", "aws").replace("${BucketName}", "run-bucket")
+        if isinstance(value, dict):
+            return {k: substituted(v) for k, v in value.items()}
+        return [substituted(v) for v in value] if isinstance(value, list) else value
+
+    policy = {"Version": "2012-10-17", "Statement": substituted(statements)}
+    for variable, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.delenv("CLOUDLESS_S3_ENDPOINT", raising=False)
+
+    @mock_aws
+    @set_initial_no_auth_action_count(4)  # the set-up's four requests; every later one is authorized
+    def run() -> None:
+        boto3.client("s3").create_bucket(Bucket="run-bucket")
+        iam = boto3.client("iam")
+        iam.create_user(UserName="function")
+        iam.put_user_policy(UserName="function", PolicyName="run", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="function")["AccessKey"]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        boto3.setup_default_session()  # the function's credentials from now on
+        channel = S3Channel("run-bucket", RUN)
+        channel.put("run/aws-us-east-1/it0/act/s0/mb0", b"activations")
+        assert channel.try_get("run/aws-us-east-1/it0/act/s0/mb0") == b"activations"
+        assert channel.try_get("run/aws-us-east-1/it0/act/s0/mb1") is None
+        assert channel.claim("run/aws-us-east-1/claim/a0", b"me") is True  # conditional PutObject
+        assert channel.claim("run/aws-us-east-1/claim/a0", b"another") is False
+        channel.delete("run/aws-us-east-1/it0/act/s0/mb0")
+        assert channel.try_get("run/aws-us-east-1/it0/act/s0/mb0") is None
+        outside = S3Channel("run-bucket", "another-run")
+        refused: list[Callable[[], object]] = [
+            lambda: outside.put("key", b"x"),
+            lambda: outside.try_get("key"),
+            lambda: outside.delete("key"),
+            lambda: channel.client.delete_bucket(Bucket="run-bucket"),
+            lambda: channel.client.put_bucket_acl(Bucket="run-bucket", ACL="public-read"),
+            lambda: channel.client.put_object_acl(Bucket="run-bucket", Key=f"{RUN}/k", ACL="public-read"),
+        ]
+        for call in refused:
+            with pytest.raises(ClientError, match="AccessDenied"):
+                call()
+
+    try:
+        run()
+    finally:
+        boto3.DEFAULT_SESSION = None  # later tests make their own
 
 
 def test_definition_over_1_mb(build: Path) -> None:

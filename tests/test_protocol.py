@@ -316,6 +316,7 @@ def key_shapes() -> dict[str, re.Pattern[str]]:
         "claim_key": protocol.claim_key(ns, name, n, n, n),
         "stop_key": protocol.stop_key(ns, n),
         "abort_key": protocol.abort_key(ns),
+        "alive_key": protocol.alive_key(ns),
         "round_key": protocol.round_key(ns, name, n, n, "(model|result)"),
         "global_key": protocol.global_key(ns, n, n, "(model|owner)"),
     }

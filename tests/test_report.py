@@ -237,6 +237,36 @@ def test_markdown_lists_stages_figures_baselines_and_deployment(small) -> None:
     )
 
 
+def test_baselines_without_a_ratio_read_n_a(small) -> None:
+    """A feasible baseline whose figure is zero (a free catalog) has no ratio: plan.json's null is n/a in the
+    table, with one sentence saying why; the comparison picture draws the zero bars."""
+    document, timeline = small
+    text = render_report(document, timeline)[REPORT_MD].decode()
+    assert "n/a" not in text
+    free = tuple(
+        dataclasses.replace(
+            b,
+            cost_ratio=None,
+            predicted=dataclasses.replace(b.predicted, cost_usd=0.0) if b.predicted is not None else None,
+        )
+        for b in document.baselines
+    )
+    changed = dataclasses.replace(
+        document, baselines=free, predicted=dataclasses.replace(document.predicted, cost_usd=0.0)
+    )
+    plan_text(changed)  # still a valid plan.json
+    files = render_report(changed, timeline)
+    text = files[REPORT_MD].decode()
+    feasible = [b for b in changed.baselines if b.feasible]
+    for baseline in feasible:
+        row = next(line for line in text.splitlines() if line.startswith(f"| **{baseline.name}**"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[-1] == "n/a" and cells[-2].endswith("×") and cells[4] == "0", row
+    assert "n/a: the baseline's figure is 0" in text
+    assert not re.search(r"\b(inf|nan)\b", text, re.IGNORECASE)
+    assert svg_summary(files[COMPARISON_SVG])
+
+
 def test_schedule_draws_every_span_and_a_legend(small) -> None:
     document, timeline = small
     svg = render_report(document, timeline)[SCHEDULE_SVG]

@@ -5,6 +5,7 @@ faults, and with duplicate invocations."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -121,6 +122,47 @@ def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
     assert repeat.duplicate is True and repeat.losses == retried.losses
 
 
+def test_a_model_that_raises_stops_the_run_at_once_without_retries(
+    pipelined, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stage 1's forward raises at iteration 2: no retry (the model computes the same thing again);
+    the function writes the abort record, its neighbours stop waiting, and the run ends within
+    seconds with one line naming the iteration, stage, function, replica, exception and line."""
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(pipelined[0], build)
+    (stage_py,) = build.glob("regions/*/functions/*-s1/stage.py")
+    source = stage_py.read_text()
+    head, signature, rest = source.partition("    def forward(self")
+    line = signature + rest.split("\n", 1)[0]
+    failing = (
+        f"{line}\n"
+        "        import os\n"
+        "        calls = int(os.environ.get('CLOUDLESS_TEST_CALLS', '0')) + 1\n"
+        "        os.environ['CLOUDLESS_TEST_CALLS'] = str(calls)\n"
+        "        if calls > 2 * 8 // 3 + 2:  # past the first two iterations' micro-batches\n"
+        "            raise ValueError('boom: the model cannot take this batch')\n"
+    )
+    stage_py.write_text(head + failing + rest.split("\n", 1)[1])
+    began = time.monotonic()
+    code = run_main([str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--key-timeout", "600"])
+    took = time.monotonic() - began
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("cloudless-run: the run failed: iteration "), err
+    assert (
+        "the forward of stage 1 (" in lines[0]
+        and "raised ValueError: boom: the model cannot take this batch" in lines[0]
+    )
+    assert "(at stage.py:" in lines[0], err
+    assert took < 60, f"the run took {took:.0f} s to stop"
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and metrics["retries"] == 0, metrics
+
+
 def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], pipelined) -> None:
     assert run_main([str(tmp_path)]) == 2
     assert f"{tmp_path}/workflow.yaml: not found" in capsys.readouterr().err
@@ -142,6 +184,9 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
         ("--retries", "-1", "--retries -1: expected at least 0"),
         ("--time-limit", "-5", "--time-limit -5.0: expected a positive number of seconds"),
         ("--key-timeout", "nan", "--key-timeout nan: expected a positive number of seconds"),
+        ("--bandwidth", "0", "--bandwidth 0.0: expected a positive number of megabytes per second"),
+        ("--latency-ms", "-1", "--latency-ms -1.0: expected a number of milliseconds, 0 or more"),
+        ("--run-id", "data", "--run-id: expected a name without '/' or '..', other than '.' and 'data', got 'data'"),
     ):
         assert run_main([str(build), "--out", str(tmp_path / "out"), option, value]) == 2
         err = capsys.readouterr().err
@@ -273,7 +318,7 @@ def test_storage_that_stops_answering_ends_the_run_with_one_line(mlp_build: Path
     assert process.returncode == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("cloudless-run: the run failed: storage did not answer (reading redis "), err
+    assert lines[0].startswith("cloudless-run: the run failed: storage failed (reading redis "), err
     assert f"ConnectionError: Error 111 connecting to 127.0.0.1:{port}" in lines[0], err
     assert _function_processes(mlp_build) == []
 
@@ -284,3 +329,69 @@ def test_a_storage_password_is_never_printed() -> None:
     assert shown("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
     assert shown("redis://user:s3cret@cache.internal/2#runs") == "redis://user:***@cache.internal/2#runs"
     assert shown("s3://bucket/prefix") == "s3://bucket/prefix" and shown("/tmp/storage") == "/tmp/storage"
+
+
+@pytest.mark.slow
+def test_storage_that_lost_the_runs_keys_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path) -> None:
+    """Redis flushed mid-run (FLUSHALL, eviction): the controller sees its alive key gone and ends
+    the run within seconds (exit 1, one line), instead of functions waiting for keys that are gone."""
+    import shutil
+
+    import redis
+
+    from tests.conftest import _start_redis, _stop
+
+    executable = shutil.which("redis-server")
+    if executable is None:
+        pytest.skip("redis-server is not installed")
+    started = _start_redis(executable, tmp_path)
+    assert started is not None
+    server, port = started
+    try:
+        process = _start_run(
+            mlp_build, tmp_path / "out", "--iterations", "1000000", "--storage", f"redis://127.0.0.1:{port}/0"
+        )
+        redis.Redis(port=port).flushall()
+        began = time.monotonic()
+        _, err = process.communicate(timeout=90)
+        assert time.monotonic() - began < 30
+    finally:
+        _stop(server)
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("cloudless-run: the run failed: storage lost the run's keys near iteration "), err
+    assert _function_processes(mlp_build) == []
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path) -> None:
+    """The storage folder's file system fills up mid-run (a small tmpfs): the function's writes fail,
+    the controller's too, and the run ends within a minute (exit 1, one line naming the error)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    process = None
+    try:
+        process = _start_run(mlp_build, tmp_path / "out", "--iterations", "1000000", "--storage", str(disk / "store"))
+        free = os.statvfs(disk)
+        with open(disk / "filler", "wb") as filler:
+            os.posix_fallocate(filler.fileno(), 0, free.f_bavail * free.f_frsize - 4096)
+        began = time.monotonic()
+        _, err = process.communicate(timeout=120)
+        assert time.monotonic() - began < 60
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.communicate()
+        subprocess.run(["umount", str(disk)], check=False)
+    assert process.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("cloudless-run: the run failed: "), err
+    assert "No space left on device" in lines[0], err
+    assert _function_processes(mlp_build) == []

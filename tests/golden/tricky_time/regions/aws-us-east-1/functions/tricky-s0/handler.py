@@ -5,37 +5,63 @@ invocation as JSON) and `handler(event, context)` for AWS Lambda (the event is t
 An invocation is {"start": a, "stop": b, "replica": k} or {"iteration": i, "replica": k}. Storage
 is named by the environment variable CLOUDLESS_STORAGE; its credentials come from the platform
 (an IAM role, or the OpenFaaS secret cloudless-storage), never from this package.
+
+OpenFaaS: a request runs only if its X-Cloudless-Token header holds the value of the OpenFaaS secret
+cloudless-token (anything else is a 401, before the body is read). An error reply names the error's
+type and message with the machine's paths taken out; the whole error goes to stderr (the function's
+log).
 """
 
 import json
+import re
 import sys
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from cloudless.runtimes.secrets import load_openfaas_secret  # noqa: E402
+from cloudless.ir.protocol import SECRETS_DIR, TOKEN_HEADER, TOKEN_SECRET  # noqa: E402
+from cloudless.runtimes.secrets import load_openfaas_secret, token_matches  # noqa: E402
 from cloudless.runtimes.worker import handle_request  # noqa: E402
+
+#: where OpenFaaS mounts the function's secrets
+SECRETS = Path(SECRETS_DIR)
+UNAUTHORIZED = f"unauthorized: the request must carry the token (OpenFaaS secret {TOKEN_SECRET}) in {TOKEN_HEADER}"
+#: an absolute path (or a file: URL) in an error message: replaced before the message leaves the function.
+#: Not a path: s3://bucket/key and redis://host/db (after ':' or a name), relative keys (after a name).
+_PATH = re.compile(r"file://\S+|(?<![\w.:/~-])/[^\s'\"`,;()\[\]{}<>]+")
 
 
 def handle(event, context):
-    """OpenFaaS: JSON in the body; errors become a 400 (bad request) or a 500 (failed run)."""
-    load_openfaas_secret()
+    """OpenFaaS: JSON in the body; errors become a 401 (no token), 400 (bad request) or 500 (failed run)."""
+    if not token_matches(getattr(event, "headers", None), SECRETS):
+        print(f"refused a request: no valid {TOKEN_HEADER} header (or no secret {TOKEN_SECRET})", file=sys.stderr)
+        return _reply(401, {"error": UNAUTHORIZED})
+    load_openfaas_secret(folder=SECRETS)
     try:
         request = json.loads(event.body or b"{}")
     except ValueError as exc:
-        return _reply(400, {"error": f"the body is not JSON: {exc}"})
+        return _error(400, "the body is not JSON", exc)
     try:
         return _reply(200, handle_request(HERE, request))
     except ValueError as exc:
-        return _reply(400, {"error": str(exc)})
+        return _error(400, "", exc)
     except Exception as exc:  # noqa: BLE001 - the caller retries on 500
-        return _reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+        return _error(500, type(exc).__name__, exc)
 
 
 def handler(event, context):
     """AWS Lambda: an exception fails the invocation, so Step Functions' Retry sees it."""
     return handle_request(HERE, event)
+
+
+def _error(status, what, exc):
+    """The reply to a failed request: `what` and the message, without the machine's paths; the whole
+    error, traceback included, goes to stderr."""
+    traceback.print_exception(exc, file=sys.stderr)
+    message = _PATH.sub("<path>", str(exc))
+    return _reply(status, {"error": f"{what}: {message}" if what else message})
 
 
 def _reply(status, body):
