@@ -55,13 +55,19 @@ _CONTRACT = """
 
 """
 
-NO_GRAD = """
+#: the layers of the models below, whose forward holds the region
+_THREE_LAYERS = """
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a = nn.Linear(8, 16)
             self.b = nn.Linear(16, 16)
             self.c = nn.Linear(16, 4)
+"""
+
+NO_GRAD = (
+    _THREE_LAYERS
+    + """
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = torch.tanh(self.a(x))
@@ -70,14 +76,11 @@ NO_GRAD = """
                 scale = self.b(h).abs().mean() + self.a.weight.norm()
             return self.c(torch.relu(self.b(h)) / scale)
 """
+)
 
-AUTOCAST = """
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(8, 16)
-            self.b = nn.Linear(16, 16)
-            self.c = nn.Linear(16, 4)
+AUTOCAST = (
+    _THREE_LAYERS
+    + """
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = torch.tanh(self.a(x))
@@ -85,15 +88,12 @@ AUTOCAST = """
                 g = torch.relu(self.b(h))
             return self.c(g.float() + h)
 """
+)
 
 #: a region inside a region: the sub-graph holds a sub-graph of its own
-NESTED = """
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(8, 16)
-            self.b = nn.Linear(16, 16)
-            self.c = nn.Linear(16, 4)
+NESTED = (
+    _THREE_LAYERS
+    + """
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = torch.tanh(self.a(x))
@@ -103,15 +103,12 @@ NESTED = """
                 scale = scale.float() + self.a.weight.norm()
             return self.c(torch.relu(self.b(h)) / scale)
 """
+)
 
 #: torch.export (2.13) drops the no_grad region inside the autocast one
-NO_GRAD_IN_AUTOCAST = """
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(8, 16)
-            self.b = nn.Linear(16, 16)
-            self.c = nn.Linear(16, 4)
+NO_GRAD_IN_AUTOCAST = (
+    _THREE_LAYERS
+    + """
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -120,6 +117,7 @@ NO_GRAD_IN_AUTOCAST = """
                     scale = self.b(h).abs().mean() + 1
             return self.c(h.float() / scale.float())
 """
+)
 
 #: the region inside a module named with --leaf-module: inlined from the leaf's own export
 LEAF = """

@@ -289,52 +289,9 @@ def test_a_killed_run_resumes_to_the_same_parameters(mlp_build: Path, tmp_path: 
     assert "--resume nothing: " in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_storage_that_stops_answering_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path) -> None:
-    """Redis stopped mid-run: the controller retries with back-off, then the run ends (exit 1, one
-    line naming the storage and the error) within a minute, its functions stopped, no traceback."""
-    import shutil
-
-    from tests.conftest import _start_redis, _stop
-
-    executable = shutil.which("redis-server")
-    if executable is None:
-        pytest.skip("redis-server is not installed")
-    started = _start_redis(executable, tmp_path)
-    assert started is not None
-    server, port = started
-    try:
-        process = _start_run(
-            mlp_build, tmp_path / "out", "--iterations", "1000000", "--storage", f"redis://127.0.0.1:{port}/0"
-        )
-        _stop(server)
-        began = time.monotonic()
-        _, err = process.communicate(timeout=90)
-        assert time.monotonic() - began < 60
-    finally:
-        _stop(server)
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 1
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("cloudless-run: the run failed: storage failed (reading redis "), err
-    assert f"ConnectionError: Error 111 connecting to 127.0.0.1:{port}" in lines[0], err
-    assert _function_processes(mlp_build) == []
-
-
-def test_a_storage_password_is_never_printed() -> None:
-    from cloudless.runtimes.run import shown
-
-    assert shown("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
-    assert shown("redis://user:s3cret@cache.internal/2#runs") == "redis://user:***@cache.internal/2#runs"
-    assert shown("s3://bucket/prefix") == "s3://bucket/prefix" and shown("/tmp/storage") == "/tmp/storage"
-
-
-@pytest.mark.slow
-def test_storage_that_lost_the_runs_keys_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path) -> None:
-    """Redis flushed mid-run (FLUSHALL, eviction): the controller sees its alive key gone and ends
-    the run within seconds (exit 1, one line), instead of functions waiting for keys that are gone."""
+def _run_on_redis_then(mlp_build: Path, tmp_path: Path, disturb: str) -> tuple[int, str, float]:
+    """A long run on a Redis of its own; once it trains, `disturb` it ("stop" the server, or "flush"
+    its keys): the run's exit status, its stderr and how long it took to end after that."""
     import shutil
 
     import redis
@@ -351,19 +308,47 @@ def test_storage_that_lost_the_runs_keys_ends_the_run_with_one_line(mlp_build: P
         process = _start_run(
             mlp_build, tmp_path / "out", "--iterations", "1000000", "--storage", f"redis://127.0.0.1:{port}/0"
         )
-        redis.Redis(port=port).flushall()
+        if disturb == "stop":
+            _stop(server)
+        else:
+            redis.Redis(port=port).flushall()
         began = time.monotonic()
         _, err = process.communicate(timeout=90)
-        assert time.monotonic() - began < 30
+        took = time.monotonic() - began
     finally:
         _stop(server)
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 1
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("cloudless-run: the run failed: storage lost the run's keys near iteration "), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert _function_processes(mlp_build) == []
+    return process.returncode, err.strip(), took
+
+
+@pytest.mark.slow
+def test_storage_that_stops_answering_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path) -> None:
+    """Redis stopped mid-run: the controller retries with back-off, then the run ends (exit 1, one
+    line naming the storage and the error) within a minute, its functions stopped, no traceback."""
+    code, err, took = _run_on_redis_then(mlp_build, tmp_path, "stop")
+    assert code == 1 and took < 60
+    assert err.startswith("cloudless-run: the run failed: storage failed (reading redis "), err
+    assert "ConnectionError: Error 111 connecting to 127.0.0.1:" in err, err
+
+
+def test_a_storage_password_is_never_printed() -> None:
+    from cloudless.runtimes.run import shown
+
+    assert shown("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert shown("redis://user:s3cret@cache.internal/2#runs") == "redis://user:***@cache.internal/2#runs"
+    assert shown("s3://bucket/prefix") == "s3://bucket/prefix" and shown("/tmp/storage") == "/tmp/storage"
+
+
+@pytest.mark.slow
+def test_storage_that_lost_the_runs_keys_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path) -> None:
+    """Redis flushed mid-run (FLUSHALL, eviction): the controller sees its alive key gone and ends
+    the run within seconds (exit 1, one line), instead of functions waiting for keys that are gone."""
+    code, err, took = _run_on_redis_then(mlp_build, tmp_path, "flush")
+    assert code == 1 and took < 30
+    assert err.startswith("cloudless-run: the run failed: storage lost the run's keys near iteration "), err
 
 
 @pytest.mark.slow
