@@ -5,7 +5,9 @@ generated source and weights (safetensors), the loss module on the last stage, `
 function's name and region and the whole workflow), the requirements, a Dockerfile for Lambda's
 container image, and the vendored runtime: `cloudless/runtimes/` (this project's `runtimes/`, but
 the controller and the local runner) with the `cloudless/ir/` modules it imports (the workflow, the
-schedule and the protocol: standard library and torch only), under the same import names as here.
+schedule and the protocol: standard library and torch only), under the same import names as here. What the
+images are built from (Python 3.12 on Amazon Linux 2023 for Lambda, on Debian bookworm for OpenFaaS) is
+codegen/images.py's.
 
 Requirements: every package comes from one index only, pinned (no --extra-index-url, under which pip
 takes a name from whichever index offers the best version: dependency confusion). torch is the CPU
@@ -30,9 +32,9 @@ import jinja2
 import torch
 from safetensors.torch import save
 
+from cloudless.codegen.images import LAMBDA_BASE_IMAGE, PYTHON_VERSION
 from cloudless.ir.workflow import Function, Workflow
 
-PYTHON_VERSION = "3.11"
 #: PyTorch's index of CPU builds, and its page of torch's files: torch comes from there only (PyPI's torch
 #: for Linux x86_64 is the CUDA build, gigabytes larger, and functions have no GPU)
 TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -44,7 +46,8 @@ PYPI_INDEX = "https://pypi.org/simple"
 @dataclass(frozen=True)
 class Pin:
     """A pinned requirement from PyPI: its version, the sha256 of each wheel an image may install (CPython
-    3.11 on manylinux x86_64 and aarch64) and, if it is not always needed, the environment marker."""
+    PYTHON_VERSION on manylinux x86_64 and aarch64; abi3 and pure-Python wheels serve every version) and,
+    if it is not always needed, the environment marker."""
 
     name: str
     version: str
@@ -70,13 +73,8 @@ PYPI_PINS = (
     Pin("python-dateutil", "2.9.0.post0", ("a8b2bc7bffae282281c8140a97d3aa9c14da0b136dfe83f850eea9a5f7470427",)),
     Pin("six", "1.17.0", ("4721f391ed90541fddacab5acf947aa0d3dc7d27b2e1e8eda2be8970586c3274",)),
     Pin("urllib3", "2.8.0", ("0cf3cae568d36aa9576b28dfb35f11328f1cb974ca7647d9475ebb86c75ac6e3",)),
+    # redis needs async-timeout only before Python 3.11.3: not on the images' Python
     Pin("redis", "8.1.0", ("a4fe1aac3d3b3cc791d4b3d5931c5a956045dc951ee74d1c913ee3ac4d2ee9fb",)),
-    Pin(
-        "async-timeout",
-        "5.0.1",
-        ("39e3809566ff85354557ec2398b55e096c8364bacac9405a7a1fa429e77fe76c",),
-        'python_full_version < "3.11.3"',  # redis needs it on older Pythons only
-    ),
 )
 #: a package's requirement files, by the template each is rendered from
 REQUIREMENT_FILES = ("requirements.txt", "requirements-torch.txt", "requirements-pypi.txt")
@@ -133,6 +131,7 @@ def render_function_package(
         "stages": stages,
         "model": workflow.model,
         "python": PYTHON_VERSION,
+        "base_image": LAMBDA_BASE_IMAGE,
         "torch_version": torch_version,
         "torch_index": TORCH_INDEX,
         "torch_page": TORCH_PAGE,

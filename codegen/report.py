@@ -336,6 +336,10 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
     else:
         lines.append("None were computed.")
 
+    if plan.explanation is not None:
+        lines += ["", "## Why this plan", ""]
+        lines += why_lines(plan)
+
     lines += [
         "",
         "## Pictures",
@@ -353,6 +357,20 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
     if workflow is not None:
         lines += _deployment(workflow)
     return "\n".join(lines) + "\n"
+
+
+def why_lines(plan: TrainingPlan) -> list[str]:
+    """The "Why this plan" section: one bullet per family of plans the chosen plan is not in (plan.json's
+    `explanation`, compiler/explain.py), with its best plan and the term it loses most by."""
+    measure = "time" if plan.objective in ("time", "time-under-budget") else "cost"
+    lines = [
+        "For each family of plans this one is not in: the family's best plan for the objective within the limits "
+        f"(found by the planner, on the same cost model), and the term of the iteration's {measure} it loses most "
+        "by. `plan.json`'s `explanation` lists every term.",
+        "",
+    ]
+    bullets = [f"- **{a.label}** ({a.description}): {a.summary}." for a in plan.explanation or ()]
+    return lines + (bullets or ["None: no other family of plans was possible."])
 
 
 def _deployment(workflow: Workflow) -> list[str]:

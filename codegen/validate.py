@@ -35,12 +35,20 @@ import yaml
 from cloudless.codegen.package import VENDORED_MODULES
 from cloudless.codegen.platforms import (
     LAMBDA_INVOKE,
+    LAMBDA_NAME_LIMIT,
     LAMBDA_RETRY_ERRORS,
-    MAX_MAP_CONCURRENCY,
+    STATE_MACHINE_NAME_LIMIT,
     aws_region,
     logical_id,
 )
-from cloudless.ir.catalog import AWS_REGIONS
+from cloudless.ir.catalog import (
+    AWS_REGIONS,
+    DISTRIBUTED_MAP_MAX_CONCURRENCY,
+    INLINE_MAP_MAX_CONCURRENCY,
+    OPENFAAS_CE_MAX_FUNCTIONS,
+    OPENFAAS_CE_MAX_REPLICAS,
+    registry_problem,
+)
 from cloudless.ir.files import BUILD_MARKER, check_workflow, file_digest, read_manifest
 from cloudless.ir.plan import PlannedStage, TrainingPlan
 from cloudless.ir.schema import SchemaError, load_schema
@@ -62,6 +70,12 @@ DUMMY_ARN = "arn:aws:lambda:us-east-1:123456789012:function:{name}"
 #: size check is not optimistic.
 LONGEST_ARN = len("arn:aws-us-gov:lambda:ap-southeast-5:123456789012:function:") + 64
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_]+)\}")
+#: a name Fn::Sub substitutes: ${Resource}, ${Resource.Attribute} or ${AWS::Pseudo} (not ${!Literal})
+_SUB_NAME = re.compile(r"\$\{([A-Za-z0-9_:]+)(?:\.[A-Za-z0-9_.]+)?\}")
+#: Lambda function and state machine names (letters, digits, '-' and '_')
+_AWS_NAME = re.compile(r"[A-Za-z0-9_-]+")
+#: an image reference's tag
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|µs|ms|s|m|h)")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 #: Things that look like credentials; none may appear in a generated file.
@@ -226,6 +240,7 @@ def _check_stack(build: Path, region: Region, packages: bool) -> None:
                     f"{environment[timeout]} is shorter than exec_timeout {environment['exec_timeout']}: the "
                     "response of a handler using its whole time would be cut off",
                 )
+        _check_image(file, key, function["image"], name)
         labels = function.get("labels", {})
         low, high = labels.get("com.openfaas.scale.min"), labels.get("com.openfaas.scale.max")
         if low is not None and high is not None and int(low) > int(high):
@@ -237,6 +252,60 @@ def _check_stack(build: Path, region: Region, packages: bool) -> None:
             for needed in ("handler.py", "requirements.txt"):
                 if not (handler / needed).is_file():
                     _fail(file, f"{key}/handler", f"{function['handler']!r} has no {needed}")
+
+
+def _split_image(image: str) -> tuple[str, str, str | None]:
+    """An image reference `[<registry>/]<name>[:<tag>]` as (registry, name, tag); registry '' if none."""
+    repository, tag = image, None
+    if ":" in image.rsplit("/", 1)[-1]:
+        repository, tag = image.rsplit(":", 1)
+    registry, _, name = repository.rpartition("/")
+    return registry, name, tag
+
+
+def _check_image(file: str, key: str, image: str, function: str) -> None:
+    """An image faas-cli can build, tag and push as written: `[<registry>/]<function>:<tag>`, with a tag of
+    its own (faas-cli would add `:latest`, which names different images over time)."""
+    registry, name, tag = _split_image(image)
+    if name != function:
+        _fail(file, f"{key}/image", f"{image!r}: the image of function {function!r} is named {function!r}")
+    if tag is None or not _TAG.fullmatch(tag) or tag == "latest":
+        _fail(file, f"{key}/image", f"{image!r}: expected a tag naming the build (<name>:<tag>, not latest)")
+    if registry:
+        problem = registry_problem(registry)
+        if problem:
+            _fail(file, f"{key}/image", f"{image!r}: the registry {registry!r} is {problem}")
+
+
+def deployment_warnings(build: Path) -> list[str]:
+    """What a build's deployment files allow, but a default platform would refuse (one line each, the file
+    first): OpenFaaS images without a registry (faas-cli up fails at the push) and stacks beyond OpenFaaS CE's
+    limits (they deploy on OpenFaaS Pro only). For a build that passed check_build."""
+    found = []
+    regions = Path(build) / "regions"
+    for path in sorted(regions.glob("*/stack.yaml")) if regions.is_dir() else []:
+        file = _relative(Path(build), path)
+        stack = yaml.safe_load(path.read_text())
+        functions = stack.get("functions", {}) if isinstance(stack, dict) else {}
+        bare = [name for name, function in functions.items() if not _split_image(str(function.get("image")))[0]]
+        if bare:
+            found.append(
+                f"{file}: the images have no registry ({functions[bare[0]]['image']}): faas-cli up fails at the "
+                "push; compile with --registry (e.g. ghcr.io/<you>) or give the region a registry in the catalog"
+            )
+        if len(functions) > OPENFAAS_CE_MAX_FUNCTIONS:
+            found.append(
+                f"{file}: {len(functions)} functions; OpenFaaS CE deploys at most {OPENFAAS_CE_MAX_FUNCTIONS} "
+                "(this stack needs OpenFaaS Pro)"
+            )
+        for name, function in functions.items():
+            scale = function.get("labels", {}).get("com.openfaas.scale.max")
+            if scale is not None and int(scale) > OPENFAAS_CE_MAX_REPLICAS:
+                found.append(
+                    f"{file}: function {name} scales to {scale} replicas; OpenFaaS CE allows at most "
+                    f"{OPENFAAS_CE_MAX_REPLICAS} (this stack needs OpenFaaS Pro)"
+                )
+    return found
 
 
 def _check_samconfig(build: Path, workflow: Workflow, sam_regions: list[str]) -> dict[str, str]:
@@ -277,7 +346,7 @@ def _check_samconfig(build: Path, workflow: Workflow, sam_regions: list[str]) ->
 
 
 def _walk_refs(node: Any, where: list[str]) -> list[tuple[str, str]]:
-    """(key path, target) of every Ref and Fn::GetAtt in a template fragment."""
+    """(key path, target) of every Ref, Fn::GetAtt and name Fn::Sub substitutes in a template fragment."""
     found: list[tuple[str, str]] = []
     if isinstance(node, dict):
         for key, value in node.items():
@@ -285,6 +354,8 @@ def _walk_refs(node: Any, where: list[str]) -> list[tuple[str, str]]:
                 found.append(("/".join([*where, key]), value))
             elif key == "Fn::GetAtt" and isinstance(value, list) and value and isinstance(value[0], str):
                 found.append(("/".join([*where, key]), value[0]))
+            elif key == "Fn::Sub" and isinstance(value, str):
+                found.extend(("/".join([*where, key]), name) for name in _SUB_NAME.findall(value))
             else:
                 found.extend(_walk_refs(value, [*where, str(key)]))
     elif isinstance(node, list):
@@ -306,10 +377,30 @@ def _check_template(build: Path, workflow: Workflow, region: Region, deploy_regi
     for key, target in _walk_refs(resources, ["Resources"]) + _walk_refs(template.get("Outputs", {}), ["Outputs"]):
         if target not in targets and not target.startswith("AWS::"):
             _fail(file, key, f"{target!r} is neither a resource nor a parameter")
+    outputs = template.get("Outputs", {})
+    names: dict[str, str] = {}
     for function in region.functions:
         logical = logical_id(function.name)
         if resources.get(logical, {}).get("Type") != "AWS::Serverless::Function":
             _fail(file, f"Resources/{logical}", f"no AWS::Serverless::Function for {function.name!r}")
+        # a name of its own, which the stack exports: the controller invokes the functions by name
+        key = f"Resources/{logical}/Properties/FunctionName"
+        name = resources[logical].get("Properties", {}).get("FunctionName")
+        if not isinstance(name, str) or not _AWS_NAME.fullmatch(name) or len(name) > LAMBDA_NAME_LIMIT:
+            _fail(file, key, f"{name!r}; Lambda takes letters, digits, '-' and '_', at most {LAMBDA_NAME_LIMIT}")
+        if name in names:
+            _fail(file, key, f"{name!r} is also the name of {names[name]}")
+        names[name] = logical
+        output = outputs.get(f"{logical}Name", {})
+        if output.get("Value") != {"Ref": logical} or "Export" not in output:
+            _fail(file, f"Outputs/{logical}Name", f"missing: the stack exports each function's name (Ref {logical})")
+    buckets = [n for n, r in resources.items() if isinstance(r, dict) and r.get("Type") == "AWS::S3::Bucket"]
+    for bucket in buckets:
+        if "BucketName" in resources[bucket].get("Properties", {}):
+            # S3 bucket names are global: a fixed one can be guessed, and taken first, by anyone
+            _fail(file, f"Resources/{bucket}/Properties/BucketName", "the run's bucket is named by CloudFormation")
+    if len(buckets) != 1 or outputs.get("BucketName", {}).get("Value") != {"Ref": buckets[0]}:
+        _fail(file, "Outputs/BucketName", "expected the run's bucket, one AWS::S3::Bucket of the stack, as output")
     machines = []
     for name, resource in resources.items():
         kind = resource.get("Type") if isinstance(resource, dict) else None
@@ -343,7 +434,7 @@ def _check_function(build: Path, path: Path, name: str, resource: dict[str, Any]
         for policy_name, arguments in policy.items() if isinstance(policy, dict) else []:
             bucket = arguments.get("BucketName") if isinstance(arguments, dict) else None
             if policy_name.startswith("S3") and not (isinstance(bucket, dict) and "Ref" in bucket):
-                _fail(file, f"{key}/Properties/Policies/{policy_name}", "an S3 policy must name the bucket parameter")
+                _fail(file, f"{key}/Properties/Policies/{policy_name}", "an S3 policy must name the run's bucket (Ref)")
     metadata = resource.get("Metadata", {})
     for needed in ("Dockerfile", "DockerContext", "DockerTag"):
         if not isinstance(metadata.get(needed), str):
@@ -360,6 +451,14 @@ def _check_state_machine(build: Path, template_path: Path, name: str, resource: 
     file = _relative(build, template_path)
     key = f"Resources/{name}/Properties"
     properties = resource.get("Properties", {})
+    machine = properties.get("Name")
+    if not isinstance(machine, str) or not _AWS_NAME.fullmatch(machine) or len(machine) > STATE_MACHINE_NAME_LIMIT:
+        # its Distributed Map's policy names it, and the controller finds it by it
+        _fail(
+            file,
+            f"{key}/Name",
+            f"{machine!r}; a state machine's name is letters, digits, '-' and '_', at most {STATE_MACHINE_NAME_LIMIT}",
+        )
     uri = properties.get("DefinitionUri")
     if not isinstance(uri, str):
         _fail(file, f"{key}/DefinitionUri", "expected the definition file next to the template")
@@ -377,6 +476,39 @@ def _check_state_machine(build: Path, template_path: Path, name: str, resource: 
             _fail(file, f"{key}/DefinitionSubstitutions/{substitution}", f"not used in {uri}")
     workers = sum(f.replicas for f in region.functions)
     check_definition(_relative(build, definition_path), text, workers)
+    if _distributed(json.loads(substitute_arns(text)).get("States", {})):
+        # a Distributed Map starts its iterations as executions of this state machine: its role must allow it
+        allowed = [
+            statement.get("Resource")
+            for policy in properties.get("Policies", [])
+            if isinstance(policy, dict)
+            for statement in policy.get("Statement", [])
+            if isinstance(statement, dict) and "states:StartExecution" in _as_list(statement.get("Action"))
+        ]
+        own = f":stateMachine:{machine}"
+        if not any(isinstance(r, dict) and str(r.get("Fn::Sub", "")).endswith(own) for r in allowed):
+            _fail(
+                file,
+                f"{key}/Policies",
+                f"{uri} runs a Distributed Map, but no statement allows states:StartExecution on state machine "
+                f"{machine}",
+            )
+
+
+def _distributed(states: dict[str, Any]) -> bool:
+    """Whether a state machine's states hold a Distributed Map (at any depth)."""
+    for state in states.values():
+        processor = state.get("ItemProcessor") or state.get("Iterator") or {}
+        if (processor.get("ProcessorConfig") or {}).get("Mode") == "DISTRIBUTED":
+            return True
+        branches = [processor, *state.get("Branches", [])]
+        if any(_distributed(branch.get("States", {})) for branch in branches):
+            return True
+    return False
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 def substitute_arns(text: str) -> str:
@@ -415,12 +547,19 @@ def _check_states(file: str, states: dict[str, Any], where: list[str], workers: 
         key = "/".join([*where, name])
         kind = state.get("Type")
         if kind == "Map":
+            config = (state.get("ItemProcessor") or {}).get("ProcessorConfig") or {}
+            mode = config.get("Mode", "INLINE")
+            if mode == "DISTRIBUTED" and config.get("ExecutionType") != "STANDARD":
+                # an Express child execution ends after 5 minutes; a worker may run up to Lambda's 15
+                _fail(file, f"{key}/ItemProcessor/ProcessorConfig/ExecutionType", "expected STANDARD")
+            most = DISTRIBUTED_MAP_MAX_CONCURRENCY if mode == "DISTRIBUTED" else INLINE_MAP_MAX_CONCURRENCY
             concurrency = state.get("MaxConcurrency")
-            if not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_MAP_CONCURRENCY:
+            if not isinstance(concurrency, int) or not 1 <= concurrency <= most:
                 _fail(
                     file,
                     f"{key}/MaxConcurrency",
-                    f"{concurrency!r}; an inline Map runs at most {MAX_MAP_CONCURRENCY} iterations at once",
+                    f"{concurrency!r}; {'a Distributed' if mode == 'DISTRIBUTED' else 'an inline'} Map runs at most "
+                    f"{most} iterations at once",
                 )
             if concurrency < workers:
                 # The stages wait on each other's activations: a worker left queued deadlocks the iteration.

@@ -9,6 +9,7 @@ error, never a function's failure at run time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -22,11 +23,13 @@ import torch
 from cloudless.codegen.package import render_function_package, torch_release
 from cloudless.codegen.platforms import TARGETS, render_region, render_samconfig
 from cloudless.codegen.report import render_report
+from cloudless.compiler.explain import alternatives_ir, explain
 from cloudless.compiler.lower import Lowered
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
 from cloudless.compiler.simulate import Timeline
 from cloudless.compiler.verify import check_stage_loads
 from cloudless.ir.blocks import BlockChain
+from cloudless.ir.catalog import load_catalog
 from cloudless.ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
 from cloudless.ir.folders import FolderError, check_output_folder, run_lock, run_outputs
 from cloudless.ir.graph import OpGraph, dumps
@@ -50,21 +53,33 @@ def build_files(
     }
     if planned is not None and plan_options is not None and timeline is not None and lowered is not None:
         plan = plan_ir(planned, chain, plan_options, timeline)
-        files.update(_planned_files(plan, timeline, lowered, targets, graph))
+        if planned.geo is None:
+            # Why this plan: each other family's best plan on the same cost model (report.md, the CLI).
+            alternatives = explain(planned, plan_options)
+            plan = dataclasses.replace(plan, explanation=alternatives_ir(alternatives, planned.solution.evaluation))
+        files.update(_planned_files(plan, timeline, lowered, targets, graph, plan_options))
     return dict(sorted({**files, BUILD_MARKER: build_manifest(files)}.items()))
 
 
 def _planned_files(
-    plan: TrainingPlan, timeline: Timeline, lowered: Lowered, targets: frozenset[str], graph: OpGraph
+    plan: TrainingPlan,
+    timeline: Timeline,
+    lowered: Lowered,
+    targets: frozenset[str],
+    graph: OpGraph,
+    plan_options: PlanOptions,
 ) -> dict[str, bytes]:
     """plan.json, the packages, each region's deployment files, samconfig.toml and the report."""
     files = {"plan.json": plan_text(plan).encode()}
     workflow = lowered.workflow
     files.update(package_files(lowered, graph))
+    catalog = load_catalog(plan_options.catalog)
     for region in workflow.regions:
         # SAM deploys to AWS only: another provider's region gets the OpenFaaS files alone
         wanted = set(targets) if region.provider == "aws" else set(targets) - {"sam"}
-        for path, text in render_region(workflow, region.name, wanted).items():
+        # images: --registry, else the region's registry in the catalog; tagged by their packages' content
+        registry = plan_options.registry or catalog.region(region.name).registry
+        for path, text in render_region(workflow, region.name, wanted, registry=registry, packages=files).items():
             files[path] = text.encode()
     if "sam" in targets and any(region.provider == "aws" for region in workflow.regions):
         files["samconfig.toml"] = render_samconfig(workflow).encode()

@@ -8,6 +8,7 @@ must be new, empty or an earlier build (ir/folders.py), so a compile never repla
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -17,20 +18,27 @@ from pathlib import Path
 from rich.console import Console
 
 from cloudless.codegen.platforms import TARGETS
-from cloudless.codegen.validate import check_build
+from cloudless.codegen.validate import check_build, deployment_warnings
 from cloudless.compiler.baselines import ratio, ratio_text
 from cloudless.compiler.coarsen import DEFAULT_BLOCKS
 from cloudless.compiler.errors import CompileError, display_path
+from cloudless.compiler.explain import summary_line
 from cloudless.compiler.pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
 from cloudless.compiler.plan import PlanOptions
+from cloudless.compiler.profile import profile_warnings
 from cloudless.compiler.verify import TOLERANCE
 from cloudless.ir.arguments import OneLineParser
-from cloudless.ir.catalog import load_catalog
+from cloudless.ir.catalog import load_catalog, registry_problem
 from cloudless.ir.folders import FolderError, check_output_folder
+from cloudless.ir.plan import TrainingPlan
 from cloudless.ir.schema import SchemaError
+
+#: --verify without a plan splits into this many stages unless --stages says otherwise
+DEFAULT_VERIFY_STAGES = 4
 
 SLOW_STEPS = {
     "plan": "Planning",
+    "retrace": "Tracing at the plan's micro-batch",
     "trace": "Tracing",
     "annotate": "Annotating",
     "profile": "Profiling blocks",
@@ -61,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="which platforms' deployment files to write (default both)",
     )
     parser.add_argument(
+        "--registry",
+        metavar="PREFIX",
+        help="push the OpenFaaS images to this registry and path, e.g. ghcr.io/acme or docker.io/acme (default: "
+        "each region's registry in the catalog; without one, faas-cli builds the images but cannot push them)",
+    )
+    parser.add_argument(
         "--batch-size",
         type=int,
         help="micro-batch size to trace and profile (default: the smallest of TRAINING['micro_batch_sizes'], else 2)",
@@ -84,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="torch.fx, torch.export, or fx with export as fallback (default)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed profiling runs after one warm-up (default 3)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed profiling runs after one warm-up (default 3, at least 2; up to 3x while the fastest runs disagree)",
+    )
     parser.add_argument(
         "--profile",
         type=Path,
@@ -98,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"chain the generated stages and compare loss, outputs and gradients with the "
         f"unsplit model (tolerance {TOLERANCE:g} relative)",
     )
-    parser.add_argument("--stages", type=int, default=4, help="stages to split into for --verify (default 4)")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        help="with --verify and no plan (--repeats 0): stages to split into (default 4); with a plan, "
+        "--verify checks the plan's split at its micro-batch",
+    )
     planning = parser.add_argument_group("planning (see docs/cost_model.md)")
     planning.add_argument("-c", "--catalog", type=Path, help="region catalog YAML (default: the built-in catalog)")
     planning.add_argument("--region", help="region to plan for (default: the catalog's first)")
@@ -223,6 +247,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.sync_every < 1:
         console.print("cloudless-compile: error: --sync-every must be at least 1", markup=False)
         return 2
+    if args.registry is not None and (problem := registry_problem(args.registry)):
+        console.print(f"cloudless-compile: error: --registry {args.registry!r}: {problem}", markup=False)
+        return 2
+    targets = TARGETS if args.target == "both" else frozenset({args.target})
     objective = args.objective
     if objective == "cost" and args.deadline is not None:
         objective = "cost-under-deadline"
@@ -242,6 +270,8 @@ def _main(argv: Sequence[str] | None) -> int:
         regions=regions,
         sync=args.sync,
         sync_every=args.sync_every,
+        targets=targets,
+        registry=args.registry,
     )
     options = CompileOptions(
         FrontEndOptions(
@@ -254,8 +284,8 @@ def _main(argv: Sequence[str] | None) -> int:
             profile_from=args.profile,
         ),
         plan=plan_options if args.repeats > 0 or args.profile else None,
-        verify_stages=args.stages if args.verify else 0,
-        targets=TARGETS if args.target == "both" else frozenset({args.target}),
+        verify_stages=(args.stages or DEFAULT_VERIFY_STAGES) if args.verify else 0,
+        targets=targets,
         output=args.output,
     )
 
@@ -275,7 +305,19 @@ def _main(argv: Sequence[str] | None) -> int:
             exc = SchemaError(f"the generated build failed its check (a Cloudless bug, please report it): {exc}")
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
         return code
+    if args.stages is not None and (options.plan is not None or not args.verify):
+        # after the compile: an error stays the one line on stderr
+        console.print(
+            f"cloudless-compile: note: --stages {args.stages} is ignored: it sets the split --verify checks when "
+            "no plan is made (--repeats 0); with a plan, --verify checks the plan's split",
+            markup=False,
+        )
     print_summary(out, result, args.output, requested_blocks=args.blocks)
+    # An unstable or loaded profile (compiler/profile.py): on stderr, after the summary, and -q keeps them.
+    for warning in profile_warnings(result.front.chain, reused_from=args.profile):
+        console.print(f"cloudless-compile: warning: {warning}", markup=False)
+    for warning in deployment_warnings(args.output):  # e.g. OpenFaaS images without a registry to push to
+        console.print(f"cloudless-compile: warning: {warning}", markup=False)
     return 0
 
 
@@ -289,6 +331,9 @@ def check_command(build: Path, out: Console) -> int:
         f"{display_path(build)}: every check passed (file digests; workflow, plan and packages consistent; "
         "schemas, platform limits, statelint, cfn-lint)"
     )
+    warnings = Console(stderr=True, highlight=False, soft_wrap=True)
+    for warning in deployment_warnings(build):
+        warnings.print(f"cloudless-compile: warning: {warning}", markup=False)
     return 0
 
 
@@ -317,6 +362,8 @@ def print_plan(out: Console, result: Compiled) -> None:
         f"{problem.iterations} iterations: {ev.iteration_s * problem.iterations:.0f} s, "
         f"{ev.cost_usd * problem.iterations:.4f} USD"
     )
+    if plan.run_length is not None:
+        out.print(f"  iterations  {plan.run_length.iterations} ({plan.run_length.source})")
     for warning in ev.warnings:
         out.print(f"  [yellow]warning[/yellow]     {warning}")
     for b in plan.baselines:
@@ -328,6 +375,11 @@ def print_plan(out: Console, result: Compiled) -> None:
                 f"  baseline    {b.name}: {b.evaluation.iteration_s:.2f} s, {b.evaluation.cost_usd * 1e3:.4f} mUSD "
                 f"per iteration (ours: {ratio_text(time_ratio)} time, {ratio_text(cost_ratio)} cost)"
             )
+    # Why this plan: compiler/explain.py's comparison, as the build's plan.json holds it.
+    if "plan.json" in result.files:
+        why = summary_line(TrainingPlan.from_json(json.loads(result.files["plan.json"])))
+        if why is not None:
+            out.print(f"  why         {why}", markup=False)
 
 
 def print_regions(out: Console, result: Compiled) -> None:
@@ -396,8 +448,10 @@ def print_summary(out: Console, result: Compiled, output: Path, requested_blocks
         )
     if result.verify:
         v = result.verify
+        split = " | ".join(f"{first}-{last}" for first, last in v.ranges)
         out.print(
-            f"  verified    {v.stages} stages: largest gradient error {v.gradient_error:.3g} "
+            f"  verified    {split_text(v.stages)} of {v.split_from} (blocks {split}) at micro-batch "
+            f"{v.batch_size}: largest gradient error {v.gradient_error:.3g} "
             f"({v.compared_gradients} gradients), loss {v.loss_error:.3g}, outputs {v.output_error:.3g}, "
             f"buffers {v.buffer_error:.3g} (tolerance {TOLERANCE:g})"
         )
@@ -408,6 +462,10 @@ def print_summary(out: Console, result: Compiled, output: Path, requested_blocks
     top = sorted({path.split("/")[0] + ("/" if "/" in path else "") for path in files})
     size = sum(len(data) for data in files.values())
     out.print(f"  wrote       {display_path(output)}/: {len(files)} files, {size / 2**20:.1f} MiB ({', '.join(top)})")
+
+
+def split_text(stages: int) -> str:
+    return "1 stage" if stages == 1 else f"{stages} stages"
 
 
 def _gap_text(gap: float) -> str:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from cloudless.compiler.errors import CompileError
 from cloudless.ir import BlockChain
-from cloudless.ir.catalog import AWS_MAX_WORKERS, Region
+from cloudless.ir.catalog import PlatformLimits, Region
 from cloudless.ir.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
@@ -67,15 +67,39 @@ class Problem:
     optimizer_state: int = 0
     iterations: int = 1
     samples_per_epoch: int | None = None
+    #: the limits of the deployment platforms built for the region (problem_from_chain applies their replica
+    #: and stage limits to `replicas` and `max_stages`; `function_limit` includes their worker limit)
+    platform: PlatformLimits = field(default_factory=PlatformLimits)
 
     @property
     def function_limit(self) -> int:
         """The most functions (all stages' replicas) a plan may use: the region's limit, --max-functions, and
-        on aws the Step Functions inline Map that runs them together (AWS_MAX_WORKERS)."""
+        the deployment platforms' (a Step Functions Map runs all of an aws region's workers at once)."""
         limit = self.region.max_functions
-        if self.region.provider == "aws":
-            limit = min(limit, AWS_MAX_WORKERS)
+        if self.platform.workers is not None:
+            limit = min(limit, self.platform.workers.value)
         return min(limit, self.max_functions) if self.max_functions else limit
+
+    def function_limit_source(self) -> str:
+        """What sets `function_limit`, and how to lift it."""
+        limit = self.function_limit
+        if self.max_functions and self.max_functions == limit:
+            return f"--max-functions {limit}"
+        workers = self.platform.workers
+        if workers is not None and workers.value == limit:
+            return f"{workers.what} ({workers.lift})"
+        return f"the catalog's limits.max_functions {limit} of {self.region.name}"
+
+    def stage_limit_source(self) -> str:
+        """What sets `max_stages` (when the blocks do not), and how to lift it."""
+        stages = self.platform.stages
+        if stages is not None and stages.value == self.max_stages:
+            return f"{stages.what} ({stages.lift})"
+        return f"--max-stages {self.max_stages}"
+
+    def limits_hint(self) -> str:
+        """How to allow more functions and stages: each limit that binds, named with how to lift it."""
+        return f"allow more functions (now {self.function_limit_source()}) or stages (now {self.stage_limit_source()})"
 
     def micro_batch_counts(self) -> dict[int, int]:
         """Candidate micro-batch sizes that divide the global batch, with their count M."""
@@ -461,8 +485,23 @@ def problem_from_chain(
     max_functions: int | None = None,
     iterations: int = 1,
     samples_per_epoch: int | None = None,
+    platform: PlatformLimits | None = None,
 ) -> Problem:
-    """The planning problem for a profiled block chain in one region."""
+    """The planning problem for a profiled block chain in one region, within the `platform` limits of the
+    deployment files built for it (replica counts above their replica limit are left out: CompileError when
+    none is left; the stage limit lowers max_stages)."""
+    platform = platform or PlatformLimits()
+    if platform.replicas is not None:
+        allowed = tuple(r for r in replicas if r <= platform.replicas.value)
+        if replicas and not allowed:
+            bound = platform.replicas
+            raise CompileError(
+                f"no plan fits: every replica count of --replicas {','.join(map(str, replicas))} exceeds {bound.what}; "
+                f"use replica counts of at most {bound.value}, or {bound.lift}"
+            )
+        replicas = allowed
+    if platform.stages is not None:
+        max_stages = min(max_stages, platform.stages.value)
     if chain.machine is None:
         raise ValueError("the block chain has no measured times; profile it first (--repeats >= 1)")
     shared = set(chain.shared_params)
@@ -495,6 +534,7 @@ def problem_from_chain(
         optimizer_state=optimizer_state,
         iterations=iterations,
         samples_per_epoch=samples_per_epoch,
+        platform=platform,
     )
     check_replicas(problem)
     check_range(problem)
@@ -503,19 +543,10 @@ def problem_from_chain(
 
 def check_replicas(problem: Problem) -> None:
     """CompileError when no replica count fits the function limit: no stage could be planned at all."""
-    limit, region = problem.function_limit, problem.region
+    limit = problem.function_limit
     if not problem.replicas or min(problem.replicas) <= limit:
         return
-    if problem.max_functions and problem.max_functions == limit:
-        why = f"--max-functions {limit}"
-    elif region.provider == "aws" and limit == AWS_MAX_WORKERS:
-        why = (
-            f"the {limit} functions of an aws region's iteration (a Step Functions inline Map runs at most "
-            f"{AWS_MAX_WORKERS} at once, and all must run together)"
-        )
-    else:
-        why = f"the catalog's limits.max_functions {limit} of {region.name}"
     raise CompileError(
-        f"no plan fits: every replica count of --replicas {','.join(map(str, problem.replicas))} exceeds {why}; "
-        f"use replica counts of at most {limit}"
+        f"no plan fits: every replica count of --replicas {','.join(map(str, problem.replicas))} exceeds "
+        f"{problem.function_limit_source()}; use replica counts of at most {limit}"
     )

@@ -215,7 +215,7 @@ def lower_plan(
                 blocks=(choice.first, choice.last),
                 memory_mb=choice.tier_mb,
                 cpu_millis=cpu_millis(region, choice.tier_mb),
-                network_mbps=round(region.bandwidth_bps(choice.tier_mb) / 1e6, 3),
+                network_mb_per_s=round(region.bandwidth_bps(choice.tier_mb) / 1e6, 3),
                 replicas=choice.replicas,
                 timeout_s=int(region.timeout_s),
                 package=f"regions/{region.name}/functions/{run_name}-s{stage.index}",
@@ -274,7 +274,7 @@ def lower_plan(
         steps=tuple(steps),
         wan=None
         if inter_region is None
-        else tuple(WanLink((a, b), round(mbps, 3), latency) for a, b, mbps, latency in inter_region.links),
+        else tuple(WanLink((a, b), round(mb_per_s, 3), latency) for a, b, mb_per_s, latency in inter_region.links),
     )
 
 

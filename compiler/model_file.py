@@ -91,6 +91,11 @@ class ModelFile:
                 f"{display_path(self.path)}: build_model() returned a {type(model).__name__} with no trainable "
                 "parameters; there is nothing to train"
             )
+        inputs, targets = self.examples(batch_size)
+        return model, inputs, targets
+
+    def examples(self, batch_size: int) -> tuple[tuple[Any, ...], Any]:
+        """One micro-batch of example inputs and targets (None without example_targets), type-checked."""
         inputs = self.call("example_inputs", batch_size)
         if not isinstance(inputs, tuple) or not inputs:
             raise ModelFileError(
@@ -110,7 +115,7 @@ class ModelFile:
                     f"{display_path(self.path)}: example_targets({batch_size}) returned "
                     f"{type(targets).__name__}; expected a tensor"
                 )
-        return model, inputs, targets
+        return inputs, targets
 
     def check_inputs_fit(self, model: nn.Module, inputs: tuple[Any, ...], batch_size: int) -> None:
         """Call the model on its example inputs once, eagerly (without gradients; the random number
@@ -210,8 +215,15 @@ def _check_training(training: Any, shown: str) -> None:
             raise ModelFileError(
                 f"{shown}: TRAINING[{key!r}] is {type(value).__name__}; expected {_type_name(expected)}"
             )
+        if key in ("iterations", "epochs", "global_batch_size") and typing.cast(int, value) < 1:
+            raise ModelFileError(f"{shown}: TRAINING[{key!r}] is {value}; expected at least 1")
         if key == "micro_batch_sizes" and not all(isinstance(v, int) and v > 0 for v in typing.cast(list, value)):
             raise ModelFileError(f"{shown}: TRAINING['micro_batch_sizes'] must be a list of positive ints")
+    if "iterations" in training and "epochs" in training:
+        raise ModelFileError(
+            f"{shown}: TRAINING gives both 'iterations' and 'epochs'; give one (epochs: the iterations follow from "
+            "the training data's size and the global batch)"
+        )
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:

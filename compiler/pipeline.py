@@ -24,8 +24,8 @@ from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.codegen.validate import check_build
 from cloudless.compiler.annotate import annotate, fetch_attr
 from cloudless.compiler.build import build_files, write_build
-from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen
-from cloudless.compiler.errors import ModelFileError
+from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen, compute_positions
+from cloudless.compiler.errors import CompileError, ModelFileError, display_path
 from cloudless.compiler.geo import region_shares
 from cloudless.compiler.lower import (
     InterRegion,
@@ -123,33 +123,45 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
         with timed("plan"):
             planned = plan_training(front.chain, front.model_file, options.plan)
             timeline = simulate(planned.problem, planned.solution.plan)
+    # The stages run at the plan's micro-batch: trace again at that size when the profile's differs
+    # (torch.export bakes the traced sizes into reshapes; a stage traced at 2 fails on 8 rows).
+    runs_at = front
+    if planned is not None and planned.solution.plan.micro_batch != front.chain.batch_size:
+        with timed("retrace"):
+            runs_at = retrace(front, planned.solution.plan.micro_batch, options.front)
     ranges: list[tuple[int, int]] = []
+    split_from = ""
     if planned is not None:
         ranges = [(s.first, s.last) for s in planned.solution.plan.stages]
+        split_from = "the plan's split"
     elif options.verify_stages > 0:
         ranges = balanced_stage_ranges(front.chain, options.verify_stages)
+        split_from = f"a balanced split into {options.verify_stages} (no plan)"
     stages: tuple[StageCode, ...] = ()
     if ranges:
         with timed("split"):
-            stages = generate_stages(front.program, front.graph, front.chain, ranges)
+            stages = generate_stages(runs_at.program, runs_at.graph, front.chain, ranges)
     verify = None
     if options.verify_stages > 0:
         with timed("verify"), preserved_state(front.model):
             verify = verify_stages(
-                front.model,
-                front.example_inputs,
-                front.example_targets,
+                runs_at.model,
+                runs_at.example_inputs,
+                runs_at.example_targets,
                 front.model_file.loss_fn,
                 [(s.source, s.state, list(s.inputs), list(s.outputs)) for s in stages],
-                front.program.out_spec,
+                runs_at.program.out_spec,
             )
+            verify.ranges = tuple(ranges)
+            verify.batch_size = runs_at.graph.batch_size
+            verify.split_from = split_from
     lowered = None
     if planned is not None:
         with timed("lower"):
             trainings, inter_region = region_trainings(planned)
             problem = planned.problem
             lowered = lower(
-                front,
+                runs_at,
                 trainings,
                 inter_region,
                 iterations=problem.iterations,
@@ -199,6 +211,39 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
             with timed("profile"):
                 chain = profile_blocks(program, graph, chain, flat_inputs, loss_of, options.profile_repeats)
     return FrontEnd(model_file, model, program, graph, chain, example_inputs, targets)
+
+
+def retrace(front: FrontEnd, batch_size: int, options: FrontEndOptions) -> FrontEnd:
+    """The front end at another micro-batch: the same model traced (with the tracer that traced it) and
+    annotated on example inputs of `batch_size`, keeping the profiled block chain. The chain's cut
+    positions must name the same operations in both traces; a model whose graph depends on the batch
+    size is a compile error."""
+    model_file, model = front.model_file, front.model
+    with preserved_state(model):
+        example_inputs, targets = model_file.examples(batch_size)
+        model_file.check_inputs_fit(model, example_inputs, batch_size)
+        flat_inputs = pytree.tree_leaves(example_inputs)
+        program = trace_model(
+            model,
+            example_inputs,
+            model_path=options.model_path,
+            leaf_modules=options.leaf_modules,
+            tracer=front.program.tracer,
+        )
+        graph = annotate(program, flat_inputs, model_file.name, batch_size)
+    traced = [(n.name, n.target) for n in compute_positions(front.graph)]
+    again = [(n.name, n.target) for n in compute_positions(graph)]
+    if traced != again:
+        pairs = zip(traced, again, strict=False)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(traced), len(again)))
+        shown = traced[first][0] if first < len(traced) else again[first][0]
+        raise CompileError(
+            f"{display_path(options.model_path)}: the model traces to another graph at micro-batch {batch_size} "
+            f"than at {front.graph.batch_size} (the plan's micro-batch and the profiled one; they differ from "
+            f"operation {first}, {shown}): its code depends on the batch size. Fix: trace at the size it runs "
+            f"with --batch-size {batch_size}, or give TRAINING['micro_batch_sizes'] one size"
+        )
+    return FrontEnd(model_file, model, program, graph, front.chain, example_inputs, targets)
 
 
 def lower(

@@ -38,7 +38,7 @@ from cloudless.compiler.model_file import ModelFile, probe_optimizer
 from cloudless.compiler.planner import Infeasible, Solution, check_objective, solve, stage_configs
 from cloudless.compiler.simulate import simulate
 from cloudless.ir import BlockChain
-from cloudless.ir.catalog import Catalog, Link, Region, load_catalog
+from cloudless.ir.catalog import Catalog, Link, Region, load_catalog, platform_limits
 from cloudless.ir.plan import (
     BaselinePlan,
     DataMove,
@@ -78,6 +78,11 @@ class PlanOptions:
     regions: tuple[str, ...] = ()
     sync: SyncStrategy = "asgd-ga"
     sync_every: int = 10
+    #: the deployment files that will be built ("openfaas", "sam"): their platforms' limits are the plan's
+    #: (cloudless.ir.catalog.platform_limits)
+    targets: frozenset[str] = frozenset({"openfaas", "sam"})
+    #: where the OpenFaaS images are pushed (cloudless-compile --registry; None: each region's catalog entry)
+    registry: str | None = None
 
 
 @dataclass
@@ -88,6 +93,8 @@ class PlanResult:
     baselines: list[Baseline] = field(default_factory=list)
     #: with several regions: the schedule between them (this result is then the partition's source)
     geo: GeoResult | None = None
+    #: the run's iterations and where the number came from
+    run_length: RunLength | None = None
 
 
 @dataclass
@@ -116,6 +123,7 @@ def build_problem(
     except SchemaError as exc:
         raise CompileError(str(exc)) from exc
     training = model_file.training
+    samples = _samples_per_epoch(model_file, region.name)
     micro_batches = tuple(training.get("micro_batch_sizes") or [chain.batch_size])
     global_batch = training.get("global_batch_size") or max(micro_batches) * 8
     usable = [mu for mu in micro_batches if global_batch % mu == 0]
@@ -134,10 +142,41 @@ def build_problem(
         replicas=options.replicas,
         max_stages=options.max_stages,
         max_functions=options.max_functions,
-        iterations=int(training.get("iterations") or 1),
-        samples_per_epoch=_samples_per_epoch(model_file, region.name),
+        iterations=1,
+        samples_per_epoch=samples,
+        platform=platform_limits(region, options.targets),
     )
-    return region, problem
+    length = run_length(model_file, samples, problem.global_batch)
+    return region, dataclasses.replace(problem, iterations=length.iterations)
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How many iterations the run trains, and where the number came from (for the summary)."""
+
+    iterations: int
+    source: str
+
+
+def run_length(model_file: ModelFile, samples: int | None, global_batch: int) -> RunLength:
+    """TRAINING['iterations'] as given; TRAINING['epochs'] passes over the training data (`samples`, from
+    load_shard) at the global batch, ceil(epochs x samples / global batch) iterations; with neither, one
+    epoch of the data, or a single iteration when the model file gives no data to size it."""
+    training = model_file.training
+    if "iterations" in training:
+        return RunLength(int(training["iterations"]), "TRAINING['iterations']")
+    epochs = training.get("epochs")
+    if not samples:
+        if epochs is not None:
+            raise CompileError(
+                f"{model_file.name}: TRAINING['epochs'] needs the training data's size, and load_shard(region, "
+                "'train') gives none (no load_shard, or a dataset without len()); give TRAINING['iterations']"
+            )
+        return RunLength(1, "default: no TRAINING['iterations'] or ['epochs'], and no load_shard data to size an epoch")
+    passes = int(epochs or 1)
+    iterations = math.ceil(passes * samples / global_batch)
+    what = f"TRAINING['epochs'] {passes}" if epochs is not None else "default: one epoch"
+    return RunLength(iterations, f"{what} of {samples:,} samples at global batch {global_batch}")
 
 
 def _samples_per_epoch(model_file: ModelFile, region: str) -> int | None:
@@ -172,7 +211,8 @@ def plan_training(chain: BlockChain, model_file: ModelFile, options: PlanOptions
         )
     except Infeasible as exc:
         raise PlanInfeasible(diagnose(problem, options)) from exc
-    return PlanResult(region, problem, solution, found)
+    length = run_length(model_file, problem.samples_per_epoch, problem.global_batch)
+    return PlanResult(region, problem, solution, found, run_length=length)
 
 
 def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions) -> PlanResult:
@@ -199,6 +239,12 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         raise CompileError(
             f"{model_file.name}: load_shard(region, 'train') gives no samples in any of {', '.join(names)}"
         )
+    # The run's length counts the data of every region (an epoch is a pass over all of it).
+    length = run_length(model_file, sum(data.values()), problems[names[0]][1].global_batch)
+    problems = {
+        name: (region, dataclasses.replace(problem, iterations=length.iterations))
+        for name, (region, problem) in problems.items()
+    }
     main = max(names, key=lambda name: (data[name], -names.index(name)))
     main_region, main_problem = problems[main]
     level1: Objective = "time" if options.objective.startswith("time") else "cost"
@@ -282,6 +328,7 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         main_result.solution,
         found,
         GeoResult(geo_problem, solution, per_region, geo_baselines),
+        run_length=length,
     )
 
 
@@ -361,8 +408,8 @@ def diagnose(problem: Problem, options: PlanOptions) -> str:
         return (
             f"no plan fits: the model's parameters, gradients and optimizer state need {state_mb / 1024:.1f} GB, "
             f"but {min(functions, stages)} functions of {largest} MB hold {capacity / 1024:.1f} GB after the "
-            f"runtime's {region.runtime_overhead_mb:.0f} MB each; allow more functions (--max-functions) or stages "
-            f"(--max-stages), or use an optimizer with less state"
+            f"runtime's {region.runtime_overhead_mb:.0f} MB each; {problem.limits_hint()}, or use an optimizer "
+            "with less state"
         )
     # 2. A block that fits no function even alone, with the most replicas, at the smallest micro-batch.
     n = len(problem.blocks)
@@ -406,10 +453,7 @@ def diagnose(problem: Problem, options: PlanOptions) -> str:
                 )
         except Infeasible:
             pass
-    return (
-        f"no plan fits within {functions} functions and {stages} stages in {region.name}; allow more functions "
-        "(--max-functions) or stages (--max-stages)"
-    )
+    return f"no plan fits within {functions} functions and {stages} stages in {region.name}; {problem.limits_hint()}"
 
 
 def _round(value: float, digits: int = 9) -> float:

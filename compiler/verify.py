@@ -43,6 +43,10 @@ class VerifyReport:
     compared_gradients: int = 0
     stages: int = 0
     details: list[str] = field(default_factory=list)
+    #: what was verified: the stages' block ranges, at which micro-batch, and why that split
+    ranges: tuple[tuple[int, int], ...] = ()
+    batch_size: int = 0
+    split_from: str = ""
 
     @property
     def max_error(self) -> float:

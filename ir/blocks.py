@@ -35,7 +35,7 @@ class Block:
     """A contiguous range of op-graph nodes (by topological position, inclusive).
 
     `input_bytes`/`output_bytes` count every tensor live across the cut before/after the block,
-    skip connections included. Times are medians of the timed repetitions, in seconds.
+    skip connections included. Times are the fastest of the timed runs (compiler/profile.py), in seconds.
     """
 
     index: int
@@ -59,6 +59,22 @@ class Block:
 
 
 @dataclass
+class ProfileStability:
+    """How well the profile's repeated measurements agreed: what the compile warns from, never a
+    planning input (compiler/profile.py defines the figures and the thresholds).
+
+    `spread` and `reference_spread` are the relative gap between the two fastest timed runs of the
+    whole chain, and between the two fastest reference matmuls; `cpu_share` is the CPU time the
+    fastest reference matmul got over its wall time x its threads (1: the threads had their cores).
+    """
+
+    runs: int
+    spread: float
+    reference_spread: float
+    cpu_share: float
+
+
+@dataclass
 class BlockChain:
     """The blocks of one model plus how their times were measured.
 
@@ -72,9 +88,11 @@ class BlockChain:
     shared_params: dict[str, int]
     machine: MachineInfo | None = None
     profile_repeats: int = 0
+    #: None: not measured here (no profile, or one from before these figures were recorded)
+    stability: ProfileStability | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "apiVersion": "cloudless/v1",
             "kind": BLOCKS_KIND,
             "model": self.model,
@@ -84,6 +102,10 @@ class BlockChain:
             "shared_params": dict(self.shared_params),
             "blocks": [asdict(b) for b in self.blocks],
         }
+        # Absent rather than null: an earlier blocks.json, loaded and saved again, stays byte-identical.
+        if self.stability is not None:
+            document["stability"] = asdict(self.stability)
+        return document
 
     @staticmethod
     def from_json(data: dict[str, Any], source: str = "<blocks>") -> BlockChain:
@@ -96,6 +118,7 @@ class BlockChain:
             shared_params=dict(data["shared_params"]),
             machine=MachineInfo(**machine) if machine else None,
             profile_repeats=data["profile_repeats"],
+            stability=ProfileStability(**data["stability"]) if data.get("stability") else None,
         )
 
     def save(self, path: Path) -> None:

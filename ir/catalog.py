@@ -5,6 +5,8 @@ A built-in default (catalogs/default.yaml, figures cited there) serves when no c
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -75,9 +77,60 @@ AWS_REGIONS = frozenset(
 #: region's tiers and timeout may be (the generated SAM template's MemorySize and Timeout).
 LAMBDA_MEMORY_MB = (128, 10240)
 LAMBDA_MAX_TIMEOUT_S = 900
-#: An aws region's iteration is a Step Functions inline Map over all its (stage, replica) workers, which runs
-#: at most this many at once (codegen.platforms.MAX_MAP_CONCURRENCY), and every worker must run together.
-AWS_MAX_WORKERS = 40
+#: Step Functions runs an iteration's (stage, replica) workers as one Map state, all at once (the stages wait
+#: on each other's activations): an inline Map runs at most INLINE_MAP_MAX_CONCURRENCY iterations at once, a
+#: Distributed Map (child workflow executions) at most DISTRIBUTED_MAP_MAX_CONCURRENCY
+#: (https://docs.aws.amazon.com/step-functions/latest/dg/state-map.html). The generated state machine uses
+#: the inline Map up to 40 workers and the Distributed Map above, so an aws region's plan built for SAM has
+#: at most DISTRIBUTED_MAP_MAX_CONCURRENCY workers (and the catalog's limits.max_functions, Lambda's
+#: concurrency quota).
+INLINE_MAP_MAX_CONCURRENCY = 40
+DISTRIBUTED_MAP_MAX_CONCURRENCY = 10_000
+#: OpenFaaS editions (a region's `openfaas_edition`, default DEFAULT_OPENFAAS_EDITION): the Community Edition
+#: (faas-netes) rejects `com.openfaas.scale.max` above OPENFAAS_CE_MAX_REPLICAS and deploys at most
+#: OPENFAAS_CE_MAX_FUNCTIONS functions (per namespace: one region's stack.yaml is one namespace's functions);
+#: OpenFaaS Pro has neither limit. The default is the edition a fresh `arkade install openfaas` gives.
+OPENFAAS_EDITIONS = ("ce", "pro")
+DEFAULT_OPENFAAS_EDITION = "ce"
+OPENFAAS_CE_MAX_REPLICAS = 5
+OPENFAAS_CE_MAX_FUNCTIONS = 15
+#: A container image's repository name (the Docker distribution grammar, github.com/distribution/reference):
+#: an optional registry host[:port] (a first component with a '.' or ':', or localhost), then path
+#: components of lowercase letters and digits joined by '.', '_', '__' or dashes; at most 255 characters.
+#: A region's `registry` (and cloudless-compile --registry) is such a name's prefix: the image of a
+#: function is <registry>/<function>:<tag>.
+_LABEL = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*(?::[0-9]+)?")
+_PATH_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
+MAX_IMAGE_NAME = 255
+#: the longest function name (a DNS-1035 label, as OpenFaaS requires)
+MAX_FUNCTION_NAME = 63
+
+
+def registry_problem(registry: str) -> str | None:
+    """Why `registry` cannot prefix an image name (None when it can): `ghcr.io/acme`, `docker.io/acme`,
+    `localhost:5000` and `acme` (a Docker Hub account) can."""
+    if not registry:
+        return "empty; expected a registry and path such as ghcr.io/acme or docker.io/acme"
+    if "://" in registry:
+        return "a registry host and path, without a scheme (ghcr.io/acme, not https://ghcr.io/acme)"
+    if registry.endswith("/"):
+        return "without a trailing '/' (ghcr.io/acme, not ghcr.io/acme/)"
+    first, _, rest = registry.partition("/")
+    components = registry.split("/")
+    if "." in first or ":" in first or first == "localhost":
+        if not _HOST.fullmatch(first):
+            return f"{first!r} is not a registry host[:port]"
+        components = rest.split("/") if rest else []
+    for component in components:
+        if not _PATH_COMPONENT.fullmatch(component):
+            return (
+                f"{component!r} is not a repository path component (lowercase letters and digits, joined by "
+                "'.', '_' or '-')"
+            )
+    if len(registry) + 1 + MAX_FUNCTION_NAME > MAX_IMAGE_NAME:
+        return f"{len(registry)} characters; an image name holds at most {MAX_IMAGE_NAME} with the function's name"
+    return None
 
 
 def aws_region_of(region_name: str) -> str | None:
@@ -117,6 +170,10 @@ class Region:
     max_functions: int
     sync_payload_bytes: int = 6 * 2**20
     async_payload_bytes: int = 256 * 2**10
+    #: the OpenFaaS edition of the cluster this region's stack.yaml deploys to (OPENFAAS_EDITIONS)
+    openfaas_edition: str = DEFAULT_OPENFAAS_EDITION
+    #: where faas-cli pushes this region's images (an image name prefix, see registry_problem); None: none
+    registry: str | None = None
 
     def vcpus(self, tier_mb: int) -> float:
         """The CPU share of a function of this memory (the platform ties CPU to memory)."""
@@ -150,7 +207,63 @@ class Region:
             max_functions=limits["max_functions"],
             sync_payload_bytes=limits.get("sync_payload_bytes", 6 * 2**20),
             async_payload_bytes=limits.get("async_payload_bytes", 256 * 2**10),
+            openfaas_edition=data.get("openfaas_edition", DEFAULT_OPENFAAS_EDITION),
+            registry=data.get("registry"),
         )
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A deployment platform's limit on a plan: its value, what sets it and how to lift it (the planner's
+    messages name both)."""
+
+    value: int
+    what: str
+    lift: str
+
+
+@dataclass(frozen=True)
+class PlatformLimits:
+    """What the deployment files built for one region allow a plan; None: no such limit.
+
+    `workers`: an iteration's (stage, replica) instances, which all run at once; `replicas`: one stage's;
+    `stages`: the region's functions (one per stage)."""
+
+    workers: Bound | None = None
+    replicas: Bound | None = None
+    stages: Bound | None = None
+
+
+def platform_limits(region: Region, targets: Iterable[str]) -> PlatformLimits:
+    """The limits of the platforms whose files are built for `region` (targets "openfaas", "sam"): SAM (aws
+    regions only) runs an iteration's workers as one Step Functions Map, at most
+    DISTRIBUTED_MAP_MAX_CONCURRENCY at once; OpenFaaS CE allows OPENFAAS_CE_MAX_REPLICAS replicas per function
+    and OPENFAAS_CE_MAX_FUNCTIONS functions (Pro neither). The catalog's limits.max_functions holds for
+    every target; it is the region's own figure (on aws, Lambda's concurrency quota)."""
+    chosen = set(targets)
+    workers = replicas = stages = None
+    if "sam" in chosen and region.provider == "aws":
+        workers = Bound(
+            DISTRIBUTED_MAP_MAX_CONCURRENCY,
+            f"the {DISTRIBUTED_MAP_MAX_CONCURRENCY} workers a Step Functions Distributed Map runs at once (an "
+            f"iteration of {region.name} runs all its workers together)",
+            "use fewer replicas or stages",
+        )
+    if "openfaas" in chosen and region.openfaas_edition == "ce":
+        lift = f"set openfaas_edition: pro for region {region.name} in the catalog if its cluster runs OpenFaaS Pro"
+        if region.provider == "aws":
+            lift += ", or build --target sam only"
+        replicas = Bound(
+            OPENFAAS_CE_MAX_REPLICAS,
+            f"OpenFaaS CE's {OPENFAAS_CE_MAX_REPLICAS} replicas per function (com.openfaas.scale.max) in {region.name}",
+            lift,
+        )
+        stages = Bound(
+            OPENFAAS_CE_MAX_FUNCTIONS,
+            f"OpenFaaS CE's {OPENFAAS_CE_MAX_FUNCTIONS} functions (one per stage) in {region.name}",
+            lift,
+        )
+    return PlatformLimits(workers, replicas, stages)
 
 
 @dataclass(frozen=True)
@@ -237,6 +350,10 @@ def _check_region(region: Region, source: str, where: str) -> None:
             f"{source}: key {where}/memory/runtime_overhead_mb: {region.runtime_overhead_mb:g} MB leaves no memory "
             f"for the model in the largest tier ({largest} MB)"
         )
+    if region.registry is not None:
+        problem = registry_problem(region.registry)
+        if problem:
+            raise SchemaError(f"{source}: key {where}/registry: {region.registry!r}: {problem}")
     if region.provider != "aws":
         return
     if aws_region_of(region.name) is None:

@@ -23,6 +23,17 @@ PLAN_KIND = "Plan"
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 SolverStatus = Literal["optimal", "feasible"]
+#: the families of plans the chosen plan is compared with (compiler/explain.py)
+AlternativeFamily = Literal[
+    "pipeline",
+    "data-parallel",
+    "fewer-stages",
+    "fewer-replicas",
+    "more-replicas",
+    "smaller-tier",
+    "larger-tier",
+    "micro-batch",
+]
 
 _T = TypeVar("_T", bound="_Document")
 
@@ -259,6 +270,53 @@ class RegionSchedule(_Document):
 
 
 @dataclass(frozen=True)
+class AlternativeStage(_Document):
+    """One stage of an alternative plan."""
+
+    blocks: tuple[int, int]
+    tier_mb: int
+    replicas: int
+
+
+@dataclass(frozen=True)
+class PlanTerm(_Document):
+    """One term of an iteration's time or cost (compiler/explain.py), in an alternative and in the chosen plan."""
+
+    name: str
+    alternative: float
+    chosen: float
+
+
+@dataclass(frozen=True)
+class Alternative(_Document):
+    """Why the plan won: the best plan of a family the chosen plan is not in, on the same cost model, and
+    the term it loses by (compiler/explain.py)."""
+
+    family: AlternativeFamily
+    label: str
+    #: which plans the family holds
+    description: str
+    #: the family's best plan within the limits (null and empty when it has none)
+    micro_batch: int | None
+    #: whether it is the family's best, proven within 0.01 % (false: the best the solver found in its time limit)
+    proven: bool
+    stages: tuple[AlternativeStage, ...]
+    iteration_s: float | None
+    cost_usd: float | None
+    #: the alternative's time and cost over the chosen plan's: above 1, the alternative is worse
+    time_factor: float | None
+    cost_factor: float | None
+    #: what `terms` measure per iteration: the objective's seconds or dollars (the other when the two tie)
+    unit: Literal["s", "USD"]
+    terms: tuple[PlanTerm, ...]
+    #: the term the alternative loses most by, and the term it gains most by ("": none)
+    loses_by: str
+    gains_by: str
+    #: why it lost, or why the family has no plan, in words
+    summary: str
+
+
+@dataclass(frozen=True)
 class TrainingPlan(_Document):
     """plan.json. With several regions, the fields outside `regions` are the plan of the region whose
     partition every region shares."""
@@ -277,6 +335,8 @@ class TrainingPlan(_Document):
     solver: SolverReport
     baselines: tuple[BaselinePlan, ...]
     regions: RegionSchedule | None = field(default=None, metadata={"omit_none": True})
+    #: why the chosen plan won, against the best plan of each other family (absent across several regions)
+    explanation: tuple[Alternative, ...] | None = field(default=None, metadata={"omit_none": True})
 
     def to_json(self) -> dict[str, Any]:
         return {"apiVersion": API_VERSION, "kind": PLAN_KIND, **super().to_json()}

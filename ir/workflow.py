@@ -45,7 +45,7 @@ class Function:
     #: the CPU share the platform gives that memory, thousandths of a vCPU
     cpu_millis: int
     #: MB/s each way to storage (the catalog's figure for the tier; what --emulate uses)
-    network_mbps: float
+    network_mb_per_s: float
     replicas: int
     timeout_s: int
     #: folder of the function package, relative to the build
@@ -62,7 +62,7 @@ class Function:
             "blocks": list(self.blocks),
             "memory_mb": self.memory_mb,
             "cpu_millis": self.cpu_millis,
-            "network_mbps": self.network_mbps,
+            "network_mb_per_s": self.network_mb_per_s,
             "replicas": self.replicas,
             "timeout_s": self.timeout_s,
             "package": self.package,
@@ -80,7 +80,7 @@ class Function:
             blocks=(int(first), int(last)),
             memory_mb=int(data["memory_mb"]),
             cpu_millis=int(data["cpu_millis"]),
-            network_mbps=float(data["network_mbps"]),
+            network_mb_per_s=float(data["network_mb_per_s"]),
             replicas=int(data["replicas"]),
             timeout_s=int(data["timeout_s"]),
             package=data["package"],
@@ -282,16 +282,16 @@ class WanLink:
     """The link between two regions' storage."""
 
     between: tuple[str, str]
-    mbps: float  # MB/s
+    mb_per_s: float
     latency_s: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"between": list(self.between), "mbps": self.mbps, "latency_s": self.latency_s}
+        return {"between": list(self.between), "mb_per_s": self.mb_per_s, "latency_s": self.latency_s}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> WanLink:
         a, b = data["between"]
-        return cls((a, b), float(data["mbps"]), float(data["latency_s"]))
+        return cls((a, b), float(data["mb_per_s"]), float(data["latency_s"]))
 
 
 @dataclass(frozen=True)

@@ -175,9 +175,9 @@ def resources_of(workflow: Workflow, args: argparse.Namespace) -> Callable[[Func
     latency = workflow.regions[0].request_latency_s
 
     def resources(function: Function) -> Resources:
-        mbps = args.bandwidth or (function.network_mbps if args.emulate else None)
+        mb_per_s = args.bandwidth or (function.network_mb_per_s if args.emulate else None)
         return Resources(
-            bytes_per_s=mbps * 1e6 if mbps else None,
+            bytes_per_s=mb_per_s * 1e6 if mb_per_s else None,
             latency_s=args.latency_ms / 1000 if args.latency_ms is not None else (latency if args.emulate else 0.0),
             vcpus=function.cpu_millis / 1000 if args.emulate else None,
         )

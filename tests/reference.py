@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cloudless.compiler.model_file import ModelFile
+from cloudless.compiler.model_file import ModelFile, probe_optimizer
 from cloudless.ir.schedule import sample_indices
 from cloudless.ir.workflow import DataSource, Region, RunSettings, Workflow
 
@@ -21,7 +21,9 @@ class PlainTrainer:
     def __init__(self, model_file: ModelFile, run: RunSettings, items: list[Any]) -> None:
         self.model_file, self.run = model_file, run
         self.model = model_file.build_model()
-        self.optimizer = model_file.make_optimizer(self.model.parameters())
+        # as the functions build it: the model file's torch.optim class and options (SGD without one)
+        probe = probe_optimizer(model_file)
+        self.optimizer = getattr(torch.optim, probe.class_name)(self.model.parameters(), **probe.options)
         self.inputs = [torch.stack([item[0][j] for item in items]) for j in range(len(items[0][0]))]
         self.targets = torch.stack([torch.as_tensor(item[1]) for item in items])
         self.samples = len(items)

@@ -12,7 +12,7 @@ import torch
 from cloudless.compiler.build import package_files, write_build
 from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
-from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, run_front_end
+from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, retrace, run_front_end
 from cloudless.ir.catalog import load_catalog
 from cloudless.ir.protocol import InvocationResult
 from cloudless.ir.workflow import Function, StepKind, Workflow
@@ -39,7 +39,10 @@ def write_packages(
     iterations: int,
     schedule: str = "gpipe",
 ) -> Workflow:
-    """Lower a plan of (first block, last block, replicas) stages and write its packages."""
+    """Lower a plan of (first block, last block, replicas) stages and write its packages (traced again at
+    `micro_batch` when the front end traced another size, as a compile does)."""
+    if micro_batch != result.chain.batch_size:
+        result = retrace(result, micro_batch, FrontEndOptions(model_path=result.model_file.path))
     region = load_catalog(None).region(None)
     plan = Plan(micro_batch, tuple(StageChoice(first, last, 1024, r) for first, last, r in stages))
     lowered = lower(

@@ -184,7 +184,11 @@ def test_llama_compiles_with_verify(compile_cli, tmp_path: Path) -> None:
     )
     assert code == 0, stderr
     assert "traced with torch.export" in stdout
-    match = re.search(r"verified    3 stages: largest gradient error (\S+) \((\d+) gradients\)", stdout)
+    match = re.search(
+        r"verified    3 stages of a balanced split into 3 \(no plan\) \(blocks 0-\d+ \| \d+-\d+ \| \d+-\d+\) at "
+        r"micro-batch 2: largest gradient error (\S+) \((\d+) gradients\)",
+        stdout,
+    )
     assert match, stdout
     assert float(match.group(1)) <= 1e-5 and int(match.group(2)) == 21
 
@@ -215,15 +219,26 @@ def test_llama_no_grad_region_in_a_middle_stage_verifies(llama: FrontEnd) -> Non
     assert set(load_stage(source, stages[1].state, "s1").state_dict()) == set(stages[1].state)
 
 
-def test_llama_trains_under_cloudless_run_like_plain_pytorch(llama: FrontEnd, tmp_path: Path) -> None:
+@pytest.mark.parametrize("micro_batch, replicas", [(2, 1), (4, 2)])
+def test_llama_trains_under_cloudless_run_like_plain_pytorch(
+    llama: FrontEnd, tmp_path: Path, micro_batch: int, replicas: int
+) -> None:
     """Two stages, the second opening with the no_grad region, two iterations: the parameters end as
-    plain PyTorch's."""
+    plain PyTorch's. Traced at micro-batch 2, the model also runs at 4 with a replicated first stage
+    (torch.export bakes the traced size into its reshapes: the stages are traced again at 4)."""
+    assert llama.graph.batch_size == 2
     block = hop_block(llama, "wrap_with_set_grad_enabled")
     last = len(llama.chain.blocks) - 1
     build = tmp_path / "build"
     workflow = write_packages(
-        llama, build, [(0, block - 1, 1), (block, last, 1)], micro_batch=2, global_batch=8, iterations=2
+        llama,
+        build,
+        [(0, block - 1, replicas), (block, last, 1)],
+        micro_batch=micro_batch,
+        global_batch=8,
+        iterations=2,
     )
+    assert workflow.regions[0].functions[0].replicas == replicas
     stage_files = sorted(build.glob("regions/*/functions/*/stage.py"))
     assert len(stage_files) == 2 and "torch.set_grad_enabled(False)" in stage_files[1].read_text()
     out = tmp_path / "out"

@@ -20,13 +20,12 @@ from typing import Any, Literal
 import pytest
 
 from cloudless.compiler.cost_model import OutOfRange
-from cloudless.compiler.errors import CompileError
 from cloudless.compiler.model_file import load_model_file
 from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_ir, plan_training
 from cloudless.compiler.simulate import simulate
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir import plan as ir_plan
-from cloudless.ir.catalog import AWS_MAX_WORKERS, AWS_REGIONS, aws_region_of, load_catalog
+from cloudless.ir.catalog import AWS_REGIONS, aws_region_of, load_catalog
 from cloudless.ir.files import load_plan, plan_text, save_plan
 from cloudless.ir.graph import dumps
 from cloudless.ir.plan import HEADER_KEYS, BaselinePlan, TrainingPlan, document_classes, json_key
@@ -512,28 +511,6 @@ def test_ir_plan_and_timeline_import_the_standard_library_only() -> None:
         and not name.startswith(("cloudless.ir.", "__editable__"))
     ]
     assert foreign == []
-
-
-def test_an_aws_region_never_plans_more_workers_than_its_state_machine_runs() -> None:
-    """An aws region's iteration is one Step Functions inline Map over all its workers (at most 40 at once,
-    all together): the planner keeps within it, and replica counts all above it are one clear error, not
-    a failure of the deployment files' generation."""
-    from cloudless.codegen.platforms import MAX_MAP_CONCURRENCY
-
-    assert AWS_MAX_WORKERS == MAX_MAP_CONCURRENCY
-    chain = synthetic_chain(0.01, blocks=8)
-    result = plan_training(
-        chain,
-        load_model_file(MODELS / "tricky.py"),
-        PlanOptions(objective="time", replicas=(8, 16, 32), max_stages=8),
-    )
-    assert sum(c.replicas for c in result.solution.plan.stages) <= AWS_MAX_WORKERS
-    for baseline in result.baselines:
-        assert baseline.plan is None or sum(c.replicas for c in baseline.plan.stages) <= AWS_MAX_WORKERS
-    with pytest.raises(CompileError, match=r"every replica count of --replicas 64 exceeds the 40 functions of an aws"):
-        plan_for(chain, replicas=(64,))
-    with pytest.raises(CompileError, match=r"every replica count of --replicas 4,8 exceeds --max-functions 2;"):
-        plan_for(chain, replicas=(4, 8), max_functions=2)
 
 
 def test_a_region_of_another_provider_gets_openfaas_files_only(compile_cli, tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import yaml
+from statelint.linter import Linter
 
+from cloudless.codegen.images import LAMBDA_BASE_IMAGE, OPENFAAS_BUILD_ARGS, PYTHON_VERSION
 from cloudless.codegen.package import (
     PYPI_INDEX,
     PYPI_PINS,
@@ -28,16 +30,20 @@ from cloudless.codegen.package import (
     render_function_package,
 )
 from cloudless.codegen.platforms import (
+    EVENTS_PER_DISTRIBUTED_MAP,
+    EVENTS_PER_ITERATION,
     LAMBDA_RETRY_ERRORS,
     S3_OBJECT_ACTIONS,
     aws_region,
     iterations_per_execution,
+    lambda_function_name,
     logical_id,
     render_region,
     render_samconfig,
+    state_machine_name,
     workers,
 )
-from cloudless.codegen.validate import BuildCheckError, check_deployment, substitute_arns
+from cloudless.codegen.validate import BuildCheckError, check_deployment, deployment_warnings, substitute_arns
 from cloudless.compiler.lower import region_steps
 from cloudless.ir.files import check_workflow, dump_yaml, workflow_text
 from cloudless.ir.schema import SchemaError
@@ -64,7 +70,7 @@ def _function(region: str, stage: int, replicas: int, memory_mb: int) -> Functio
         blocks=(2 * stage, 2 * stage + 2),
         memory_mb=memory_mb,
         cpu_millis=round(1000 * memory_mb / 1769),
-        network_mbps=50.0,
+        network_mb_per_s=50.0,
         replicas=replicas,
         timeout_s=900,
         package=f"regions/{region}/functions/{name}",
@@ -109,15 +115,17 @@ def make_workflow(replicas: tuple[int, int, int] = (1, 2, 4)) -> Workflow:
     return workflow
 
 
-def render_all(workflow: Workflow) -> dict[str, str]:
+def render_all(workflow: Workflow, registry: str | None = "ghcr.io/acme") -> dict[str, str]:
     files = {"workflow.yaml": workflow_text(workflow), "samconfig.toml": render_samconfig(workflow)}
     for region in workflow.regions:
-        files.update(render_region(workflow, region.name, {"openfaas", "sam"}))
+        files.update(render_region(workflow, region.name, {"openfaas", "sam"}, registry=registry))
     return files
 
 
-def write_build(root: Path, workflow: Workflow, *, packages: bool = True) -> Path:
-    for relative, text in render_all(workflow).items():
+def write_build(
+    root: Path, workflow: Workflow, *, packages: bool = True, registry: str | None = "ghcr.io/acme"
+) -> Path:
+    for relative, text in render_all(workflow, registry).items():
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -169,7 +177,6 @@ def test_rendered_build_passes_every_check(good_build: Path) -> None:
 
 def test_statelint_and_cfn_lint_find_nothing(good_build: Path) -> None:
     import cfnlint.api
-    from statelint.linter import Linter
 
     for region, aws in ((EAST, "us-east-1"), (WEST, "eu-west-1")):
         definition = (good_build / "regions" / region / "statemachine.asl.json").read_text()
@@ -191,33 +198,82 @@ def test_stack_file_content(good_build: Path) -> None:
     assert s2["lang"] == "python3-http-debian"
     assert s2["handler"] == f"./functions/{RUN}-s2"
     assert (good_build / "regions" / EAST / s2["handler"] / "handler.py").is_file()
-    assert s2["image"] == f"{RUN}-s2:latest"
+    # pushed to the registry, tagged by content: each function its own tag, a stable one
+    assert re.fullmatch(rf"ghcr\.io/acme/{RUN}-s2:sha-[0-9a-f]{{12}}", s2["image"]), s2["image"]
+    images = [f["image"] for f in stack["functions"].values()]
+    assert len(set(images)) == 3
+    assert images == [
+        f["image"]
+        for f in yaml.safe_load(render_all(make_workflow())[f"regions/{EAST}/stack.yaml"])["functions"].values()
+    ]
     assert s2["environment"]["CLOUDLESS_STORAGE"] == "s3://cloudless-mlp-digits/mlp-digits"
     assert s2["environment"]["exec_timeout"] == "900s"
     assert s2["environment"]["read_timeout"] == s2["environment"]["write_timeout"] == "910s"
     assert s2["secrets"] == ["cloudless-storage", "cloudless-token"]
     assert s2["limits"] == s2["requests"] == {"memory": "3008Mi", "cpu": "1700m"}
     assert s2["labels"] == {"com.openfaas.scale.min": "4", "com.openfaas.scale.max": "4"}
-    assert s2["build_args"] == {"TEST_ENABLED": "false"}
+    # the template's base image runs the Python the pins are for, on Debian bookworm; no tox in the build
+    assert (
+        s2["build_args"]
+        == OPENFAAS_BUILD_ARGS
+        == {
+            "PYTHON_VERSION": "3.12",
+            "DEBIAN_OS": "slim-bookworm",
+            "TEST_ENABLED": "false",
+        }
+    )
+    assert deployment_warnings(good_build) == []
+
+
+def test_a_stack_without_registry_builds_but_warns(tmp_path: Path) -> None:
+    """No registry: the build is whole (faas-cli build works, SAM needs none), the images are `<fn>:<tag>`,
+    and the stack file and --check say that faas-cli up cannot push them."""
+    build = write_build(tmp_path, make_workflow(), registry=None)
+    check_deployment(build)
+    text = (build / "regions" / EAST / "stack.yaml").read_text()
+    assert "The images have no registry prefix" in text
+    images = [f["image"] for f in yaml.safe_load(text)["functions"].values()]
+    assert all(re.fullmatch(rf"{RUN}-s\d:sha-[0-9a-f]{{12}}", image) for image in images), images
+    warnings = deployment_warnings(build)
+    assert [w.split(":")[0] for w in warnings] == [f"regions/{WEST}/stack.yaml", f"regions/{EAST}/stack.yaml"]
+    assert "faas-cli up fails at the push; compile with --registry" in warnings[0]
+    with pytest.raises(ValueError, match="registry 'https://ghcr.io/acme': a registry host and path, without"):
+        render_region(make_workflow(), EAST, {"openfaas"}, registry="https://ghcr.io/acme")
+
+
+def test_beyond_openfaas_ce_the_check_warns(build: Path) -> None:
+    edit(build / "regions" / EAST / "stack.yaml", 'com.openfaas.scale.max: "4"', 'com.openfaas.scale.max: "6"')
+    assert deployment_warnings(build) == [
+        f"regions/{EAST}/stack.yaml: function {RUN}-s2 scales to 6 replicas; OpenFaaS CE allows at most 5 (this "
+        "stack needs OpenFaaS Pro)"
+    ]
 
 
 def test_sam_template_content(good_build: Path) -> None:
     template = yaml.safe_load((good_build / "regions" / EAST / "template.yaml").read_text())
     assert template["Transform"] == "AWS::Serverless-2016-10-31"
-    assert template["Parameters"]["BucketName"]["Default"] == "cloudless-mlp-digits"
+    assert "Parameters" not in template  # nothing to fill in at deploy: no bucket name to choose or guess
     resources = template["Resources"]
+    # the run's bucket: a resource of the stack, named by CloudFormation, kept when the stack goes
+    bucket = resources["RunBucket"]
+    assert bucket["Type"] == "AWS::S3::Bucket" and "BucketName" not in bucket["Properties"]
+    assert bucket["DeletionPolicy"] == bucket["UpdateReplacePolicy"] == "Retain"
+    assert set(bucket["Properties"]["PublicAccessBlockConfiguration"].values()) == {True}
     function = resources["MlpDigitsS1Function"]
     assert function["Type"] == "AWS::Serverless::Function"
     properties = function["Properties"]
+    assert properties["FunctionName"] == f"{RUN}-s1-{EAST}" == lambda_function_name(f"{RUN}-s1", EAST)
     assert (properties["PackageType"], properties["MemorySize"], properties["Timeout"]) == ("Image", 1769, 900)
     assert properties["ImageConfig"]["Command"] == ["handler.handler"]
-    assert properties["Environment"]["Variables"]["CLOUDLESS_STORAGE"] == {"Fn::Sub": "s3://${BucketName}/mlp-digits"}
-    assert function["Metadata"] == {
-        "Dockerfile": "Dockerfile",
-        "DockerContext": f"functions/{RUN}-s1",
-        "DockerTag": "latest",
-    }
+    assert properties["Environment"]["Variables"]["CLOUDLESS_STORAGE"] == {"Fn::Sub": "s3://${RunBucket}/mlp-digits"}
+    assert function["Metadata"]["Dockerfile"] == "Dockerfile"
+    assert function["Metadata"]["DockerContext"] == f"functions/{RUN}-s1"
+    assert re.fullmatch(r"sha-[0-9a-f]{12}", function["Metadata"]["DockerTag"])
+    # the OpenFaaS image of the same package has the same tag
+    stack = yaml.safe_load((good_build / "regions" / EAST / "stack.yaml").read_text())
+    assert stack["functions"][f"{RUN}-s1"]["image"].endswith(":" + function["Metadata"]["DockerTag"])
     machine = resources["IterationStateMachine"]["Properties"]
+    assert machine["Name"] == f"{RUN}-{EAST}" == state_machine_name(make_workflow(), EAST)
     assert machine["DefinitionUri"] == "statemachine.asl.json"
     assert machine["DefinitionSubstitutions"] == {
         f"MlpDigitsS{s}FunctionArn": {"Fn::GetAtt": [f"MlpDigitsS{s}Function", "Arn"]} for s in range(3)
@@ -225,6 +281,14 @@ def test_sam_template_content(good_build: Path) -> None:
     assert machine["Policies"] == [
         {"LambdaInvokePolicy": {"FunctionName": {"Ref": f"MlpDigitsS{s}Function"}}} for s in range(3)
     ]
+    # the outputs name the bucket, the state machine and every function, exported under the stack's name
+    outputs = template["Outputs"]
+    assert outputs["BucketName"]["Value"] == {"Ref": "RunBucket"}
+    assert outputs["IterationStateMachineArn"]["Value"] == {"Ref": "IterationStateMachine"}
+    for s in range(3):
+        output = outputs[f"MlpDigitsS{s}FunctionName"]
+        assert output["Value"] == {"Ref": f"MlpDigitsS{s}Function"}
+        assert output["Export"] == {"Name": {"Fn::Sub": f"${{AWS::StackName}}-MlpDigitsS{s}FunctionName"}}
 
 
 def test_state_machine_shape(good_build: Path) -> None:
@@ -256,7 +320,7 @@ def test_samconfig_content(good_build: Path) -> None:
     assert deploy["stack_name"] == f"{RUN}-{WEST}"
     assert deploy["capabilities"] == "CAPABILITY_IAM"
     assert deploy["resolve_image_repos"] is True
-    assert deploy["parameter_overrides"] == "BucketName=cloudless-mlp-digits"
+    assert "parameter_overrides" not in deploy  # the bucket is the stack's own
     assert config[WEST]["build"]["parameters"]["template_file"] == f"regions/{WEST}/template.yaml"
     # deploy reads what sam build wrote for this region
     assert deploy["template_file"] == config[WEST]["build"]["parameters"]["build_dir"] + "/template.yaml"
@@ -266,9 +330,16 @@ def test_names() -> None:
     assert logical_id("mlp-digits-s0") == "MlpDigitsS0Function"
     assert aws_region("aws-us-east-1") == "us-east-1"
     assert aws_region("tencent-ap-guangzhou") == "tencent-ap-guangzhou"
-    # a history of at most 25,000 events per execution
+    # a history of at most 25,000 events per execution; a Distributed Map's workers have histories of their own
     assert iterations_per_execution(40) * (10 * 40 + 12) <= 24_000
     assert iterations_per_execution(1) >= 1000
+    assert iterations_per_execution(41) == iterations_per_execution(10_000) == 24_000 // (10 + 12)
+    with pytest.raises(ValueError, match="a Step Functions Distributed Map runs at most 10000"):
+        iterations_per_execution(10_001)
+    # Lambda names: at most 64 characters; a longer one keeps its start and a digest, so it stays unique
+    assert lambda_function_name("mlp-digits-s0", "aws-us-east-1") == "mlp-digits-s0-aws-us-east-1"
+    long_names = {lambda_function_name(f"{'a' * 60}-s{s}", "aws-ap-southeast-1") for s in range(12)}
+    assert len(long_names) == 12 and all(len(n) == 64 and re.fullmatch(r"[a-z0-9-]+", n) for n in long_names)
 
 
 def test_rendering_is_deterministic() -> None:
@@ -286,6 +357,9 @@ def test_no_credentials_and_bucket_scoped_policies(good_build: Path) -> None:
     for region in (EAST, WEST):
         template = yaml.safe_load((good_build / "regions" / region / "template.yaml").read_text())
         for resource in template["Resources"].values():
+            if resource["Type"] == "AWS::S3::Bucket":
+                assert "BucketPolicy" not in resource["Properties"]
+                continue
             policies = resource["Properties"].get("Policies", [])
             if resource["Type"] == "AWS::Serverless::StateMachine":
                 assert all(list(policy) == ["LambdaInvokePolicy"] for policy in policies)
@@ -297,10 +371,10 @@ def test_no_credentials_and_bucket_scoped_policies(good_build: Path) -> None:
             assert all(statement["Effect"] == "Allow" for statement in statements)
             objects, listing = statements
             assert objects["Action"] == list(S3_OBJECT_ACTIONS) == ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
-            assert objects["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BucketName}/mlp-digits/*"}
+            assert objects["Resource"] == {"Fn::Sub": "${RunBucket.Arn}/mlp-digits/*"}
             assert "Condition" not in objects
             assert listing["Action"] == "s3:ListBucket"
-            assert listing["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${BucketName}"}
+            assert listing["Resource"] == {"Fn::GetAtt": ["RunBucket", "Arn"]}
             assert listing["Condition"] == {"StringLike": {"s3:prefix": "mlp-digits/*"}}
             actions = [a for statement in statements for a in _as_list(statement["Action"])]
             assert all(re.fullmatch(r"s3:[A-Za-z]+", a) for a in actions), actions  # no wildcard: s3:*, s3:Get*
@@ -326,11 +400,9 @@ def test_the_policy_follows_the_storage_prefix() -> None:
         template = yaml.safe_load(render_region(moved, EAST, {"sam"})[f"regions/{EAST}/template.yaml"])
         function = template["Resources"]["MlpDigitsS0Function"]["Properties"]
         objects, listing = function["Policies"][0]["Statement"]
-        assert objects["Resource"]["Fn::Sub"].endswith(f":::${{BucketName}}/{expected}*")
+        assert objects["Resource"]["Fn::Sub"] == f"${{RunBucket.Arn}}/{expected}*"
         assert listing["Condition"]["StringLike"]["s3:prefix"] == f"{expected}*"
-        assert function["Environment"]["Variables"]["CLOUDLESS_STORAGE"] == {
-            "Fn::Sub": f"s3://${{BucketName}}/{prefix}"
-        }
+        assert function["Environment"]["Variables"]["CLOUDLESS_STORAGE"] == {"Fn::Sub": f"s3://${{RunBucket}}/{prefix}"}
 
 
 def _logical_lines(text: str) -> list[str]:
@@ -392,6 +464,9 @@ def test_requirements_pin_every_package_to_one_index() -> None:
 
     # The Dockerfile installs torch, then the rest with their hashes, then copies the code and weights.
     dockerfile = files[f"{root}/Dockerfile"].decode().splitlines()
+    assert [line for line in dockerfile if line.startswith("FROM")] == ["FROM public.ecr.aws/lambda/python:3.12"]
+    assert LAMBDA_BASE_IMAGE == f"public.ecr.aws/lambda/python:{PYTHON_VERSION}"
+    assert dockerfile[-1] == 'CMD ["handler.handler"]'
     steps = [line for line in dockerfile if line.startswith(("COPY", "RUN"))]
     assert steps == [
         "COPY requirements-torch.txt ${LAMBDA_TASK_ROOT}/",
@@ -400,12 +475,11 @@ def test_requirements_pin_every_package_to_one_index() -> None:
         "RUN pip install --no-cache-dir --require-hashes -r ${LAMBDA_TASK_ROOT}/requirements-pypi.txt",
         "COPY . ${LAMBDA_TASK_ROOT}/",
     ]
-    assert "public.ecr.aws/lambda/python:3.11" in dockerfile[1]
 
 
 def test_the_pins_cover_every_dependency() -> None:
-    """What the pinned packages require (their metadata here, on Python 3.11) is pinned too, so an image
-    installs no version nobody chose."""
+    """What the pinned packages require (their metadata here) on the images' Python is pinned too, so an
+    image installs no version nobody chose (tests/test_images.py resolves the files with pip itself)."""
     from importlib.metadata import PackageNotFoundError, requires
 
     from packaging.requirements import Requirement
@@ -418,8 +492,8 @@ def test_the_pins_cover_every_dependency() -> None:
             continue  # async-timeout: not installed on this Python (3.11.3 or later)
         for line in declared:
             requirement = Requirement(line)
-            for version in ("3.11.0", "3.11.9"):
-                environment = {"python_version": "3.11", "python_full_version": version, "extra": ""}
+            for version in (f"{PYTHON_VERSION}.0", f"{PYTHON_VERSION}.99"):
+                environment = {"python_version": PYTHON_VERSION, "python_full_version": version, "extra": ""}
                 if requirement.marker is None or requirement.marker.evaluate(environment):
                     assert requirement.name in names, f"{pin.name} needs {requirement.name}, which is not pinned"
 
@@ -431,12 +505,35 @@ def test_unknown_target_and_region_are_refused() -> None:
         render_region(make_workflow(), "aws-ap-south-1", {"sam"})
 
 
-def test_more_than_40_workers_are_refused() -> None:
-    workflow = make_workflow(replicas=(1, 2, 38))
-    assert len(workers(workflow, EAST)) == 41
-    render_region(workflow, EAST, {"openfaas"})
-    with pytest.raises(ValueError, match="at most 40"):
-        render_region(workflow, EAST, {"sam"})
+def test_more_than_40_workers_run_as_a_distributed_map(tmp_path: Path) -> None:
+    """Up to 40 workers an inline Map runs them at once; above, a Distributed Map (each worker a Standard child
+    execution, the state machine allowed to start and follow them); above 10,000 nothing can."""
+    for replicas, mode in (((1, 2, 37), "INLINE"), ((1, 2, 38), "DISTRIBUTED"), ((1, 2, 9997), "DISTRIBUTED")):
+        workflow = make_workflow(replicas=replicas)
+        files = render_region(workflow, EAST, {"sam"})
+        definition = json.loads(files[f"regions/{EAST}/statemachine.asl.json"])
+        iteration = definition["States"]["Iteration"]
+        assert iteration["ItemProcessor"]["ProcessorConfig"]["Mode"] == mode
+        assert iteration["MaxConcurrency"] == len(workers(workflow, EAST)) == sum(replicas)
+        assert Linter.validate(json.loads(substitute_arns(files[f"regions/{EAST}/statemachine.asl.json"]))) == []
+        machine = yaml.safe_load(files[f"regions/{EAST}/template.yaml"])["Resources"]["IterationStateMachine"]
+        statements = [p["Statement"] for p in machine["Properties"]["Policies"] if "Statement" in p]
+        if mode == "INLINE":
+            assert statements == []
+            continue
+        assert iteration["ItemProcessor"]["ProcessorConfig"]["ExecutionType"] == "STANDARD"
+        assert "ToleratedFailurePercentage" not in iteration  # its default, 0: a failed worker fails the Map
+        (policy,) = statements
+        name = machine["Properties"]["Name"]
+        assert [(s["Action"], s["Resource"]["Fn::Sub"].rsplit(":", 2)[1:]) for s in policy] == [
+            ("states:StartExecution", ["stateMachine", name]),
+            (["states:DescribeExecution", "states:StopExecution"], ["execution", f"{name}/*"]),
+        ]
+    build = write_build(tmp_path, make_workflow(replicas=(1, 2, 38)))
+    check_deployment(build)
+    with pytest.raises(ValueError, match="10001 .* workers; a Step Functions Distributed Map runs at most 10000"):
+        render_region(make_workflow(replicas=(1, 2, 9998)), EAST, {"sam"})
+    render_region(make_workflow(replicas=(1, 2, 9998)), EAST, {"openfaas"})  # OpenFaaS runs no Map
 
 
 # --- broken builds: the first problem, with its file and key --------------------------------------------
@@ -458,13 +555,26 @@ def test_more_than_40_workers_are_refused() -> None:
             f"key functions/{RUN}-s0/labels/com.openfaas.scale.min",
         ),
         (f"  {RUN}-s0:\n", "  MLP_s0:\n", "key functions/MLP_s0"),
+        (f'image: "ghcr.io/acme/{RUN}-s0:sha-', f'image: "ghcr.io/acme/{RUN}-s1:sha-', f"key functions/{RUN}-s0/image"),
+        ('image: "ghcr.io/acme/', 'image: "GHCR.io/Acme/', f"key functions/{RUN}-s0/image"),
     ],
-    ids=["unknown-key", "bad-memory", "read-before-exec", "unquoted-scale", "bad-name"],
+    ids=["unknown-key", "bad-memory", "read-before-exec", "unquoted-scale", "bad-name", "image-name", "registry"],
 )
 def test_broken_stack_file(build: Path, old: str, new: str, key: str) -> None:
     edit(build / "regions" / EAST / "stack.yaml", old, new)
     message = failure(build)
     assert message.startswith(f"regions/{EAST}/stack.yaml: {key}"), message
+
+
+@pytest.mark.parametrize("image", [f"ghcr.io/acme/{RUN}-s0:latest", f"ghcr.io/acme/{RUN}-s0", f"{RUN}-s0"])
+def test_an_image_without_a_tag_of_its_own(build: Path, image: str) -> None:
+    """faas-cli adds `:latest` to an untagged image: a tag that names different images over time."""
+    path = build / "regions" / EAST / "stack.yaml"
+    stack = yaml.safe_load(path.read_text())
+    stack["functions"][f"{RUN}-s0"]["image"] = image
+    path.write_text(yaml.safe_dump(stack))
+    message = failure(build)
+    assert message.startswith(f"regions/{EAST}/stack.yaml: key functions/{RUN}-s0/image: {image!r}: expected a tag")
 
 
 def test_missing_handler_folder(build: Path) -> None:
@@ -483,6 +593,29 @@ def test_dangling_next_in_state_machine(build: Path) -> None:
     message = failure(build)
     assert message.startswith(f"regions/{EAST}/statemachine.asl.json: key States/Advance/Next: statelint:"), message
     assert "Nowhere" in message
+
+
+def test_distributed_map_of_express_children(tmp_path: Path) -> None:
+    build = write_build(tmp_path, make_workflow(replicas=(1, 2, 38)))
+    path = build / "regions" / EAST / "statemachine.asl.json"
+    edit(path, '"ExecutionType": "STANDARD"', '"ExecutionType": "EXPRESS"')
+    message = failure(build)
+    assert message.startswith(
+        f"regions/{EAST}/statemachine.asl.json: key States/Iteration/ItemProcessor/ProcessorConfig/ExecutionType"
+    ), message
+    edit(path, '"ExecutionType": "EXPRESS"', '"ExecutionType": "STANDARD"')
+    edit(path, '"MaxConcurrency": 41', '"MaxConcurrency": 40')
+    message = failure(build)
+    assert "MaxConcurrency: 40 < the region's 41 workers" in message, message
+    edit(path, '"MaxConcurrency": 40', '"MaxConcurrency": 41')
+    edit(
+        build / "regions" / EAST / "template.yaml", "Action: states:StartExecution", "Action: states:DescribeExecution"
+    )
+    message = failure(build)
+    assert message.startswith(
+        f"regions/{EAST}/template.yaml: key Resources/IterationStateMachine/Properties/Policies: "
+        "statemachine.asl.json runs a Distributed Map, but no statement allows states:StartExecution"
+    ), message
 
 
 def test_map_concurrency_over_40(build: Path) -> None:
@@ -521,8 +654,45 @@ def test_task_without_retry(build: Path) -> None:
             "            Ref: MlpDigitsS9Function\n",
             "key Resources/IterationStateMachine/Properties/Policies/1/LambdaInvokePolicy/FunctionName/Ref",
         ),
+        (
+            "      PublicAccessBlockConfiguration:\n",
+            "      BucketName: cloudless-mlp-digits\n      PublicAccessBlockConfiguration:\n",
+            "key Resources/RunBucket/Properties/BucketName: the run's bucket is named by CloudFormation",
+        ),
+        (
+            '            Fn::Sub: "s3://${RunBucket}/mlp-digits"\n',
+            '            Fn::Sub: "s3://${Bucket}/mlp-digits"\n',
+            "key Resources/MlpDigitsS0Function/Properties/Environment/Variables/CLOUDLESS_STORAGE/Fn::Sub: 'Bucket'",
+        ),
+        (
+            f'      FunctionName: "{RUN}-s1-{EAST}"\n',
+            f'      FunctionName: "{RUN}-s0-{EAST}"\n',
+            "key Resources/MlpDigitsS1Function/Properties/FunctionName: 'mlp-digits-s0-aws-us-east-1' is also",
+        ),
+        (
+            f'      FunctionName: "{RUN}-s1-{EAST}"\n',
+            f'      FunctionName: "{RUN}-s1-{EAST}-{"x" * 40}"\n',
+            "key Resources/MlpDigitsS1Function/Properties/FunctionName",
+        ),
+        (
+            "  MlpDigitsS2FunctionName:\n",
+            "  MlpDigitsS2FunctionLabel:\n",
+            "key Outputs/MlpDigitsS2FunctionName: missing",
+        ),
+        (f'      Name: "{RUN}-{EAST}"\n', "", "key Resources/IterationStateMachine/Properties/Name: None"),
     ],
-    ids=["timeout", "memory", "unknown-property", "dangling-ref"],
+    ids=[
+        "timeout",
+        "memory",
+        "unknown-property",
+        "dangling-ref",
+        "fixed-bucket-name",
+        "dangling-sub",
+        "same-function-name",
+        "long-function-name",
+        "unexported-name",
+        "unnamed-state-machine",
+    ],
 )
 def test_broken_template(build: Path, old: str, new: str, key: str) -> None:
     edit(build / "regions" / EAST / "template.yaml", old, new)
@@ -574,7 +744,8 @@ def test_credentials_are_refused(build: Path) -> None:
 # --- the state machine runs -----------------------------------------------------------------------------
 
 
-def test_state_machine_runs_in_moto(good_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("replicas", [(1, 2, 4), (1, 2, 38)], ids=["inline-map", "distributed-map"])
+def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
     from moto import mock_aws
 
@@ -584,9 +755,9 @@ def test_state_machine_runs_in_moto(good_build: Path, monkeypatch: pytest.Monkey
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(variable, value)
-    workflow = make_workflow()
+    workflow = make_workflow(replicas)
     region_workers = workers(workflow, EAST)
-    definition = (good_build / "regions" / EAST / "statemachine.asl.json").read_text()
+    definition = render_region(workflow, EAST, {"sam"})[f"regions/{EAST}/statemachine.asl.json"]
     config = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
     with mock_aws(config=config):
         trust = {
@@ -619,12 +790,15 @@ def test_state_machine_runs_in_moto(good_build: Path, monkeypatch: pytest.Monkey
         sfn = boto3.client("stepfunctions")
         machine = sfn.create_state_machine(name="iterations", definition=substituted, roleArn=role_arn)
 
+        execution_arns: list[str] = []
+
         def run(document: dict[str, int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             execution = sfn.start_execution(
                 stateMachineArn=machine["stateMachineArn"],
                 name=f"run-{len(document)}-{document.get('start')}",
                 input=json.dumps(document),
             )
+            execution_arns.append(execution["executionArn"])
             deadline = time.monotonic() + 30
             while (described := sfn.describe_execution(executionArn=execution["executionArn"]))["status"] == "RUNNING":
                 assert time.monotonic() < deadline, "execution did not finish"
@@ -635,14 +809,33 @@ def test_state_machine_runs_in_moto(good_build: Path, monkeypatch: pytest.Monkey
 
         output, history = run({"start": 0, "stop": 2})
         assert output == {"iteration": 2, "stop": 2}
-        invoked = [
-            json.loads(e["taskScheduledEventDetails"]["parameters"]) for e in history if e["type"] == "TaskScheduled"
-        ]
-        assert sorted(
-            (p["FunctionName"], p["Payload"]["iteration"], p["Payload"]["replica"]) for p in invoked
-        ) == sorted((arns[f"{w.logical_id}Arn"], i, w.replica) for w in region_workers for i in range(2))
-        # the history budget behind iterations_per_execution holds
-        assert len(history) <= 2 * (10 * len(region_workers) + 12)
+        if len(region_workers) <= 40:  # an inline Map: the invocations are the execution's own events
+            invoked = [
+                json.loads(e["taskScheduledEventDetails"]["parameters"])
+                for e in history
+                if e["type"] == "TaskScheduled"
+            ]
+            assert sorted(
+                (p["FunctionName"], p["Payload"]["iteration"], p["Payload"]["replica"]) for p in invoked
+            ) == sorted((arns[f"{w.logical_id}Arn"], i, w.replica) for w in region_workers for i in range(2))
+            # the history budget behind iterations_per_execution holds
+            assert len(history) <= 2 * (10 * len(region_workers) + 12)
+        else:  # a Distributed Map: one map run per iteration, every worker a child execution, all at once
+            runs = [
+                sfn.describe_map_run(mapRunArn=r["mapRunArn"])
+                for r in sfn.list_map_runs(executionArn=execution_arns[-1])["mapRuns"]
+            ]
+            assert len(runs) == 2
+            for described in runs:
+                assert described["maxConcurrency"] == len(region_workers)
+                assert (
+                    described["executionCounts"]["succeeded"]
+                    == described["executionCounts"]["total"]
+                    == len(region_workers)
+                )
+            # the parent's history does not grow with the workers
+            assert not any(e["type"] == "TaskScheduled" for e in history)
+            assert len(history) <= 2 * (EVENTS_PER_DISTRIBUTED_MAP + EVENTS_PER_ITERATION) + 8
 
         output, _ = run({"stop": 1})  # start defaults to 0
         assert output == {"iteration": 1, "stop": 1}
@@ -667,7 +860,9 @@ def test_the_function_policy_allows_what_the_runtime_does_in_moto(monkeypatch: p
 
     def substituted(value: Any) -> Any:
         if isinstance(value, dict) and list(value) == ["Fn::Sub"]:
-            return value["Fn::Sub"].replace("${AWS::Partition}", "aws").replace("${BucketName}", "run-bucket")
+            return value["Fn::Sub"].replace("${RunBucket.Arn}", "arn:aws:s3:::run-bucket")
+        if value == {"Fn::GetAtt": ["RunBucket", "Arn"]}:
+            return "arn:aws:s3:::run-bucket"
         if isinstance(value, dict):
             return {k: substituted(v) for k, v in value.items()}
         return [substituted(v) for v in value] if isinstance(value, list) else value

@@ -151,7 +151,7 @@ def workflow_for(document: TrainingPlan) -> Workflow:
             blocks=s.blocks,
             memory_mb=s.tier_mb,
             cpu_millis=1000,
-            network_mbps=100.0,
+            network_mb_per_s=100.0,
             replicas=s.replicas,
             timeout_s=900,
             package=f"regions/{document.region}/functions/toy-s{s.index}",

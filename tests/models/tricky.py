@@ -2,6 +2,7 @@
 (buffers), tied input/output embeddings, two inputs and a structured (dict) output."""
 
 import torch
+from _shards import ExampleShard, example_shard
 from torch import nn
 
 
@@ -46,3 +47,7 @@ def loss_fn(output: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tens
 
 
 TRAINING = {"global_batch_size": 16, "micro_batch_sizes": [4], "iterations": 10, "learning_rate": 0.1}
+
+
+def load_shard(region: str, split: str) -> ExampleShard:
+    return example_shard(example_inputs, example_targets, split)

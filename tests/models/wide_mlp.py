@@ -2,6 +2,7 @@
 plan replicates and pipelines (used by the golden tests for a multi-stage, multi-replica tree)."""
 
 import torch
+from _shards import ExampleShard, example_shard
 from torch import nn
 
 TRAINING = {"global_batch_size": 16384, "micro_batch_sizes": [256, 512], "iterations": 10, "learning_rate": 0.05}
@@ -21,3 +22,7 @@ def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
 
 def example_targets(batch_size: int) -> torch.Tensor:
     return torch.randint(0, 10, (batch_size,), generator=torch.Generator().manual_seed(2))
+
+
+def load_shard(region: str, split: str) -> ExampleShard:
+    return example_shard(example_inputs, example_targets, split)
