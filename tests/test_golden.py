@@ -34,8 +34,8 @@ CASES: dict[str, tuple[Path, list[str]]] = {
     "mlp_digits": (SAMPLES / "mlp_digits.py", []),
     # tied embeddings across stages, BatchNorm buffers, two inputs, a dict output; the fastest plan
     "tricky_time": (MODELS / "tricky.py", ["--objective", "time"]),
-    # compute-heavy, SAM only (OpenFaaS CE's 5 replicas per function would cap it): 8 data-parallel
-    # replicas, a 2-stage pipeline of 8 within 1% (report.md's "Why this plan" says so)
+    # compute-heavy, SAM only (OpenFaaS CE's 5 replicas per function would cap it): the fastest plan
+    # pipelines over two stages of eight replicas each
     "wide_mlp_time": (MODELS / "wide_mlp.py", ["--objective", "time", "--blocks", "8", "--target", "sam"]),
     # data in two regions: both train, some data moves, model averaging between them
     "mlp_digits_geo": (
