@@ -16,20 +16,62 @@ from typing import Any, Literal
 API_VERSION = "cloudless/v1"
 
 Schedule = Literal["gpipe", "1f1b"]
-StepKind = Literal["compute", "scatter-reduce", "optimizer-step", "checkpoint", "asgd-ga-push", "model-average"]
-InterRegionSync = Literal["asgd-ga", "model-average"]
+StepKind = Literal[
+    "compute", "scatter-reduce", "cross-region-reduce", "optimizer-step", "checkpoint", "asgd-ga-push", "model-average"
+]
+#: sync: every iteration's gradients meet across regions (synchronous SGD); asgd-ga: each region adds
+#: its round's update to the global model (bounded staleness); model-average: regions meet each round
+InterRegionSync = Literal["sync", "asgd-ga", "model-average"]
 
 #: step kinds of one iteration, in the order a stage's function runs them
 STEP_KINDS: tuple[StepKind, ...] = (
     "compute",
     "scatter-reduce",
+    "cross-region-reduce",
     "optimizer-step",
     "asgd-ga-push",
     "model-average",
     "checkpoint",
 )
 #: the step kind that syncs a stage with its counterparts in other regions, per strategy
-SYNC_STEP_KIND: dict[str, StepKind] = {"asgd-ga": "asgd-ga-push", "model-average": "model-average"}
+SYNC_STEP_KIND: dict[str, StepKind] = {
+    "sync": "cross-region-reduce",
+    "asgd-ga": "asgd-ga-push",
+    "model-average": "model-average",
+}
+
+
+def round_ends(iterations: int, rounds: int) -> tuple[int, ...]:
+    """After how many of its `iterations` a region's `rounds` inter-region syncs happen: round k
+    (0-based) ends after ((k + 1) * iterations) // rounds iterations, the last after all of them.
+    The planner keeps iterations >= rounds, so every round holds at least one iteration."""
+    if not 1 <= rounds <= iterations:
+        raise ValueError(f"{rounds} rounds over {iterations} iterations: expected 1 <= rounds <= iterations")
+    return tuple(((k + 1) * iterations) // rounds for k in range(rounds))
+
+
+@dataclass(frozen=True)
+class RegionPrices:
+    """A region's prices (the catalog's, same names and units), for the run's measured cost."""
+
+    gb_second: float
+    per_million_requests: float
+    storage_put_per_1000: float
+    storage_get_per_1000: float
+    egress_per_gb: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gb_second": self.gb_second,
+            "per_million_requests": self.per_million_requests,
+            "storage_put_per_1000": self.storage_put_per_1000,
+            "storage_get_per_1000": self.storage_get_per_1000,
+            "egress_per_gb": self.egress_per_gb,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RegionPrices:
+        return cls(*(float(data[k]) for k in cls.__dataclass_fields__))
 
 
 @dataclass(frozen=True)
@@ -124,6 +166,8 @@ class Region:
     weight: float | None = None
     #: what it trains on (several regions, or data moved to it); empty: its own load_shard
     data_sources: tuple[DataSource, ...] = ()
+    #: its prices, for the measured cost of a run (None: not written)
+    prices: RegionPrices | None = None
 
     @property
     def stages(self) -> int:
@@ -147,6 +191,8 @@ class Region:
                 document[key] = getattr(self, key)
         if self.data_sources:
             document["data_sources"] = [source.to_json() for source in self.data_sources]
+        if self.prices is not None:
+            document["prices"] = self.prices.to_json()
         document["functions"] = [function.to_json() for function in self.functions]
         return document
 
@@ -163,6 +209,7 @@ class Region:
             round_iterations=data.get("round_iterations"),
             weight=data.get("weight"),
             data_sources=tuple(DataSource.from_json(s) for s in data.get("data_sources") or ()),
+            prices=RegionPrices.from_json(data["prices"]) if data.get("prices") else None,
         )
 
 
@@ -220,6 +267,8 @@ class SyncSettings:
     #: several regions: syncs over the training, and ASGD-GA's server region
     rounds: int | None = None
     server: str | None = None
+    #: asgd-ga: how many global versions a push's base may lag before the push is rebased
+    staleness_bound: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -231,6 +280,8 @@ class SyncSettings:
         if self.inter_region is not None:
             document["rounds"] = self.rounds
             document["server"] = self.server
+        if self.staleness_bound is not None:
+            document["staleness_bound"] = self.staleness_bound
         return document
 
     @classmethod
@@ -242,6 +293,7 @@ class SyncSettings:
             data.get("inter_region"),
             data.get("rounds"),
             data.get("server"),
+            data.get("staleness_bound"),
         )
 
 
