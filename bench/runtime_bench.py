@@ -92,6 +92,7 @@ def plain_loop(result: FrontEnd, workflow: Workflow, iterations: int) -> float:
     if str(ROOT) not in sys.path:  # the tests' reference trainer, from a checkout
         sys.path.insert(0, str(ROOT))
     from tests.reference import plain_training
+
     torch.set_num_threads(1)
     times: list[float] = []
     plain_training(

@@ -37,7 +37,8 @@ import jinja2
 
 from cloudless.codegen.images import OPENFAAS_BUILD_ARGS, image_name, image_tag
 from cloudless.ir.catalog import AWS_REGION_PREFIX, DISTRIBUTED_MAP_MAX_CONCURRENCY, INLINE_MAP_MAX_CONCURRENCY
-from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
+from cloudless.ir.deployment import logical_id
+from cloudless.ir.protocol import PEERS_ENV, S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
 from cloudless.ir.workflow import Function, Region, Workflow
 
 TARGETS = frozenset({"openfaas", "sam"})
@@ -64,6 +65,12 @@ LAMBDA_NAME_LIMIT = 64
 STATE_MACHINE_NAME_LIMIT = 80
 #: the SAM template's logical id of the run's bucket
 BUCKET_RESOURCE = "RunBucket"
+#: Several regions: each region's stack has its own bucket. A SAM stack takes each peer region's bucket (the
+#: BucketName output of that region's stack, not known when this one deploys) as a parameter named
+#: PEER_BUCKET_PARAMETER + the region in CamelCase (PeerBucketAwsEuWest1); see `peer_parameter`.
+PEER_BUCKET_PARAMETER = "PeerBucket"
+#: an S3 bucket name's longest form
+BUCKET_NAME_LIMIT = 63
 LAMBDA_INVOKE = "arn:aws:states:::lambda:invoke"
 #: The transient Lambda errors AWS recommends retrying.
 LAMBDA_RETRY_ERRORS = (
@@ -74,16 +81,16 @@ LAMBDA_RETRY_ERRORS = (
     "Lambda.TooManyRequestsException",
 )
 #: A Standard workflow's execution history holds at most 25,000 events; an execution that would exceed it
-#: fails. One worker's invocation costs about 7 events (Map iteration started/succeeded, task state
-#: entered/exited, task scheduled/started/succeeded), 10 with one retry; one iteration adds about 12 more.
-#: Each execution therefore runs at most `iterations_per_execution(workers)` iterations and hands back
-#: where it stopped. A Distributed Map's workers are child executions with histories of their own: the
-#: parent's iteration then costs EVENTS_PER_DISTRIBUTED_MAP events (map state and map run started, succeeded)
-#: whatever the workers.
+#: fails. One worker's invocation costs about 11 events (Map iteration started/succeeded, task state
+#: entered/exited, task scheduled/started/succeeded, the result's check and pass), 14 with one retry; one
+#: round (every worker invoked once for a range of iterations) adds about 18 more. Each execution therefore
+#: runs at most `rounds_per_execution(workers)` rounds and hands back where it stopped. A Distributed Map's
+#: workers are child executions with histories of their own: the parent's round then costs
+#: EVENTS_PER_DISTRIBUTED_MAP events (map state and map run started, succeeded) whatever the workers.
 MAX_HISTORY_EVENTS = 25_000
 HISTORY_EVENTS_RESERVED = 1_000
-EVENTS_PER_WORKER = 10
-EVENTS_PER_ITERATION = 12
+EVENTS_PER_WORKER = 14
+EVENTS_PER_ROUND = 18
 EVENTS_PER_DISTRIBUTED_MAP = 10
 
 _ENV = jinja2.Environment(
@@ -117,12 +124,6 @@ def aws_region(region_name: str) -> str:
     return region_name.removeprefix(AWS_REGION_PREFIX)
 
 
-def logical_id(function_name: str) -> str:
-    """A CloudFormation logical id (alphanumeric) for a function: mlp-digits-s0 -> MlpDigitsS0Function."""
-    parts = re.split(r"[^A-Za-z0-9]+", function_name)
-    return "".join(part[:1].upper() + part[1:] for part in parts if part) + "Function"
-
-
 def distributed(workers: int) -> bool:
     """Whether an iteration of this many workers needs a Distributed Map (more than an inline Map runs at
     once); ValueError beyond what a Distributed Map runs at once (the planner never plans that)."""
@@ -134,11 +135,25 @@ def distributed(workers: int) -> bool:
     return workers > INLINE_MAP_MAX_CONCURRENCY
 
 
-def iterations_per_execution(workers: int) -> int:
-    """How many iterations one state machine execution may run before its history could overflow."""
+def rounds_per_execution(workers: int) -> int:
+    """How many rounds (every worker invoked once) one execution may run before its history could overflow."""
     budget = MAX_HISTORY_EVENTS - HISTORY_EVENTS_RESERVED
-    per_iteration = EVENTS_PER_DISTRIBUTED_MAP if distributed(workers) else EVENTS_PER_WORKER * workers
-    return max(1, budget // (per_iteration + EVENTS_PER_ITERATION))
+    per_round = EVENTS_PER_DISTRIBUTED_MAP if distributed(workers) else EVENTS_PER_WORKER * workers
+    return max(1, budget // (per_round + EVENTS_PER_ROUND))
+
+
+#: the share of an invocation's time limit its range of iterations is planned to take (the predicted
+#: iteration time may be off by a busy profile; a range cut by the time limit is continued, not lost)
+RANGE_SHARE_OF_TIME_LIMIT = 0.25
+
+
+def iterations_per_invocation(iteration_s: float | None, time_limit_s: float, checkpoint_every: int) -> int:
+    """How many iterations one invocation of every worker runs in a deployed round: as many as take
+    RANGE_SHARE_OF_TIME_LIMIT of the time limit at the predicted `iteration_s`, at most `checkpoint_every`
+    (a failed invocation replays from the last checkpoint), at least 1. None: not predicted, 1."""
+    if iteration_s is None or not iteration_s > 0:
+        return 1
+    return max(1, min(checkpoint_every, int(RANGE_SHARE_OF_TIME_LIMIT * time_limit_s / iteration_s)))
 
 
 def _bounded_name(name: str, limit: int) -> str:
@@ -172,13 +187,16 @@ def render_region(
     *,
     registry: str | None = None,
     packages: Mapping[str, bytes] | None = None,
+    iteration_s: float | None = None,
 ) -> dict[str, str]:
     """The deployment files of one region for the given targets, as path under the build root -> text.
 
     `registry` prefixes the OpenFaaS images (`<registry>/<function>:<tag>`; None: no prefix, and faas-cli
     cannot push them). `packages` holds the build's files, of which each function package's content tags
     its image (codegen.images.image_tag); without them (a render of the deployment files alone) the tag is
-    derived from the function's description in the workflow instead."""
+    derived from the function's description in the workflow instead. `iteration_s`: the plan's predicted
+    seconds per iteration in the region, which sets how many iterations one deployed invocation runs
+    (`iterations_per_invocation`; None: one)."""
     unknown = set(targets) - TARGETS
     if unknown:
         raise ValueError(f"unknown targets {sorted(unknown)}; known: {sorted(TARGETS)}")
@@ -189,7 +207,7 @@ def render_region(
         files[f"regions/{region}/stack.yaml"] = _render_stack(workflow, entry, tags, registry)
     if "sam" in targets:
         files[f"regions/{region}/template.yaml"] = _render_template(workflow, entry, tags)
-        files[f"regions/{region}/statemachine.asl.json"] = _render_state_machine(workflow, entry)
+        files[f"regions/{region}/statemachine.asl.json"] = _render_state_machine(workflow, entry, iteration_s)
     return dict(sorted(files.items()))
 
 
@@ -242,8 +260,34 @@ def _relative(package: str, region: str) -> str:
     return posixpath.relpath(package, f"regions/{region}")
 
 
-def _storage_url(workflow: Workflow) -> str:
-    return f"s3://{workflow.storage.bucket}/{workflow.storage.prefix}"
+def region_bucket(workflow: Workflow, region: str) -> str:
+    """The bucket of a region's storage where the build names it (OpenFaaS): the run's bucket, and with
+    several regions one per region, `<bucket>-<region>` (at most BUCKET_NAME_LIMIT characters)."""
+    if len(workflow.regions) == 1:
+        return workflow.storage.bucket
+    return _bounded_name(f"{workflow.storage.bucket}-{region}", BUCKET_NAME_LIMIT)
+
+
+def peer_regions(workflow: Workflow, region: str) -> list[str]:
+    """The regions whose storage a region's functions reach across the WAN: every other region of the
+    workflow (synchronous SGD and model averaging read each other's; ASGD-GA reads and writes the global
+    model in the server's, which is one of them)."""
+    return [r.name for r in workflow.regions if r.name != region]
+
+
+def peer_parameter(region: str) -> str:
+    """The SAM stack parameter holding a peer region's bucket name: aws-eu-west-1 -> PeerBucketAwsEuWest1."""
+    return PEER_BUCKET_PARAMETER + "".join(part[:1].upper() + part[1:] for part in re.split(r"[^A-Za-z0-9]+", region))
+
+
+def _storage_url(workflow: Workflow, region: str) -> str:
+    return f"s3://{region_bucket(workflow, region)}/{workflow.storage.prefix}"
+
+
+def _peers_json(workflow: Workflow, region: str, bucket_of: Any) -> str:
+    """CLOUDLESS_PEERS's value: {peer region: its storage URL}, keys sorted, the bucket as `bucket_of` names it."""
+    peers = {peer: f"s3://{bucket_of(peer)}/{workflow.storage.prefix}" for peer in peer_regions(workflow, region)}
+    return json.dumps(peers, sort_keys=True)
 
 
 def _render_stack(workflow: Workflow, entry: Region, tags: Mapping[str, str], registry: str | None) -> str:
@@ -272,7 +316,11 @@ def _render_stack(workflow: Workflow, entry: Region, tags: Mapping[str, str], re
         template_source=OPENFAAS_TEMPLATE_SOURCE,
         build_args=OPENFAAS_BUILD_ARGS,
         registry=registry,
-        storage=_storage_url(workflow),
+        storage=_storage_url(workflow, entry.name),
+        peers_env=PEERS_ENV,
+        peers=_peers_json(workflow, entry.name, lambda peer: region_bucket(workflow, peer))
+        if len(workflow.regions) > 1
+        else None,
         secret=STORAGE_SECRET,
         token_secret=TOKEN_SECRET,
         token_header=TOKEN_HEADER,
@@ -321,7 +369,26 @@ def _render_template(workflow: Workflow, entry: Region, tags: Mapping[str, str])
     prefix = object_prefix(workflow)
     machine = state_machine_name(workflow, entry.name)
     states_arn = "arn:${AWS::Partition}:states:${AWS::Region}:${AWS::AccountId}"
+    peers = [
+        {
+            "region": peer,
+            "parameter": peer_parameter(peer),
+            "bucket_arn": f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(peer)}}}",
+            "object_arn": f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(peer)}}}/{prefix}*",
+        }
+        for peer in peer_regions(workflow, entry.name)
+    ]
+    server = workflow.sync.server if workflow.sync.inter_region == "asgd-ga" else None
+    # ASGD-GA: a region other than the server writes the global model's next versions in the server's bucket,
+    # under <prefix><run id>/<server>/global/ (the run id is the controller's: any).
+    global_arn = None
+    if server is not None and server != entry.name and len(workflow.regions) > 1:
+        global_arn = f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(server)}}}/{prefix}*/{server}/global/*"
     return _ENV.get_template("template.yaml.j2").render(
+        peers=peers,
+        peers_env=PEERS_ENV,
+        peers_sub=_peers_json(workflow, entry.name, lambda peer: f"${{{peer_parameter(peer)}}}"),
+        global_arn=global_arn,
         run=workflow.run.name,
         region=entry.name,
         bucket=BUCKET_RESOURCE,
@@ -338,18 +405,30 @@ def _render_template(workflow: Workflow, entry: Region, tags: Mapping[str, str])
     )
 
 
-def _render_state_machine(workflow: Workflow, entry: Region) -> str:
+def default_time_limit(entry: Region) -> float:
+    """The time limit an invocation gets when the execution's input names none: 30 s less than the region's
+    shortest function timeout (at least 1 s), as cloudless-run gives (runtimes/controller.py)."""
+    return float(max(1, min(function.timeout_s for function in entry.functions) - 30))
+
+
+def _render_state_machine(workflow: Workflow, entry: Region, iteration_s: float | None) -> str:
     region_workers = workers(workflow, entry.name)
-    chunk = iterations_per_execution(len(region_workers))
+    chunk = rounds_per_execution(len(region_workers))
+    time_limit = default_time_limit(entry)
     items = [
         json.dumps({"function": f"${{{w.logical_id}Arn}}", "stage": w.stage, "replica": w.replica})
         for w in region_workers
     ]
+    several = len(workflow.regions) > 1
     return _ENV.get_template("statemachine.asl.json.j2").render(
         run=workflow.run.name,
         region=entry.name,
-        iterations=workflow.run.iterations,
+        # several regions: each trains its own number of iterations (their rounds meet)
+        iterations=(entry.iterations or workflow.run.iterations) if several else workflow.run.iterations,
+        several=several,
+        time_limit=time_limit,
         chunk=chunk,
+        span=iterations_per_invocation(iteration_s, time_limit, workflow.run.checkpoint_every),
         workers=items,
         concurrency=len(region_workers),
         distributed=distributed(len(region_workers)),

@@ -28,7 +28,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, PathPatch
 from matplotlib.path import Path
 
-from cloudless.ir.plan import Figures, PlannedStage, TrainingPlan
+from cloudless.ir.plan import Figures, PlannedStage, RegionSchedule, TrainingPlan
+from cloudless.ir.protocol import PEERS_ENV
 from cloudless.ir.timeline import LANES, Span, Timeline
 from cloudless.ir.workflow import Workflow
 
@@ -336,6 +337,9 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
     else:
         lines.append("None were computed.")
 
+    if plan.regions is not None:
+        lines += region_lines(plan.regions)
+
     if plan.explanation is not None:
         lines += ["", "## Why this plan", ""]
         lines += why_lines(plan)
@@ -359,6 +363,118 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
     return "\n".join(lines) + "\n"
 
 
+SYNC_TEXT = {
+    "sync": "synchronous cross-region SGD (every iteration's gradients meet across regions)",
+    "asgd-ga": "ASGD-GA (each region adds its round's accumulated update to the global model in the server region)",
+    "model-average": "model averaging (the regions' models meet at a barrier every round)",
+}
+
+
+def region_lines(schedule: RegionSchedule) -> list[str]:
+    """The "Between regions" section: who trains on what for how many iterations, what data moves where,
+    how the regions meet, a picture (a Mermaid flowchart, text: byte-identical across compiles) and the
+    naive placements against the schedule."""
+    server = f", server **{schedule.server}**" if schedule.server else ""
+    lines = [
+        "",
+        "## Between regions",
+        "",
+        f"Sync: **{schedule.sync}**, {SYNC_TEXT[schedule.sync]}; {schedule.rounds} rounds{server}. "
+        f"Predicted training: **{fmt_s(schedule.training_s)}**, **{fmt_usd(schedule.cost_usd)}** "
+        f"(solver status {schedule.solver.status}).",
+        "",
+    ]
+    rows = []
+    for site in schedule.sites:
+        rows.append(
+            [
+                f"**{site.name}**",
+                str(site.data_samples),
+                "yes" if site.trains else "no",
+                f"{site.samples:.0f}" if site.trains else "-",
+                str(site.runs_iterations) if site.runs_iterations is not None else "-",
+                fmt(site.move_in_s) if site.trains else "-",
+                fmt(site.work_s) if site.trains else "-",
+                fmt(site.sync_s) if site.trains else "-",
+                fmt(site.cost_usd) if site.trains else "-",
+            ]
+        )
+    lines += _table(
+        [
+            "Region",
+            "Data held",
+            "Trains",
+            "Trains on",
+            "Iterations",
+            "Move-in (s)",
+            "Work (s)",
+            "Sync (s)",
+            "Cost (USD)",
+        ],
+        rows,
+        "lrlrrrrrr",
+    )
+    lines += ["", "Data moves before training (one way per pair of regions):", ""]
+    lines += [f"- {m.from_region} → {m.to_region}: {m.samples:.0f} samples" for m in schedule.moves] or ["- none"]
+    lines += ["", "```mermaid", *region_picture(schedule), "```", ""]
+    lines += [
+        "Regions that train are boxes with their samples and iterations; solid arrows move data (samples), dotted "
+        "ones are the sync between regions.",
+        "",
+        "Naive placements on the same cost model (ratios: this schedule over the placement; below 1× is better):",
+        "",
+    ]
+    baseline_rows = []
+    for b in schedule.baselines:
+        if b.feasible:
+            baseline_rows.append(
+                [
+                    f"**{b.name}**",
+                    b.description,
+                    "yes",
+                    fmt(b.training_s),
+                    fmt(b.cost_usd),
+                    fmt_ratio(b.time_ratio),
+                    fmt_ratio(b.cost_ratio),
+                ]
+            )
+        else:
+            baseline_rows.append([f"**{b.name}**", b.description, f"no: {b.reason}", "-", "-", "-", "-"])
+    lines += _table(
+        ["Placement", "Description", "Feasible", "Training (s)", "Cost (USD)", "Time ratio", "Cost ratio"],
+        baseline_rows,
+        "lllrrrr",
+    )
+    return lines
+
+
+def region_picture(schedule: RegionSchedule) -> list[str]:
+    """A Mermaid flowchart of the regions, the data moves and the sync (deterministic text)."""
+    ids = {site.name: f"r{i}" for i, site in enumerate(schedule.sites)}
+    lines = ["flowchart LR"]
+    for site in schedule.sites:
+        if site.trains:
+            label = f"{site.name}<br/>{site.samples:.0f} samples, {site.runs_iterations} iterations"
+            if site.name == schedule.server:
+                label += "<br/>ASGD-GA server"
+            lines.append(f'  {ids[site.name]}["{label}"]')
+        else:
+            lines.append(f'  {ids[site.name]}("{site.name}<br/>does not train")')
+    for move in schedule.moves:
+        lines.append(f"  {ids[move.from_region]} -->|{move.samples:.0f} samples| {ids[move.to_region]}")
+    training = [site.name for site in schedule.sites if site.trains]
+    if schedule.sync == "asgd-ga" and schedule.server is not None:
+        for name in training:
+            if name != schedule.server:
+                lines.append(f"  {ids[name]} -.->|push, pull| {ids[schedule.server]}")
+    else:
+        label = "gradients every iteration" if schedule.sync == "sync" else "models every round"
+        for i, a in enumerate(training):
+            for b in training[i + 1 :]:
+                lines.append(f"  {ids[a]} <-.->|{label}| {ids[b]}")
+    return lines
+
+
 def why_lines(plan: TrainingPlan) -> list[str]:
     """The "Why this plan" section: one bullet per family of plans the chosen plan is not in (plan.json's
     `explanation`, compiler/explain.py), with its best plan and the term it loses most by."""
@@ -375,6 +491,15 @@ def why_lines(plan: TrainingPlan) -> list[str]:
 
 def _deployment(workflow: Workflow) -> list[str]:
     lines = ["", "## Deployment", ""]
+    if len(workflow.regions) > 1:
+        lines += [
+            "Every region has its own bucket; each function reaches the other regions' buckets across the WAN "
+            f"(environment `{PEERS_ENV}`). With SAM, deploy every region once, then again with the other "
+            "regions' `BucketName` outputs as the `PeerBucket<Region>` parameters "
+            "(`sam deploy --config-env <region> --parameter-overrides PeerBucketAwsEuWest1=<bucket> ...`, the "
+            "names are in each template's Parameters).",
+            "",
+        ]
     for region in workflow.regions:
         name = region.name
         lines += [f"### {name} ({region.provider})", ""]

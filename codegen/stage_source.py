@@ -21,7 +21,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,8 @@ class StageHeader:
     tensors: dict[str, tuple[tuple[int, ...], str, bool]]
     #: the docstring's first line, when the module is not a pipeline stage (the loss, for example)
     title: str = ""
+    #: small constant tensors written into the source (a module without a weights file: the loss)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def higher_order_op(node: fx.Node) -> str | None:
@@ -101,7 +103,7 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
     """The stage's module. A graph with sub-graph modules must be owned by its GraphModule (they are
     read from there); ValueError if the graph reads what the file would not hold."""
     renderer = _Renderer()
-    body, children = renderer.forward(graph, graph.owning_module, tensors=set(header.tensors))
+    body, children = renderer.forward(graph, graph.owning_module, tensors={*header.tensors, *header.constants})
     preamble = _preamble(renderer.text(body), renderer.globals)
     forward = _indent(body)
     tensors = "\n".join(
@@ -134,6 +136,12 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         "        super().__init__()",
         "        for name, (shape, dtype, trainable) in TENSORS.items():",
         "            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), trainable)",
+        *[
+            # not state: load_state_dict of the (empty) weights leaves them as written
+            f"        self.register_buffer({name!r}, torch.tensor({value.tolist()!r}, dtype=torch.{_dtype(value)})"
+            f".reshape({tuple(value.shape)!r}), persistent=False)"
+            for name, value in header.constants.items()
+        ],
         *[f"        self.{attr} = {cls}()" for attr, cls in children],
         "",
         forward.rstrip(),
@@ -258,6 +266,10 @@ class _Renderer:
         lines += _indent("\n".join([definition, *statements])).splitlines()
         self.classes.append([line.rstrip() for line in lines])
         return name
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _has_subgraphs(graph: fx.Graph, owner: torch.nn.Module | None) -> bool:

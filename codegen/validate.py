@@ -40,6 +40,7 @@ from cloudless.codegen.platforms import (
     STATE_MACHINE_NAME_LIMIT,
     aws_region,
     logical_id,
+    peer_parameter,
 )
 from cloudless.ir.catalog import (
     AWS_REGIONS,
@@ -51,6 +52,7 @@ from cloudless.ir.catalog import (
 )
 from cloudless.ir.files import BUILD_MARKER, check_workflow, file_digest, read_manifest
 from cloudless.ir.plan import PlannedStage, TrainingPlan
+from cloudless.ir.protocol import PEERS_ENV, STORAGE_ENV
 from cloudless.ir.schema import SchemaError, load_schema
 from cloudless.ir.workflow import Function, Region, Workflow
 
@@ -145,7 +147,80 @@ def _check_deployment(build: Path, workflow: Workflow, packages: bool) -> None:
         deploy_regions = _check_samconfig(build, workflow, [r.name for r in sam_regions])
         for region in sam_regions:
             _check_template(build, workflow, region, deploy_regions[region.name], packages)
+    if len(names) > 1:
+        _check_region_storage(build, workflow)
     _check_no_secrets(build, names)
+
+
+def _check_region_storage(build: Path, workflow: Workflow) -> None:
+    """Several regions: one bucket per region, and every function reaches each other region's storage through
+    CLOUDLESS_PEERS (OpenFaaS: that region's storage URL; SAM: the stack parameter naming its bucket, with
+    read rights on it)."""
+    storage: dict[str, str] = {}
+    for region in workflow.regions:
+        path = build / "regions" / region.name / "stack.yaml"
+        if not path.exists():
+            continue
+        file = _relative(build, path)
+        for name, function in _load_yaml(build, path)["functions"].items():
+            where = storage.setdefault(region.name, str(function.get("environment", {}).get(STORAGE_ENV)))
+            if function.get("environment", {}).get(STORAGE_ENV) != where:
+                _fail(file, f"functions/{name}/environment/{STORAGE_ENV}", f"not the region's storage {where!r}")
+    order = list(storage)
+    shared = [(a, b) for i, a in enumerate(order) for b in order[i + 1 :] if storage[a] == storage[b]]
+    if shared:
+        a, b = shared[0]
+        _fail(
+            f"regions/{b}/stack.yaml",
+            f"functions/*/environment/{STORAGE_ENV}",
+            f"{storage[b]!r} is region {a!r}'s storage too: every region has its own bucket",
+        )
+    for region in workflow.regions:
+        peers = [r.name for r in workflow.regions if r.name != region.name]
+        path = build / "regions" / region.name / "stack.yaml"
+        if path.exists():
+            file = _relative(build, path)
+            for name, function in _load_yaml(build, path)["functions"].items():
+                key = f"functions/{name}/environment/{PEERS_ENV}"
+                try:
+                    value = json.loads(function.get("environment", {}).get(PEERS_ENV, ""))
+                except ValueError:
+                    _fail(file, key, "missing or not JSON: the function cannot reach the other regions' storage")
+                expected = {peer: storage.get(peer) for peer in peers}
+                if value != expected:
+                    _fail(file, key, f"{value}, but the other regions' storage is {expected}")
+        path = build / "regions" / region.name / "template.yaml"
+        if path.exists():
+            file = _relative(build, path)
+            template = _load_yaml(build, path)
+            parameters = template.get("Parameters") or {}
+            for peer in peers:
+                if peer_parameter(peer) not in parameters:
+                    _fail(file, f"Parameters/{peer_parameter(peer)}", f"missing: the bucket of peer region {peer!r}")
+            for logical, resource in template["Resources"].items():
+                if resource.get("Type") != "AWS::Serverless::Function":
+                    continue
+                key = f"Resources/{logical}/Properties/Environment/Variables/{PEERS_ENV}"
+                variables = resource["Properties"].get("Environment", {}).get("Variables", {})
+                peers_value = variables.get(PEERS_ENV)
+                sub = peers_value.get("Fn::Sub") if isinstance(peers_value, dict) else None
+                if not isinstance(sub, str):
+                    _fail(file, key, "missing: the function cannot reach the other regions' storage")
+                for peer in peers:
+                    if f"${{{peer_parameter(peer)}}}" not in sub:
+                        _fail(file, key, f"does not name peer region {peer!r}'s bucket (${{{peer_parameter(peer)}}})")
+                statements = [
+                    statement
+                    for policy in resource["Properties"].get("Policies", [])
+                    if isinstance(policy, dict)
+                    for statement in policy.get("Statement", [])
+                ]
+                reads = [st.get("Resource") for st in statements if "s3:GetObject" in str(st.get("Action"))]
+                readable = json.dumps(reads)
+                for peer in peers:
+                    if f"${{{peer_parameter(peer)}}}" not in readable:
+                        where = f"Resources/{logical}/Properties/Policies"
+                        _fail(file, where, f"no read right on peer {peer!r}'s bucket")
 
 
 def _relative(build: Path, path: Path) -> str:
@@ -923,16 +998,31 @@ def _check_regions(context: _Build, document: dict[str, Any], workflow: Workflow
     if sync.inter_region == "asgd-ga" and sync.server not in names:
         _fail(file, "sync/server", f"{sync.server!r} is not a region of workflow.yaml {names}: ASGD-GA's server")
     for r, region in enumerate(workflow.regions):
-        if region.round_iterations is None:
-            _fail(file, f"regions/{r}/round_iterations", "missing: several regions meet every round_iterations")
-        if region.iterations is not None and region.iterations != sync.rounds * region.round_iterations:
-            key = context.blame([f"regions/{r}/iterations", f"regions/{r}/round_iterations", "sync/rounds"])
+        if region.iterations is None:
+            _fail(file, f"regions/{r}/iterations", "missing: several regions run their planned iterations")
+        if sync.inter_region == "sync" and region.iterations != workflow.run.iterations:
+            key = context.blame([f"regions/{r}/iterations", "run/iterations"])
             _fail(
                 file,
                 key,
-                f"region {region.name!r}: iterations {region.iterations}, but sync/rounds {sync.rounds} x "
-                f"round_iterations {region.round_iterations} = {sync.rounds * region.round_iterations}"
-                + context.was(key, _lookup(document, key)),
+                f"region {region.name!r}: iterations {region.iterations}, but run/iterations {workflow.run.iterations}:"
+                " under sync every region runs every iteration" + context.was(key, _lookup(document, key)),
+            )
+        if sync.inter_region == "sync" and sync.rounds != region.iterations:
+            key = context.blame(["sync/rounds", f"regions/{r}/iterations"])
+            _fail(
+                file,
+                key,
+                f"sync/rounds {sync.rounds}, but region {region.name!r} runs {region.iterations} iterations: under "
+                "sync the regions meet every iteration" + context.was(key, _lookup(document, key)),
+            )
+        if not 1 <= sync.rounds <= region.iterations:
+            key = context.blame(["sync/rounds", f"regions/{r}/iterations"])
+            _fail(
+                file,
+                key,
+                f"region {region.name!r}: {sync.rounds} rounds over {region.iterations} iterations; every round holds "
+                "at least one iteration (round_ends)" + context.was(key, _lookup(document, key)),
             )
         if sync.inter_region == "model-average" and region.weight is None:
             _fail(file, f"regions/{r}/weight", "missing: model averaging weighs each region's model")

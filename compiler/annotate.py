@@ -187,6 +187,7 @@ def annotate(program: TracedProgram, flat_inputs: list[Any], model_name: str, ba
         inputs=program.input_names,
         outputs=[a.name if isinstance(a, fx.Node) else repr(a) for a in output.args[0]],
         parameters=dict(sorted(parameters.items())),
+        state_names=dict(program.state_names),
     )
 
 

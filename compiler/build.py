@@ -74,17 +74,28 @@ def _planned_files(
     workflow = lowered.workflow
     files.update(package_files(lowered, graph))
     catalog = load_catalog(plan_options.catalog)
+    predicted = _predicted_iteration_s(plan)
     for region in workflow.regions:
         # SAM deploys to AWS only: another provider's region gets the OpenFaaS files alone
         wanted = set(targets) if region.provider == "aws" else set(targets) - {"sam"}
         # images: --registry, else the region's registry in the catalog; tagged by their packages' content
         registry = plan_options.registry or catalog.region(region.name).registry
-        for path, text in render_region(workflow, region.name, wanted, registry=registry, packages=files).items():
+        rendered = render_region(
+            workflow, region.name, wanted, registry=registry, packages=files, iteration_s=predicted.get(region.name)
+        )
+        for path, text in rendered.items():
             files[path] = text.encode()
     if "sam" in targets and any(region.provider == "aws" for region in workflow.regions):
         files["samconfig.toml"] = render_samconfig(workflow).encode()
     files.update(render_report(plan, timeline, workflow))
     return files
+
+
+def _predicted_iteration_s(plan: TrainingPlan) -> dict[str, float]:
+    """Each training region's predicted seconds per iteration (how many iterations a deployed invocation runs)."""
+    if plan.regions is None:
+        return {plan.region: plan.predicted.iteration_s}
+    return {site.name: site.iteration_s for site in plan.regions.sites if site.iteration_s is not None}
 
 
 def package_files(lowered: Lowered, graph: OpGraph | None = None) -> dict[str, bytes]:

@@ -134,17 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     planning.add_argument(
         "--sync",
-        choices=["asgd-ga", "model-average"],
+        choices=["sync", "asgd-ga", "model-average"],
         default="asgd-ga",
-        help="between regions: asynchronous SGD with gradient accumulation through a server region, or "
-        "model averaging at a barrier (default asgd-ga)",
+        help="between regions: synchronous SGD (every iteration's gradients meet across regions), "
+        "asynchronous SGD with gradient accumulation through a server region, or model averaging at a "
+        "barrier (default asgd-ga)",
     )
     planning.add_argument(
         "--sync-every",
         type=int,
         default=10,
         metavar="ITERATIONS",
-        help="regions meet every this many iterations of the whole training (default 10)",
+        help="asgd-ga and model-average: regions meet every this many iterations of the whole training "
+        "(default 10; 2 or more: meeting every iteration is --sync sync)",
     )
     planning.add_argument(
         "--objective",
@@ -246,6 +248,13 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     if args.sync_every < 1:
         console.print("cloudless-compile: error: --sync-every must be at least 1", markup=False)
+        return 2
+    if args.sync_every == 1 and args.sync != "sync":
+        console.print(
+            f"cloudless-compile: error: --sync-every 1 with --sync {args.sync}: regions that meet every iteration "
+            "train synchronously; use --sync sync (synchronous cross-region SGD)",
+            markup=False,
+        )
         return 2
     if args.registry is not None and (problem := registry_problem(args.registry)):
         console.print(f"cloudless-compile: error: --registry {args.registry!r}: {problem}", markup=False)
@@ -396,23 +405,36 @@ def print_regions(out: Console, result: Compiled) -> None:
         + (f", server {problem.sites[server].name}" if server is not None and problem.sync == "asgd-ga" else "")
         + f": {solution.status} (gap {_gap_text(solution.gap)}, {solution.solve_s:.1f} s)"
     )
+    runs = {region.name: region.iterations for region in result.workflow.regions} if result.workflow else {}
     for site, figures in zip(problem.sites, ev.regions, strict=True):
         if figures is None:
             out.print(f"              {site.name}: does not train ({site.data} samples held)")
             continue
+        iterations = runs.get(site.name) or round(figures.iterations)
         out.print(
             f"              {site.name}: {site.data} samples held, trains on {figures.data:.0f} for "
-            f"{figures.iterations:.0f} iterations: work {figures.work_s:.1f} s, sync {figures.sync_s:.1f} s, "
+            f"{iterations} iterations: work {figures.work_s:.1f} s, sync {figures.sync_s:.1f} s, "
             f"moves in {figures.move_in_s:.1f} s"
         )
-    out.print(f"  predicted   training {ev.training_s:.1f} s, {ev.cost_usd:.4f} USD across regions")
-    for b in geo.baselines:
-        if b.solution is None:
-            out.print(f"  baseline    {b.name}: {b.reason}")
-            continue
-        other = b.solution.evaluation
+    for (a, b), parts in solution.plan.moves:
         out.print(
-            f"  baseline    {b.name}: {other.training_s:.1f} s, {other.cost_usd:.4f} USD "
+            f"  moves       {problem.sites[a].name} -> {problem.sites[b].name}: "
+            f"{problem.sites[a].data * parts / problem.parts:.0f} samples"
+        )
+    trainers = [s.name for s, f in zip(problem.sites, ev.regions, strict=True) if f is not None]
+    if len(trainers) == 1:
+        out.print(
+            f"  note        only {trainers[0]} trains: cheaper or faster than training across regions under this "
+            "catalog and objective (see the baselines)"
+        )
+    out.print(f"  predicted   training {ev.training_s:.1f} s, {ev.cost_usd:.4f} USD across regions")
+    for baseline in geo.baselines:
+        if baseline.solution is None:
+            out.print(f"  baseline    {baseline.name}: {baseline.reason}")
+            continue
+        other = baseline.solution.evaluation
+        out.print(
+            f"  baseline    {baseline.name}: {other.training_s:.1f} s, {other.cost_usd:.4f} USD "
             f"(ours: {ratio_text(ratio(ev.training_s, other.training_s))} time, "
             f"{ratio_text(ratio(ev.cost_usd, other.cost_usd))} cost)"
         )

@@ -48,6 +48,15 @@ class BlockCost:
     shared: tuple[str, ...] = ()
 
 
+#: checkpoints per run when the model file does not say (at least every 1000 iterations)
+CHECKPOINTS_PER_RUN = 4
+
+
+def checkpoint_interval(iterations: int) -> int:
+    """Iterations between two checkpoints of a run of `iterations`."""
+    return max(1, min(1000, math.ceil(iterations / CHECKPOINTS_PER_RUN)))
+
+
 @dataclass(frozen=True)
 class Problem:
     """Everything a plan is chosen from, in one region."""
@@ -70,6 +79,13 @@ class Problem:
     #: the limits of the deployment platforms built for the region (problem_from_chain applies their replica
     #: and stage limits to `replicas` and `max_stages`; `function_limit` includes their worker limit)
     platform: PlatformLimits = field(default_factory=PlatformLimits)
+
+    @property
+    def invocation_iterations(self) -> int:
+        """Iterations one deployed invocation runs, for the cost of invocations: a checkpoint interval (the
+        state machine runs ranges of at most that many; fewer only when an iteration takes more than a
+        quarter of the time limit over that many, which the plan's time would show anyway)."""
+        return checkpoint_interval(self.iterations)
 
     @property
     def function_limit(self) -> int:
@@ -346,8 +362,16 @@ class CostModel:
         )
 
     def request_usd(self, choice: StageChoice) -> float:
-        """One invocation per function per iteration."""
-        return choice.replicas * self.region.prices.per_million_requests / 1e6
+        """Per iteration, what a stage's invocations cost as deployed: one invocation of each replica runs
+        `invocation_iterations` iterations (the state machine's range), so per iteration its request, its
+        state transitions (invoke, check, pass: 3 per worker and round; the round's own 5 are left out) and
+        the checkpoint replica 0 writes when the invocation ends, each over that many iterations."""
+        prices = self.region.prices
+        per_invocation = (
+            choice.replicas * (prices.per_million_requests / 1e6 + 3 * prices.state_transition_per_1000 / 1000)
+            + prices.storage_put_per_1000 / 1000
+        )
+        return per_invocation / self.problem.invocation_iterations
 
     def storage_usd(self, terms: StageTerms) -> float:
         prices = self.region.prices

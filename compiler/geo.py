@@ -10,7 +10,16 @@ whole training). Every sample is seen equally often, so region r processes n_r =
 (N the data in all regions), I_r = n_r / B iterations, I_r / R per round. Data moves in parts of
 1/Q of a region's data, before training, over the WAN link (time) at the sender's egress price.
 
+Under `sync` (synchronous cross-region SGD) every region runs all the iterations, each on its
+share of every global batch (d_r / N of it), and the gradients meet across regions every iteration:
+R = iterations rounds. Its work is the same n_r / B iteration-equivalents at tau_r (compute scales
+with the share of the batch), and a barrier every iteration: T = the latest move-in + the slowest
+region's work and syncs.
+
 Synchronisation, per round, by the largest stage of a region's plan (stages sync in parallel):
+- `sync`: as model averaging, with gradients instead of models: each region writes its stage's
+  gradient to its own storage and reads every other training region's (both ways over each link),
+  every iteration.
 - `model-average` (MA): each region writes its model to its own storage (its parameter server) and
   reads every other training region's, then takes the sample-weighted mean. A barrier: every region
   waits for the slowest, so functions stay alive for the whole training T.
@@ -22,6 +31,12 @@ Synchronisation, per round, by the largest stage of a region's plan (stages sync
 Time: T >= move-in time + I_r tau_r + R sync_r for every training region. Cost: function time at
 the option's rate (USD per second alive) plus its per-iteration requests, egress for moves and
 syncs, and sync requests. See docs/cost_model.md ("Between regions").
+
+The catalog's constraints: data residency (a region's data moves only to the regions its
+`data_may_move_to` names; none: it stays), capacity (an option's concurrent functions within the
+region's `limits.max_functions`, their memory within `limits.max_total_memory_mb`); data moves one
+way per pair of regions; a training region runs at least one iteration per round (rounds <= its
+iterations, so `ir.workflow.round_ends` holds).
 """
 
 from __future__ import annotations
@@ -37,8 +52,10 @@ from cloudless.compiler.cost_model import MAX_ITERATION_S, MAX_ITERATION_USD, Ob
 from cloudless.compiler.solver import Goal, Program, SolveStatus, solve_program
 from cloudless.ir.catalog import Link
 
-SyncStrategy = Literal["asgd-ga", "model-average"]
-SYNC_STRATEGIES: tuple[SyncStrategy, ...] = ("asgd-ga", "model-average")
+SyncStrategy = Literal["sync", "asgd-ga", "model-average"]
+SYNC_STRATEGIES: tuple[SyncStrategy, ...] = ("sync", "asgd-ga", "model-average")
+#: the strategies with a barrier (every region waits for the slowest each round)
+BARRIER: frozenset[str] = frozenset({"sync", "model-average"})
 #: data moves in parts of 1/PARTS of a region's data
 PARTS = 16
 
@@ -53,6 +70,8 @@ class RegionOption:
     fixed_usd: float  # per iteration: function requests and storage operations
     largest_stage_bytes: int  # parameter bytes of its largest stage (what one sync moves per stage)
     stages: int
+    functions: int = 0  # concurrent functions (every stage's replicas)
+    memory_mb: int = 0  # their memory together
 
     @property
     def usd_per_second(self) -> float:
@@ -69,6 +88,20 @@ class RegionSite:
     put_usd: float  # one storage PUT
     get_usd: float
     local: Link  # a function to its own region's storage (the largest tier's bandwidth)
+    #: data residency: the regions its data may move to (None: any; empty: it stays here)
+    may_move_to: frozenset[str] | None = None
+    #: capacity: concurrent functions and their total memory (None: no limit beyond the options')
+    max_functions: int | None = None
+    max_memory_mb: int | None = None
+
+    def may_send_to(self, other: str) -> bool:
+        return self.may_move_to is None or other in self.may_move_to
+
+    def fits(self, option: RegionOption) -> bool:
+        """Whether an option is within the region's capacity."""
+        if self.max_functions is not None and option.functions > self.max_functions:
+            return False
+        return self.max_memory_mb is None or option.memory_mb <= self.max_memory_mb
 
 
 @dataclass(frozen=True)
@@ -84,7 +117,21 @@ class GeoProblem:
 
     @property
     def rounds(self) -> int:
+        """Inter-region syncs over the training: every iteration under `sync`."""
+        if self.sync == "sync":
+            return self.iterations
         return max(1, round(self.iterations / self.sync_every))
+
+    def may_move(self, a: int, b: int) -> bool:
+        """Whether region a's data may move to region b (data residency)."""
+        return a != b and self.sites[a].data > 0 and self.sites[a].may_send_to(self.sites[b].name)
+
+    def least_iterations(self) -> float:
+        """What a training region runs at least (in iterations of the whole batch): one per round, or
+        under `sync` one sample of every iteration."""
+        if self.sync == "sync":
+            return self.iterations / self.global_batch
+        return float(self.rounds)
 
     @property
     def total_data(self) -> int:
@@ -203,8 +250,9 @@ def sync_coefficients(problem: GeoProblem, r: int, option: RegionOption, server:
     site = problem.sites[r]
     nbytes = option.largest_stage_bytes
     gb = option.largest_stage_bytes * option.stages / 1e9
-    if problem.sync == "model-average":
-        # Write its own model (a PUT per stage), then read each other region's (egress leaves b).
+    if problem.sync in BARRIER:
+        # Write its own model (or gradient, under sync; a PUT per stage), then read each other region's
+        # (egress leaves b).
         once = SyncTerm(site.local.transfer_s(nbytes), 0.0, option.stages * site.put_usd)
         each = {
             b: SyncTerm(
@@ -233,9 +281,13 @@ def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
     move_usd = [0.0] * n
     violations: list[str] = []
     sent = [0] * n
+    pairs = set()
     for (a, b), parts in plan.moves:
         if parts <= 0:
             continue
+        if not problem.may_move(a, b):
+            violations.append(f"{problem.sites[a].name}'s data may not move to {problem.sites[b].name}")
+        pairs.add((a, b))
         sent[a] += parts
         part = problem.sites[a].data / problem.parts
         held[a] -= part * parts
@@ -243,6 +295,9 @@ def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
         link = problem.link(problem.sites[a].name, problem.sites[b].name)
         move_in[b] += parts * link.transfer_s(part * problem.sample_bytes)  # one request per part
         move_usd[a] += parts * part * problem.sample_bytes / 1e9 * problem.sites[a].egress_usd_per_gb
+    for a, b in pairs:
+        if a < b and (b, a) in pairs:
+            violations.append(f"data moves both ways between {problem.sites[a].name} and {problem.sites[b].name}")
     for a in range(n):
         if sent[a] > problem.parts:
             violations.append(f"{problem.sites[a].name} sends {sent[a]} of its {problem.parts} parts")
@@ -256,21 +311,27 @@ def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
         violations.append("ASGD-GA needs a server among the training regions")
     per_sample = problem.total_samples / problem.total_data
     rounds = problem.rounds
+    barrier = problem.sync in BARRIER and len(training) > 1
     figures: list[RegionFigures | None] = [None] * n
     ends = []
     for r in training:
-        option = problem.sites[r].options[plan.options[r]]  # type: ignore[index]
+        site = problem.sites[r]
+        option = site.options[plan.options[r]]  # type: ignore[index]
+        if not site.fits(option):
+            violations.append(f"{site.name}: the option exceeds the region's capacity")
         iterations = held[r] * per_sample / problem.global_batch
+        if len(training) > 1 and iterations < problem.least_iterations() * (1 - 1e-9):
+            violations.append(f"{site.name} trains {iterations:.3g} iterations, fewer than its rounds")
         others = [b for b in training if b != r]
         if others:
             seconds, egress, requests = sync_coefficients(problem, r, option, plan.server).per_round(others)
         else:
             seconds = egress = requests = 0.0
         work = iterations * option.iteration_s
-        ends.append(move_in[r] + work + rounds * seconds)
+        ends.append((move_in[r], work + rounds * seconds))
         figures[r] = RegionFigures(
             data=held[r],
-            iterations=iterations,
+            iterations=float(problem.iterations) if problem.sync == "sync" else iterations,
             move_in_s=move_in[r],
             work_s=work,
             sync_s=rounds * seconds,
@@ -280,7 +341,11 @@ def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
             sync_usd=rounds * (egress + requests),
             move_usd=move_usd[r],
         )
-    training_s = max(ends, default=0.0)
+    if problem.sync == "sync" and ends:
+        # A barrier every iteration: all start once the last data is in, the slowest sets the pace.
+        training_s = max(m for m, _ in ends) + max(w for _, w in ends)
+    else:
+        training_s = max((m + w for m, w in ends), default=0.0)
     total = sum(move_usd)
     final: list[RegionFigures | None] = []
     for r, fig in enumerate(figures):
@@ -289,7 +354,7 @@ def evaluate(problem: GeoProblem, plan: GeoPlan) -> GeoEvaluation:
             continue
         option = problem.sites[r].options[plan.options[r]]  # type: ignore[index]
         # A barrier keeps every region's functions alive until the slowest is done.
-        alive = training_s if problem.sync == "model-average" and len(training) > 1 else fig.alive_s
+        alive = training_s if barrier else fig.alive_s
         compute = option.usd_per_second * alive
         fig = RegionFigures(**{**fig.__dict__, "alive_s": alive, "compute_usd": compute})
         total += compute + fig.fixed_usd + fig.sync_usd
@@ -330,9 +395,11 @@ def solve_geo(
     time_limit: float | None = 30.0,
     allow_moves: bool = True,
     only: Iterable[int] | None = None,
+    equal_split: bool = False,
 ) -> GeoSolution:
-    """The best schedule: one MILP per candidate server region (ASGD-GA; one MILP for MA), the best
-    of them. `allow_moves=False` keeps data where it is; `only` restricts the training regions
+    """The best schedule: one MILP per candidate server region (ASGD-GA; one MILP otherwise), the best
+    of them. `allow_moves=False` keeps data where it is; `only` restricts the training regions;
+    `equal_split` makes every allowed region train about the same share (within one part of data)
     (the baselines are these restrictions of the same program)."""
     started = time.perf_counter()
     allowed = set(range(len(problem.sites)) if only is None else only)
@@ -343,7 +410,7 @@ def solve_geo(
     solver_name = ""
     for server in servers:
         plan, status, lower, solver_name = _solve_one(
-            problem, Goal(objective, deadline, budget), server, time_limit, allow_moves, allowed
+            problem, Goal(objective, deadline, budget), server, time_limit, allow_moves, allowed, equal_split
         )
         bound = min(bound, lower)
         proven = proven and status in ("optimal", "infeasible")
@@ -386,12 +453,15 @@ def _solve_one(
     time_limit: float | None,
     allow_moves: bool,
     allowed: set[int],
+    equal_split: bool = False,
 ) -> tuple[GeoPlan | None, SolveStatus, float, str]:
     """The MILP for one server choice: (plan, status, lower bound, solver). Variables: y[r,k] (region
     r trains with option k), u[r,k] its iterations (0 unless y[r,k]), z[r] = sum_k y[r,k],
     move[a,b] (integer parts), and for the pairwise sync terms v[r,k,b] >= y[r,k] + z[b] - 1 (r with
-    option k and b both train); for MA alive[r,k] >= T - T_max (1 - v[r,k,b]) (the barrier keeps r
-    alive for all of T). A time-limited solve gives no bound (-inf)."""
+    option k and b both train); for MA and sync alive[r,k] >= T - T_max (1 - v[r,k,b]) (the barrier
+    keeps r alive for all of T); one[a,b] (a < b) says which way data may move between a and b. Only
+    the options within a region's capacity, and the moves its data residency allows, are columns.
+    A time-limited solve gives no bound (-inf)."""
     sites = problem.sites
     n = len(sites)
     names = [s.name for s in sites]
@@ -405,6 +475,7 @@ def _solve_one(
         for r in range(n)
         if r in allowed
         for k in range(len(sites[r].options))
+        if sites[r].fits(sites[r].options[k])
     }
     u = {key: program.column() for key in y}
     z: dict[int, list[tuple[int, float]]] = {
@@ -413,9 +484,15 @@ def _solve_one(
     moves: dict[tuple[int, int], int] = {}
     if allow_moves:
         for a in range(n):
-            for b in allowed:
-                if a != b and sites[a].data > 0:
+            for b in sorted(allowed):
+                if problem.may_move(a, b):
                     moves[a, b] = program.column(0.0, problem.parts, integer=True)
+    for (a, b), forth in moves.items():
+        if a < b and (b, a) in moves:
+            # Data moves one way between two regions: forth only if one[a,b], back only if not.
+            one = program.column(0.0, 1.0, integer=True)
+            program.row([(forth, 1.0), (one, -float(problem.parts))], upper=0.0)
+            program.row([(moves[b, a], 1.0), (one, float(problem.parts))], upper=float(problem.parts))
     T = program.column()
     for r in range(n):
         if z[r]:
@@ -430,8 +507,18 @@ def _solve_one(
         held += [(var, -(sites[a].data / problem.parts) * per_sample / B) for (a, b), var in moves.items() if b == r]
         rhs = sites[r].data * per_sample / B
         program.row(held, rhs, rhs)
+    least = problem.least_iterations()
     for (r, k), var in y.items():
         program.row([(u[r, k], 1.0), (var, -most_iterations)], upper=0.0)
+        program.row([(u[r, k], 1.0), (var, -least)], lower=0.0)  # at least one iteration per round
+    if equal_split:
+        # Every allowed region trains about 1/n of the samples (within one part of the largest holder's).
+        share = most_iterations / len(allowed)
+        slack = max(s.data for s in sites) / problem.parts * per_sample / B
+        for r in allowed:
+            program.row(z[r], 1.0, 1.0)
+            mine = [(u[r, k], 1.0) for k in range(len(sites[r].options)) if (r, k) in y]
+            program.row(mine, share - slack, share + slack)
     if server is not None:
         program.row(z[server], 1.0, 1.0)  # the server trains (it holds the global model next to its functions)
     # Pairwise sync terms: v[r,k,b] = y[r,k] * z[b].
@@ -479,14 +566,19 @@ def _solve_one(
     }
     sync_of = {(r, k): sync_parts(r, k) for (r, k) in y}
     for r in range(n):
-        # T >= move-in + work + syncs of every region.
-        ends: Linear = {T: 1.0}
-        _add(ends, ((var, -c) for var, c in move_in[r].items()))
-        _add(ends, ((u[r, k], -sites[r].options[k].iteration_s) for k in range(len(sites[r].options)) if (r, k) in y))
-        for k in range(len(sites[r].options)):
-            if (r, k) in y:
-                _add(ends, ((var, -c) for var, c in sync_of[r, k][0].items()))
-        program.row(list(ends.items()), lower=0.0)
+        # T >= move-in + work + syncs of every region; under sync (a barrier every iteration) T >= the
+        # move-in of every region a + the work and syncs of every region r.
+        for a in range(n) if problem.sync == "sync" else [r]:
+            ends: Linear = {T: 1.0}
+            _add(ends, ((var, -c) for var, c in move_in[a].items()))
+            _add(
+                ends,
+                ((u[r, k], -sites[r].options[k].iteration_s) for k in range(len(sites[r].options)) if (r, k) in y),
+            )
+            for k in range(len(sites[r].options)):
+                if (r, k) in y:
+                    _add(ends, ((var, -c) for var, c in sync_of[r, k][0].items()))
+            program.row(list(ends.items()), lower=0.0)
     cost: Linear = {}
     for (a, _), var in moves.items():
         part = sites[a].data / problem.parts
@@ -503,7 +595,7 @@ def _solve_one(
         seconds, usd = sync_of[r, k]
         _add(cost, [(u[r, k], option.fixed_usd)])
         _add(cost, usd.items())
-        if problem.sync == "model-average":
+        if problem.sync in BARRIER:
             # Alive for T when another region trains (the barrier), else for its own work.
             alive = program.column()
             program.row(
@@ -537,7 +629,7 @@ def enumerate_plans(problem: GeoProblem) -> Iterator[GeoPlan]:
     """Every plan of a small problem (the tests' ground truth)."""
     n = len(problem.sites)
     choices = [[None, *range(len(s.options))] for s in problem.sites]
-    pairs = [(a, b) for a in range(n) for b in range(n) if a != b and problem.sites[a].data > 0]
+    pairs = [(a, b) for a in range(n) for b in range(n) if problem.may_move(a, b)]
     servers: list[int | None] = list(range(n)) if problem.sync == "asgd-ga" else [None]
     for options in itertools.product(*choices):
         for counts in itertools.product(range(problem.parts + 1), repeat=len(pairs)):
@@ -554,14 +646,14 @@ class RegionShare:
     samples: int  # held after the moves
     sources: tuple[tuple[str, int, int], ...]  # (region, first, count) of that region's training data
     iterations: int
-    round_iterations: int
-    weight: float  # its share of a round's samples
+    weight: float  # its share of the samples (model averaging's weight; under sync its share of a batch)
 
 
 def region_shares(problem: GeoProblem, plan: GeoPlan) -> list[RegionShare]:
     """The schedule's data slices and iterations. A region keeps the head of its data and sends
-    consecutive parts of its tail to the receivers in region order; each region runs R rounds of
-    round(I_r / R) iterations (at least one), I_r from the samples it holds."""
+    consecutive parts of its tail to the receivers in region order. Under `sync` every region runs
+    all the iterations; otherwise the iterations I_r (from the samples it holds) are rounded so that
+    they add up to the training's exactly (largest remainders), each at least the rounds."""
     sites = problem.sites
     kept: dict[int, tuple[int, int]] = {}
     incoming: dict[int, list[tuple[str, int, int]]] = {r: [] for r in range(len(sites))}
@@ -578,17 +670,41 @@ def region_shares(problem: GeoProblem, plan: GeoPlan) -> list[RegionShare]:
             if last > first:
                 incoming[b].append((site.name, first, last - first))
             at += parts
-    per_sample = problem.total_samples / problem.total_data
-    shares = []
+    held: list[tuple[int, int, tuple[tuple[str, int, int], ...]]] = []
     for r, option in enumerate(plan.options):
         if option is None:
             continue
         sources = ([(sites[r].name, 0, kept[r][1])] if kept[r][1] > 0 else []) + sorted(incoming[r])
         samples = sum(count for _, _, count in sources)
         if samples == 0:
-            continue  # nothing to train on (never better than not training: it only adds syncs)
-        rounds = problem.rounds
-        per_round = max(1, round(samples * per_sample / problem.global_batch / rounds))
-        shares.append(RegionShare(r, samples, tuple(sources), per_round * rounds, per_round, 0.0))
-    total = sum(s.round_iterations for s in shares)
-    return [RegionShare(**{**s.__dict__, "weight": round(s.round_iterations / total, 9)}) for s in shares]
+            raise ValueError(f"{sites[r].name} trains but holds no data after the moves")
+        held.append((r, samples, tuple(sources)))
+    total_samples = sum(samples for _, samples, _ in held)
+    if problem.sync == "sync" or len(held) == 1:
+        counts = [problem.iterations] * len(held)
+    else:
+        counts = whole_iterations(
+            [problem.iterations * samples / total_samples for _, samples, _ in held], problem.iterations, problem.rounds
+        )
+    return [
+        RegionShare(r, samples, sources, count, round(samples / total_samples, 9))
+        for (r, samples, sources), count in zip(held, counts, strict=True)
+    ]
+
+
+def whole_iterations(shares: list[float], total: int, least: int) -> list[int]:
+    """Whole numbers adding up to `total`, each at least `least`, near `shares` (which add up to
+    `total`): the floors, then one more to the largest remainders; a share below `least` is raised
+    to it, taken from the largest."""
+    counts = [max(least, math.floor(x)) for x in shares]
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - math.floor(shares[i])), i))
+    for i in order:
+        if sum(counts) >= total:
+            break
+        counts[i] += 1
+    while sum(counts) > total:
+        above = [j for j in range(len(counts)) if counts[j] > least]
+        if not above:
+            break
+        counts[max(above, key=lambda j: (counts[j] - shares[j], counts[j], -j))] -= 1
+    return counts

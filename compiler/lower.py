@@ -3,7 +3,9 @@
 Per region, one function per pipeline stage (its replicas are instances of that function) and, per
 stage, the steps of one iteration: `compute` (the stage's micro-batch schedule), `scatter-reduce`
 among its replicas when it has more than one, `optimizer-step` (after every stage sharing a
-parameter with it has its gradients), and `checkpoint` every `checkpoint_every` iterations.
+parameter with it has its gradients), and `checkpoint` every `checkpoint_every` iterations. With several
+regions, the inter-region sync step of the strategy (`SYNC_STEP_KIND`) after the optimizer step: every
+iteration under `sync`, else at the ends of the region's rounds (`ir.workflow.round_ends`).
 
 What the functions need of the user's model file is lowered too, so that no function imports it:
 the optimizer as a torch.optim class and its options, the loss as generated torch-only source.
@@ -11,7 +13,6 @@ the optimizer as a torch.optim class and its options, the loss as generated torc
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
-from cloudless.compiler.cost_model import Plan
+from cloudless.compiler.cost_model import Plan, checkpoint_interval
 from cloudless.compiler.errors import CompileError
 from cloudless.compiler.model_file import ModelFile, probe_optimizer
 from cloudless.compiler.trace import trace_model
@@ -34,8 +35,10 @@ from cloudless.ir.workflow import (
     DataSource,
     DataSpec,
     Function,
+    InterRegionSync,
     OptimizerSpec,
     Region,
+    RegionPrices,
     RunSettings,
     Schedule,
     Step,
@@ -46,8 +49,14 @@ from cloudless.ir.workflow import (
     Workflow,
 )
 
-#: checkpoints per run when the model file does not say (at least every 1000 iterations)
-CHECKPOINTS_PER_RUN = 4
+
+def default_staleness_bound(training_regions: int) -> int:
+    """ASGD-GA's default staleness bound: a push whose base lags the global model by more than this many
+    versions is rebased. One version per other training region: a push may lag the pushes of every other
+    region's same round (regions running at different paces), but not a whole round more."""
+    return max(0, training_regions - 1)
+
+
 LOSS_MODULE = "loss"
 
 
@@ -121,6 +130,7 @@ def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: 
     example = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in [*flat_outputs, *flat_targets])
     program = trace_model(module, example, model_path=model_file.path)
     header = StageHeader(
+        constants=_loss_constants(model_file, program.module),
         model=model_file.name,
         index=0,
         count=1,
@@ -137,6 +147,36 @@ def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: 
         raise CompileError(f"{model_file.name}: loss_fn: {exc}") from exc
 
 
+#: the largest constant tensor loss_fn may hold (written into loss.py as a literal), in elements
+MAX_LOSS_CONSTANT = 4096
+
+
+def _loss_constants(model_file: ModelFile, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the traced loss reads as attributes (a class-weight table, a mask): small ones go
+    into the source; a large or non-finite one is a compile error that says what to do instead."""
+    constants: dict[str, torch.Tensor] = {}
+    for node in module.graph.nodes:  # type: ignore[union-attr]
+        if node.op != "get_attr":
+            continue
+        value: Any = module
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if "." in str(node.target):  # the tracers lift constants to top-level attributes
+            raise CompileError(f"{model_file.name}: loss_fn reads the tensor attribute {node.target}, unsupported")
+        large = value.numel() > MAX_LOSS_CONSTANT
+        if large or (value.is_floating_point() and not bool(value.isfinite().all())):
+            why = "too large to write into loss.py" if large else "non-finite values"
+            raise CompileError(
+                f"{model_file.name}: loss_fn uses a constant tensor of shape {tuple(value.shape)} ({why}); "
+                f"expected at most {MAX_LOSS_CONSTANT} finite values: make it a buffer of the model and "
+                "return what the loss needs from forward"
+            )
+        constants[str(node.target)] = value.detach().cpu()
+    return constants
+
+
 def portable_path(path: Path) -> str:
     """`path` as a build records it: relative to the folder the compiler ran in (as a user types
     it), never an absolute path of the compiling machine; `cloudless-run` resolves it from the
@@ -144,10 +184,6 @@ def portable_path(path: Path) -> str:
     if not path.is_absolute():
         return path.as_posix()
     return Path(os.path.relpath(path.resolve(), Path.cwd().resolve())).as_posix()
-
-
-def checkpoint_interval(iterations: int) -> int:
-    return max(1, min(1000, math.ceil(iterations / CHECKPOINTS_PER_RUN)))
 
 
 @dataclass(frozen=True)
@@ -160,7 +196,6 @@ class RegionTraining:
     samples: int | None
     #: (region, first, count): slices of load_shard(region, "train") it trains on (several regions)
     sources: tuple[tuple[str, int, int], ...] = ()
-    round_iterations: int | None = None
     weight: float | None = None
 
 
@@ -168,10 +203,12 @@ class RegionTraining:
 class InterRegion:
     """How several regions' models meet: the strategy, rounds, ASGD-GA's server, the WAN links."""
 
-    strategy: str
+    strategy: InterRegionSync
     rounds: int
     server: str | None
     links: tuple[tuple[str, str, float, float], ...]  # (a, b, MB/s, latency s)
+    #: asgd-ga: versions a push's base may lag (None: default_staleness_bound of the training regions)
+    staleness_bound: int | None = None
 
 
 def lower_plan(
@@ -196,6 +233,15 @@ def lower_plan(
             raise ValueError(f"{training.region.name}: its plan does not match the generated stages")
     if len(trainings) > 1 and inter_region is None:
         raise ValueError("several regions need an inter-region strategy")
+    if inter_region is not None:
+        if inter_region.server is not None and inter_region.server not in [t.region.name for t in trainings]:
+            raise ValueError(f"the ASGD-GA server {inter_region.server} must be one of the training regions")
+        for training in trainings:
+            if not 1 <= inter_region.rounds <= training.iterations:
+                raise ValueError(
+                    f"{training.region.name}: {inter_region.rounds} rounds over {training.iterations} iterations; "
+                    "the planner keeps rounds within every region's iterations"
+                )
     run_name = slug(model_file.path.stem)
     holders: dict[str, list[int]] = {}
     for stage in stages:
@@ -233,13 +279,19 @@ def lower_plan(
                 request_latency_s=region.request_latency_s,
                 functions=functions,
                 iterations=training.iterations,
-                round_iterations=training.round_iterations if inter_region is not None else None,
                 weight=training.weight if inter_region is not None else None,
                 # also when one region trains alone on data moved to it
                 data_sources=tuple(DataSource(r, f, c) for r, f, c in training.sources),
+                prices=RegionPrices(
+                    gb_second=region.prices.gb_second,
+                    per_million_requests=region.prices.per_million_requests,
+                    storage_put_per_1000=region.prices.storage_put_per_1000,
+                    storage_get_per_1000=region.prices.storage_get_per_1000,
+                    egress_per_gb=region.prices.egress_per_gb,
+                ),
             )
         )
-        steps.extend(region_steps(region.name, functions, holders, every, sync_kind, training.round_iterations))
+        steps.extend(region_steps(region.name, functions, holders, every, sync_kind))
     return Workflow(
         model=model_file.name,
         run=RunSettings(
@@ -257,9 +309,10 @@ def lower_plan(
             intra_region="pipelined-scatter-reduce",
             piece_bytes=SYNC_PIECE_BYTES,
             max_pieces=MAX_SYNC_PIECES,
-            inter_region=None if inter_region is None else inter_region.strategy,  # type: ignore[arg-type]
+            inter_region=None if inter_region is None else inter_region.strategy,
             rounds=None if inter_region is None else inter_region.rounds,
             server=None if inter_region is None else inter_region.server,
+            staleness_bound=staleness_bound(inter_region, len(trainings)),
         ),
         storage=StorageSpec(bucket=f"cloudless-{run_name}", prefix=run_name),
         data=DataSpec(
@@ -278,17 +331,27 @@ def lower_plan(
     )
 
 
+def staleness_bound(inter_region: InterRegion | None, training_regions: int) -> int | None:
+    """ASGD-GA's staleness bound as workflow.yaml writes it (None: not ASGD-GA)."""
+    if inter_region is None or inter_region.strategy != "asgd-ga":
+        return None
+    if inter_region.staleness_bound is not None:
+        return inter_region.staleness_bound
+    return default_staleness_bound(training_regions)
+
+
 def region_steps(
     region: str,
     functions: tuple[Function, ...],
     holders: dict[str, list[int]],
     checkpoint_every: int,
     sync_kind: StepKind | None = None,
-    round_iterations: int | None = None,
 ) -> list[Step]:
     """One iteration's DAG in a region: the stages compute at once (they pipeline through storage).
     With several regions, each stage meets its counterparts in the others after its optimizer step
-    every `round_iterations` (`asgd-ga-push` or `model-average`), before its checkpoint."""
+    (`cross-region-reduce` every iteration; `asgd-ga-push` or `model-average` at the ends of the
+    region's rounds, `round_ends(region.iterations, sync.rounds)`, so the step has no `every`),
+    before its checkpoint."""
 
     def step(function: Function, kind: StepKind, depends_on: list[str], every: int | None = None) -> Step:
         step_id = f"{region}/s{function.stage}/{kind}"
@@ -311,7 +374,7 @@ def region_steps(
         steps.append(update)
         last = update.id
         if sync_kind is not None:
-            meet = step(function, sync_kind, [update.id], round_iterations)
+            meet = step(function, sync_kind, [update.id])
             steps.append(meet)
             last = meet.id
         steps.append(step(function, "checkpoint", [last], checkpoint_every))

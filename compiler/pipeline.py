@@ -300,7 +300,6 @@ def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRe
                 share.iterations,
                 share.samples,
                 share.sources,
-                share.round_iterations,
                 share.weight,
             )
         )
@@ -347,7 +346,10 @@ def generate_stages(
             outputs=tuple(part.outputs),
             tensors=tensors,
         )
-        source = render_stage_source(inlined.module.graph, header)
+        try:
+            source = render_stage_source(inlined.module.graph, header)
+        except ValueError as exc:  # a program the stage code cannot hold: the model's, not a crash
+            raise CompileError(f"{graph.model}: stage {part.index} (blocks {first}-{last}): {exc}") from exc
         trainable_names = tuple(name for name, (_, _, trainable) in tensors.items() if trainable)
         stages.append(
             StageCode(part.index, first, last, source, state, tuple(part.inputs), tuple(part.outputs), trainable_names)

@@ -32,6 +32,7 @@ from cloudless.compiler.geo import (
     RegionOption,
     RegionSite,
     SyncStrategy,
+    region_shares,
     solve_geo,
 )
 from cloudless.compiler.model_file import ModelFile, probe_optimizer
@@ -264,6 +265,8 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         problem = dataclasses.replace(problem, micro_batches=(mu,))
         problems[name] = (region, problem)
         frontier = region_frontier(problem, ranges, options.time_limit)
+        if region.max_total_memory_mb is not None:
+            frontier = within_memory(problem, ranges, frontier, region.max_total_memory_mb, options.time_limit)
         frontiers.append(frontier)
         prices = region.prices
         sites.append(
@@ -275,6 +278,9 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
                 put_usd=prices.storage_put_per_1000 / 1000,
                 get_usd=prices.storage_get_per_1000 / 1000,
                 local=Link(region.bandwidth_bps(max(region.tiers_mb)), region.request_latency_s),
+                may_move_to=None if region.data_may_move_to is None else frozenset(region.data_may_move_to),
+                max_functions=region.max_functions,
+                max_memory_mb=region.max_total_memory_mb,
             )
         )
     geo_problem = GeoProblem(
@@ -299,22 +305,7 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         solution = solve_limited()
     except GeoInfeasible as exc:
         raise PlanInfeasible(_diagnose_regions(geo_problem, options)) from exc
-    geo_baselines = []
-    # (name, description, data may move, the regions that may train)
-    restrictions: list[tuple[str, str, bool, list[int] | None]] = [
-        ("data-local", "every region trains on the data it holds; nothing moves", False, None)
-    ]
-    for r, name in enumerate(names):
-        restrictions.append(
-            (f"single-region:{name}", f"all data moved to {name}, trained there alone (FuncPipe)", True, [r])
-        )
-    for label, description, allow_moves, only in restrictions:
-        try:
-            found_geo: GeoSolution | None = solve_limited(allow_moves=allow_moves, only=only)
-            reason = ""
-        except GeoInfeasible:
-            found_geo, reason = None, "no schedule meets the request under this restriction"
-        geo_baselines.append(GeoBaseline(label, description, found_geo, reason))
+    geo_baselines = region_baselines(geo_problem, solve_limited)
     per_region: list[PlanResult | None] = []
     for r, name in enumerate(names):
         k = solution.plan.options[r]
@@ -330,6 +321,57 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         GeoResult(geo_problem, solution, per_region, geo_baselines),
         run_length=length,
     )
+
+
+def region_baselines(problem: GeoProblem, solve_limited: typing.Callable[..., GeoSolution]) -> list[GeoBaseline]:
+    """The naive placements, each the same schedule's program restricted: data-local (every region trains
+    what it holds), equal split (every region trains 1/n of the data, moved where residency allows) and
+    each region alone (all data moved there, where residency allows); an infeasible one says why."""
+    names = [s.name for s in problem.sites]
+    # (name, description, keyword arguments of solve_geo, why it may be impossible)
+    restrictions: list[tuple[str, str, dict[str, typing.Any], str]] = [
+        ("data-local", "every region trains on the data it holds; nothing moves", {"allow_moves": False}, ""),
+        (
+            "equal-split",
+            "every region trains an equal share of the data (moved where residency allows)",
+            {"equal_split": True},
+            _residency_blocks(problem, None),
+        ),
+    ]
+    for r, name in enumerate(names):
+        restrictions.append(
+            (
+                f"single-region:{name}",
+                f"all data moved to {name}, trained there alone (FuncPipe)",
+                {"only": [r]},
+                _residency_blocks(problem, r),
+            )
+        )
+    found: list[GeoBaseline] = []
+    for label, description, kwargs, blocked in restrictions:
+        try:
+            found.append(GeoBaseline(label, description, solve_limited(**kwargs)))
+        except GeoInfeasible:
+            reason = blocked or "no schedule meets the request (capacity, deadline or budget) under this restriction"
+            found.append(GeoBaseline(label, description, None, reason))
+    return found
+
+
+def _residency_blocks(problem: GeoProblem, target: int | None) -> str:
+    """Why data residency rules out moving every region's data to `target` (None: moving data at all
+    out of a region that must share it), or ''."""
+    if target is None:
+        kept = [s.name for s in problem.sites if s.data > 0 and s.may_move_to is not None and not s.may_move_to]
+        return f"data residency: {', '.join(kept)} keeps its data" if kept else ""
+    blocked = [
+        s.name for a, s in enumerate(problem.sites) if a != target and s.data > 0 and not problem.may_move(a, target)
+    ]
+    if blocked:
+        return (
+            f"data residency: the data of {', '.join(blocked)} may not move to {problem.sites[target].name} "
+            "(the catalog's data_may_move_to)"
+        )
+    return ""
 
 
 def region_frontier(problem: Problem, ranges: list[tuple[int, int]], time_limit: float) -> list[Solution]:
@@ -359,6 +401,33 @@ def region_frontier(problem: Problem, ranges: list[tuple[int, int]], time_limit:
     return frontier
 
 
+def plan_memory_mb(plan: Plan) -> int:
+    """The memory of a plan's concurrent functions together (every stage's tier times its replicas)."""
+    return sum(c.tier_mb * c.replicas for c in plan.stages)
+
+
+def within_memory(
+    problem: Problem, ranges: list[tuple[int, int]], frontier: list[Solution], cap_mb: int, time_limit: float
+) -> list[Solution]:
+    """A region's frontier under its capacity `limits.max_total_memory_mb`: the plans within it and, when
+    none is, the cheapest plan with ever fewer functions until one fits (none: the region cannot train)."""
+    fitting = [s for s in frontier if plan_memory_mb(s.plan) <= cap_mb]
+    if fitting:
+        return fitting
+    limit = cap_mb // min(problem.region.tiers_mb)
+    while limit >= len(ranges):
+        try:
+            found = solve(
+                dataclasses.replace(problem, max_functions=limit), "cost", time_limit=time_limit, fixed_ranges=ranges
+            )
+        except Infeasible:
+            return []
+        if plan_memory_mb(found.plan) <= cap_mb:
+            return [found]
+        limit = min(limit, sum(c.replicas for c in found.plan.stages)) - 1
+    return []
+
+
 def _region_option(problem: Problem, solution: Solution) -> RegionOption:
     evaluation = solution.evaluation
     return RegionOption(
@@ -368,6 +437,8 @@ def _region_option(problem: Problem, solution: Solution) -> RegionOption:
         fixed_usd=evaluation.request_usd + evaluation.storage_usd,
         largest_stage_bytes=max(t.parameter_bytes for t in evaluation.stages),
         stages=len(solution.plan.stages),
+        functions=sum(c.replicas for c in solution.plan.stages),
+        memory_mb=plan_memory_mb(solution.plan),
     )
 
 
@@ -375,6 +446,14 @@ def _diagnose_regions(problem: GeoProblem, options: PlanOptions) -> str:
     names = ", ".join(s.name for s in problem.sites)
     if not any(s.options for s in problem.sites):
         return f"no plan fits in any of {names} with the shared partition"
+    for r, site in enumerate(problem.sites):
+        stuck = site.data > 0 and not any(problem.may_move(r, b) for b in range(len(problem.sites)))
+        if stuck and not any(site.fits(o) for o in site.options):
+            return (
+                f"{site.name}'s data may not leave it (the catalog's data_may_move_to), but no plan fits its capacity "
+                f"(limits.max_functions {site.max_functions}, limits.max_total_memory_mb {site.max_memory_mb}): "
+                "raise them or let its data move"
+            )
     fastest = solve_geo(problem, "time", time_limit=options.time_limit)
     cheapest = solve_geo(problem, "cost", time_limit=options.time_limit)
     if options.deadline is not None and fastest.evaluation.training_s > options.deadline:
@@ -578,6 +657,7 @@ def plan_ir(result: PlanResult, chain: BlockChain, options: PlanOptions, timelin
 def _region_schedule(geo: GeoResult, chain: BlockChain) -> RegionSchedule:
     problem, solution = geo.problem, geo.solution
     chosen = solution.evaluation
+    runs = {share.site: share.iterations for share in region_shares(problem, solution.plan)}
     sites = []
     for r, site in enumerate(problem.sites):
         figures = chosen.regions[r]
@@ -590,6 +670,7 @@ def _region_schedule(geo: GeoResult, chain: BlockChain) -> RegionSchedule:
                 trains=figures is not None,
                 samples=_round(figures.data if figures else 0.0),
                 iterations=_round(figures.iterations if figures else 0.0),
+                runs_iterations=runs.get(r),
                 stages=_stages(planned.plan, planned.evaluation, chain) if planned is not None else (),
                 iteration_s=_round(planned.evaluation.iteration_s) if planned is not None else None,
                 move_in_s=_round(figures.move_in_s if figures else 0.0),

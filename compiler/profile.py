@@ -296,8 +296,7 @@ def reuse_profile(chain: BlockChain, path: Path) -> BlockChain:
     mismatch = ""
     if (earlier.model, earlier.batch_size) != (chain.model, chain.batch_size):
         mismatch = (
-            f"it profiles {earlier.model} at micro-batch {earlier.batch_size}, "
-            f"not {chain.model} at {chain.batch_size}"
+            f"it profiles {earlier.model} at micro-batch {earlier.batch_size}, not {chain.model} at {chain.batch_size}"
         )
     elif len(earlier.blocks) != len(chain.blocks):
         mismatch = f"key blocks: {len(earlier.blocks)} blocks, this model has {len(chain.blocks)}"

@@ -252,9 +252,7 @@ def _add_sync_and_update(
             # Piece p of the reduced chunk is complete once it arrived from every other replica.
             for p in range(pieces):
                 arrived = [received[(i, (i - d) % r, p)] for d in range(1, r)]
-                gathered[(i, p)] = sim.add(
-                    stage, i, "upload", "sync-gather", pace, [*arrived, ready[i]], delay=delay
-                )
+                gathered[(i, p)] = sim.add(stage, i, "upload", "sync-gather", pace, [*arrived, ready[i]], delay=delay)
         for i in range(r):
             downloads: list[int | None] = [
                 sim.add(stage, i, "download", "sync-gather", pace, [gathered[((i - d) % r, p)]], delay=found)

@@ -58,6 +58,9 @@ class TracedProgram:
     #: id(tensor held by `module`) -> (the user model's name for it, trainable). torch.export may
     #: register a tied weight under its second name; everything downstream uses the model's first.
     tensor_names: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    #: every key of the user model's state_dict -> the name its tensor has downstream (a tied
+    #: weight's second name -> its first); non-persistent buffers are not keys
+    state_names: dict[str, str] = field(default_factory=dict)
 
     def tensor_name(self, tensor: torch.Tensor, fallback: str) -> str:
         return self.tensor_names.get(id(tensor), (fallback, False))[0]
@@ -161,6 +164,7 @@ def trace_model(
             program = _trace_fx(model, example_inputs, leaf_modules)
             if tracer == "fx" or _agrees_with_eager(program, model, example_inputs):
                 program.tensor_names = _model_names(program.module, model)
+                program.state_names = _state_names(model)
                 return program
             fx_exc = RuntimeError("the fx graph's outputs differ from the model's (Python control flow was baked in)")
         except Exception as exc:  # noqa: BLE001 - fx failing is expected; export is the fallback
@@ -177,15 +181,29 @@ def trace_model(
         _check_autocast_gradients(program, model, example_inputs, model_path)
     program.fx_error = describe(fx_exc) if fx_exc else ""
     program.tensor_names = _model_names(program.module, model)
+    program.state_names = _state_names(model)
     return program
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _state_names(model: nn.Module) -> dict[str, str]:
+    """The model's state_dict keys, each with the first name of its tensor (what the stages hold)."""
+    first: dict[tuple[Any, ...], str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.numel():
+            first.setdefault(_memory(t), name)
+    return {
+        key: first.get(_memory(t), key) if t.numel() else key for key, t in model.state_dict(keep_vars=True).items()
+    }
 
 
 def _model_names(module: torch.fx.GraphModule, model: nn.Module) -> dict[int, tuple[str, bool]]:
     """Name each tensor of the traced module by the user model's first name for the same memory."""
 
-    def key(t: torch.Tensor) -> tuple[Any, ...]:
-        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-
+    key = _memory
     by_memory: dict[tuple[Any, ...], tuple[str, bool]] = {}
     for name, p in model.named_parameters():
         by_memory.setdefault(key(p), (name, True))

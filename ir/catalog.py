@@ -148,6 +148,8 @@ class Prices:
     storage_put_per_1000: float
     storage_get_per_1000: float
     egress_per_gb: float
+    #: AWS: the state machine's state transitions (a deployed round of invocations); 0: not charged
+    state_transition_per_1000: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,10 @@ class Region:
     openfaas_edition: str = DEFAULT_OPENFAAS_EDITION
     #: where faas-cli pushes this region's images (an image name prefix, see registry_problem); None: none
     registry: str | None = None
+    #: data residency: the regions its training data may move to (None: any; empty: it stays here)
+    data_may_move_to: tuple[str, ...] | None = None
+    #: capacity: the memory of all its concurrent functions together, MB (None: no limit but max_functions')
+    max_total_memory_mb: int | None = None
 
     def vcpus(self, tier_mb: int) -> float:
         """The CPU share of a function of this memory (the platform ties CPU to memory)."""
@@ -209,6 +215,8 @@ class Region:
             async_payload_bytes=limits.get("async_payload_bytes", 256 * 2**10),
             openfaas_edition=data.get("openfaas_edition", DEFAULT_OPENFAAS_EDITION),
             registry=data.get("registry"),
+            data_may_move_to=None if data.get("data_may_move_to") is None else tuple(data["data_may_move_to"]),
+            max_total_memory_mb=limits.get("max_total_memory_mb"),
         )
 
 
@@ -383,6 +391,23 @@ def parse_catalog(data: Any, source: str) -> Catalog:
     names = [r.name for r in regions]
     if len(set(names)) != len(names):
         raise SchemaError(f"{source}: key regions: region names must be unique")
+    for i, region in enumerate(regions):
+        for j, name in enumerate(region.data_may_move_to or ()):
+            if name == region.name:
+                raise SchemaError(
+                    f"{source}: key regions/{i}/data_may_move_to/{j}: {name!r} is the region itself; list the "
+                    "other regions its data may move to ([]: it stays here)"
+                )
+            if name not in names:
+                raise SchemaError(
+                    f"{source}: key regions/{i}/data_may_move_to/{j}: no region {name!r}; the catalog has "
+                    f"{', '.join(names)}"
+                )
+        if region.max_total_memory_mb is not None and region.max_total_memory_mb < min(region.tiers_mb):
+            raise SchemaError(
+                f"{source}: key regions/{i}/limits/max_total_memory_mb: {region.max_total_memory_mb} MB holds not "
+                f"one function of the smallest tier ({min(region.tiers_mb)} MB)"
+            )
     wan = data.get("wan")
     if wan is None:
         return Catalog(source, regions)

@@ -103,6 +103,9 @@ class OpGraph:
     inputs: list[str]
     outputs: list[str]
     parameters: dict[str, ParamInfo] = field(default_factory=dict)
+    #: the user model's state_dict keys -> the names the stages hold their tensors under (a tied
+    #: weight's every name; non-persistent buffers absent): what the trained model file is keyed by
+    state_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def digraph(self) -> nx.DiGraph:
@@ -150,6 +153,7 @@ class OpGraph:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "parameters": {k: v.to_json() for k, v in self.parameters.items()},
+            "state_names": dict(self.state_names),
             "nodes": [n.to_json() for n in self.nodes],
         }
 
@@ -164,6 +168,7 @@ class OpGraph:
             inputs=list(data["inputs"]),
             outputs=list(data["outputs"]),
             parameters={k: ParamInfo.from_json(v) for k, v in data["parameters"].items()},
+            state_names=dict(data.get("state_names", {})),
         )
 
     def save(self, path: Path) -> None:

@@ -212,6 +212,8 @@ class SiteSchedule(_Document):
     #: samples it trains on and iterations it runs (fractional: the schedule's continuous answer)
     samples: float
     iterations: float
+    #: the whole iterations workflow.yaml runs there (None: it does not train)
+    runs_iterations: int | None
     #: its pipeline plan (empty when it does not train)
     stages: tuple[PlannedStage, ...]
     iteration_s: float | None

@@ -6,8 +6,10 @@ reader cannot drift apart (a mismatch would show only inside a remote function, 
 timeout). Standard library only: this module is vendored into every function package.
 
 Keys of one region of one run live under its namespace `<run>/<region>` (the region alone when no
-run name is given); a region reads another's keys (model averaging, ASGD-GA) under that region's
-namespace. Training data lives outside any run, under `data/<name>/<split>/`. The rest of the run
+run name is given), in that region's storage; a region reads another's keys (synchronous SGD's
+gradient sums, model averaging's models, ASGD-GA's global versions in the server region) under that
+region's namespace, in that region's storage (`PEERS_ENV`), across the WAN. Training data lives
+outside any run, under `data/<name>/<split>/`. The rest of the run
 contract, what order the functions do an iteration's work in and which samples it reads, is in
 `cloudless.ir.schedule`.
 
@@ -41,12 +43,20 @@ from typing import Any, Literal, TypeVar
 _V = TypeVar("_V")
 #: what a round's key holds between regions: a region's `model`, or the `result` its replica 0 got
 RoundPart = Literal["model", "result"]
-#: ASGD-GA: a global version's `model`, and its `owner` (who claimed the version)
-GlobalPart = Literal["model", "owner"]
+#: ASGD-GA: a global version's `model`, its `owner` (who claimed the version) and its `push` (the
+#: `PushRecord` of the update that made it)
+GlobalPart = Literal["model", "owner", "push"]
+#: synchronous cross-region SGD: a region's gradient sums of an iteration (`sums`, in its own storage,
+#: read by every other region) and the reduced gradients its replica 0 got (`result`, for its replicas)
+CrossPart = Literal["sums", "result"]
 
 # -- environment and secrets ---------------------------------------------------------------------
 #: where a function's storage is: a folder, s3://bucket/prefix or redis://host:port/db
 STORAGE_ENV = "CLOUDLESS_STORAGE"
+#: several regions: the other regions' storage, a JSON object {region name: location} (the same
+#: location forms as STORAGE_ENV); a function reads and writes a peer's keys there, across the WAN.
+#: Unset: every region's keys are in the function's own storage (one storage for all regions)
+PEERS_ENV = "CLOUDLESS_PEERS"
 #: another S3-protocol endpoint than AWS S3 (boto3's endpoint_url)
 S3_ENDPOINT_ENV = "CLOUDLESS_S3_ENDPOINT"
 #: set only by `cloudless-run --emulate`: the function's link and CPU share, as Resources JSON
@@ -77,7 +87,9 @@ class Invocation:
     On the wire `{"start": a, "stop": b, "replica": k}` (or `{"iteration": i, "replica": k}` for one
     iteration), with optional `run` (a name for the run's keys), `attempt` (a duplicate of the same
     attempt does nothing), `time_limit_s` (end early, where every function agrees, before this many
-    seconds) and `timeout` (how long to wait for any one key)."""
+    seconds) and `timeout` (how long to wait for any one key). Several regions: `iterations`, the
+    region's iterations in this run, and `rounds`, its inter-region syncs over them (round k ends
+    after `workflow.round_ends(iterations, rounds)[k]` iterations); default the workflow's."""
 
     start: int
     stop: int
@@ -86,10 +98,12 @@ class Invocation:
     attempt: int | None = None
     time_limit_s: float | None = None
     timeout: float | None = None
+    iterations: int | None = None
+    rounds: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"start": self.start, "stop": self.stop, "replica": self.replica}
-        for name in ("run", "attempt", "time_limit_s", "timeout"):
+        for name in ("run", "attempt", "time_limit_s", "timeout", "iterations", "rounds"):
             value = getattr(self, name)
             if value not in (None, ""):
                 payload[name] = value
@@ -108,8 +122,9 @@ class Invocation:
             fields["replica"] = event.get("replica", 0)
         else:
             fields = {"start": event.get("start"), "stop": event.get("stop"), "replica": event.get("replica", 0)}
-        if event.get("attempt") is not None:
-            fields["attempt"] = event["attempt"]
+        for name in ("attempt", "iterations", "rounds"):
+            if event.get(name) is not None:
+                fields[name] = event[name]
         for name, value in fields.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name}: expected an integer, got {value!r}")
@@ -134,6 +149,8 @@ class Invocation:
             attempt=fields.get("attempt"),
             time_limit_s=numbers["time_limit_s"],
             timeout=numbers["timeout"],
+            iterations=fields.get("iterations"),
+            rounds=fields.get("rounds"),
         )
 
 
@@ -362,6 +379,12 @@ def state_key(ns: str, stage: int, iteration: int) -> str:
     return f"{ns}/state/s{stage}/it{iteration}"
 
 
+def latest_state_key(ns: str, stage: int) -> str:
+    """The iteration of the stage's newest checkpoint (decimal), written after it: where a retried
+    invocation resumes, found with one read however long its range."""
+    return f"{ns}/state/s{stage}/latest"
+
+
 def done_key(ns: str, function: str, replica: int, start: int) -> str:
     """An invocation's completion marker: its result, as JSON."""
     return f"{ns}/done/{function}/r{replica}/from{start}"
@@ -410,6 +433,49 @@ def global_key(ns: str, stage: int, version: int, part: GlobalPart) -> str:
     return f"{ns}/global/s{stage}/v{version}/{part}"
 
 
+def cross_key(ns: str, iteration: int, stage: int, part: CrossPart) -> str:
+    """Synchronous cross-region SGD: a stage's gradient `sums` of one iteration in the region of
+    namespace `ns` (every other region reads them), or the `result` of the cross-region reduce."""
+    return f"{ns}/it{iteration}/cross/s{stage}/{part}"
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    """ASGD-GA: one push, written beside the global version it made (`global_key(..., "push")`).
+    `base` is the version the region's round started from, `version` the one it wrote; `staleness`
+    = version - 1 - base (other regions' pushes applied since its base); `scale` the factor its
+    update was applied with; `rebased` whether staleness passed the bound (the update was damped)."""
+
+    region: str
+    round: int
+    stage: int
+    base: int
+    version: int
+    staleness: int
+    scale: float
+    rebased: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> PushRecord:
+        d = json.loads(data)
+        return cls(
+            str(d["region"]),
+            int(d["round"]),
+            int(d["stage"]),
+            int(d["base"]),
+            int(d["version"]),
+            int(d["staleness"]),
+            float(d["scale"]),
+            bool(d["rebased"]),
+        )
+
+
 def global_owner(region: str, round_index: int) -> bytes:
     """ASGD-GA: what a version's `owner` key holds: the region and round whose update it is."""
     return f"{region}/round{round_index}".encode()
@@ -437,6 +503,9 @@ OPTIMIZER_PREFIX = "optimizer/"
 BASE_VERSION = "meta/base_version"
 #: in a round's `result` (the other replicas' copy of what replica 0 got): the global version
 ROUND_VERSION = "meta/version"
+#: an invocation's `storage` counts of requests to another region's storage, across the WAN, are
+#: named `wan/<region>/<kind>` (kinds as for its own storage: gets, puts, deletes, bytes_in, bytes_out)
+WAN_COUNT_PREFIX = "wan/"
 
 
 def module_values(values: Mapping[str, _V]) -> dict[str, _V]:

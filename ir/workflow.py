@@ -161,8 +161,8 @@ class Region:
     functions: tuple[Function, ...]
     #: iterations this region trains
     iterations: int | None = None
-    #: several regions: iterations between two inter-region syncs, and its model-averaging weight
-    round_iterations: int | None = None
+    #: several regions: its share of the samples (model averaging's weight; under sync its share of a
+    #: batch); its rounds end at round_ends(iterations, sync.rounds)
     weight: float | None = None
     #: what it trains on (several regions, or data moved to it); empty: its own load_shard
     data_sources: tuple[DataSource, ...] = ()
@@ -186,7 +186,7 @@ class Region:
             "samples": self.samples,
             "request_latency_s": self.request_latency_s,
         }
-        for key in ("iterations", "round_iterations", "weight"):
+        for key in ("iterations", "weight"):
             if getattr(self, key) is not None:
                 document[key] = getattr(self, key)
         if self.data_sources:
@@ -206,7 +206,6 @@ class Region:
             request_latency_s=float(data["request_latency_s"]),
             functions=tuple(functions),
             iterations=data.get("iterations"),
-            round_iterations=data.get("round_iterations"),
             weight=data.get("weight"),
             data_sources=tuple(DataSource.from_json(s) for s in data.get("data_sources") or ()),
             prices=RegionPrices.from_json(data["prices"]) if data.get("prices") else None,
@@ -354,8 +353,10 @@ class Step:
     a fixed order (compute, scatter-reduce when it has replicas, optimizer-step once its tied
     parameters' partner stages have their gradients, the inter-region sync, checkpoint) that is a
     topological order of `depends_on`; the controller only invokes ranges of iterations. A step
-    with `every` runs after the iterations i with (i + 1) % every == 0; a checkpoint is written by
-    replica 0 (and also where an invocation stops). tests/test_protocol.py checks the worker's
+    with `every` runs after the iterations i with (i + 1) % every == 0; the inter-region sync step
+    (`asgd-ga-push`, `model-average`) has none: it runs at the ends of the region's rounds,
+    `round_ends(region.iterations, sync.rounds)` (`cross-region-reduce`: every iteration); a
+    checkpoint is written by replica 0 (and also where an invocation stops). tests/test_protocol.py checks the worker's
     recorded order against these steps."""
 
     id: str

@@ -12,9 +12,10 @@ retried (a new attempt) and resumes from its stage's last checkpoint; it recompu
 so the run ends with the same parameters as one without failures.
 
 Invokers: local processes (each invocation runs the package's own handler.py in a fresh Python
-process, the way a cold function would), the OpenFaaS gateway's async endpoint, and Lambda's
-asynchronous invoke. The asynchronous ones report completion through the marker each worker writes
-to storage (`protocol.done_key`); progress is the last stage's reports (`protocol.metrics_key`).
+process, the way a cold function would), synchronous calls through the OpenFaaS gateway (each held
+open by a thread; the reply is the result), and Lambda's asynchronous invoke, which reports completion
+through the marker each worker writes to storage (`protocol.done_key`); progress is the last stage's
+reports (`protocol.metrics_key`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +40,7 @@ from typing import Any, TypeVar
 from cloudless.ir import protocol
 from cloudless.ir.protocol import (
     EMULATE_ENV,
+    PEERS_ENV,
     STORAGE_ENV,
     AbortRecord,
     CorruptBlob,
@@ -46,7 +48,7 @@ from cloudless.ir.protocol import (
     MetricsReport,
 )
 from cloudless.ir.schedule import local_micro_batches
-from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow
+from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow, round_ends
 
 from .emulation import Resources
 from .storage import Channel, KeyTimeout
@@ -171,7 +173,9 @@ def _last_line(log: Path | None) -> str:
 
 class LocalProcessInvoker(Invoker):
     """Each invocation is `python <package>/handler.py EVENT` in a new process: the deployed code,
-    cold. Its stderr goes to a log file; `threads` caps its torch threads (the machine is shared)."""
+    cold. Its stderr goes to a log file; `threads` caps its torch threads (the machine is shared).
+    `storage`: one location, or per region its own (several regions: a function gets its region's as
+    STORAGE_ENV and the others' as PEERS_ENV)."""
 
     name = "local processes"
     can_kill = True
@@ -179,7 +183,7 @@ class LocalProcessInvoker(Invoker):
     def __init__(
         self,
         build: Path,
-        storage: str,
+        storage: str | Mapping[str, str],
         logs: Path,
         *,
         resources: Callable[[Function], Resources | None] = lambda f: None,
@@ -191,19 +195,23 @@ class LocalProcessInvoker(Invoker):
 
     def start(self, invocation: Invocation) -> Handle:
         function = invocation.function
+        region = Path(function.package).parts[1]  # regions/<region>/functions/<function>
+        storage = self.storage if isinstance(self.storage, str) else self.storage[region]
         env = {
             **os.environ,
-            STORAGE_ENV: self.storage,
+            STORAGE_ENV: storage,
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
             # The package is the user's build: no __pycache__ in it (a recompile would find a foreign file).
             "PYTHONDONTWRITEBYTECODE": "1",
         }
         env.pop(EMULATE_ENV, None)
+        env.pop(PEERS_ENV, None)
+        if not isinstance(self.storage, str):
+            env[PEERS_ENV] = json.dumps({name: where for name, where in sorted(self.storage.items()) if name != region})
         resources = self.resources(function)
         if resources is not None:
             env[EMULATE_ENV] = json.dumps(resources.to_json())
-        region = Path(function.package).parts[1]  # regions/<region>/functions/<function>
         start, attempt = invocation.event.start, invocation.attempt
         stem = f"{region}-{function.name}-r{invocation.replica}-from{start}-a{attempt}"
         invocation.log = self.logs / f"{stem}.log"
@@ -249,12 +257,61 @@ def _marker(channel: Channel, namespace: str, invocation: Invocation) -> _Marker
     return _MarkerHandle(channel, key, invocation, time.monotonic() + invocation.function.timeout_s + 60)
 
 
-class OpenFaaSInvoker(Invoker):
-    """POSTs the event to the gateway's /async-function/<name> (202 Accepted: queued), with the functions'
-    token (the value of their secret cloudless-token) in the X-Cloudless-Token header: without it a function
-    refuses the request (401; asynchronous, so only its log says so). The token is never printed."""
+#: how long past a function's timeout (its stack's exec_timeout) the synchronous call may stay open: the
+#: function's read/write timeouts exceed exec_timeout by 10 s (codegen.platforms.TIMEOUT_MARGIN_S)
+SYNC_MARGIN_S = 15.0
+#: back-off between tries of a request an instance refused as busy (429): first, growth, ceiling
+BUSY_FIRST_WAIT_S, BUSY_BACKOFF, BUSY_MAX_WAIT_S = 0.05, 1.5, 2.0
 
-    name = "OpenFaaS async"
+
+class _ThreadHandle(Handle):
+    """An invocation held open by a thread of its own (a synchronous call): done when the thread is."""
+
+    def __init__(self, invocation: Invocation, call: Callable[[], InvocationResult]) -> None:
+        self.invocation = invocation
+        self.result: InvocationResult | None = None
+        self.error: InvocationFailed | None = None
+        self._call = call
+        self.thread = threading.Thread(target=self._run, name=invocation.label, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._call()
+        except InvocationFailed as exc:
+            self.error = exc
+        except Exception as exc:  # noqa: BLE001 - anything else is a failed invocation too (retried)
+            self.error = InvocationFailed(f"{self.invocation.label}: {type(exc).__name__}: {exc}")
+
+    def poll(self) -> InvocationResult | None:
+        if self.thread.is_alive():
+            return None
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class OpenFaaSInvoker(Invoker):
+    """Synchronous calls through the gateway: POST /function/<name>, each held open by a thread of its own
+    until the function answers with its result (the body: an InvocationResult as JSON).
+
+    Why not /async-function: OpenFaaS CE's queue-worker delivers asynchronous calls one at a time
+    (max_inflight 1), so a pipeline's first worker would wait on partners queued behind it. A synchronous
+    call runs at once, for as long as the gateway's upstream timeout lets it (set it to at least the
+    stack's exec_timeout, README "Deploying").
+
+    One invocation per instance: the stack sets the watchdog's `max_inflight: "1"`, so an instance busy with
+    another call answers 429 and the provider may route to a busy instance (it picks one at random); the
+    gateway does not retry a 429 on the synchronous route, this invoker does (with back-off, until the
+    function's timeout), so each of a function's replicas ends up with exactly one of its invocations.
+
+    Every call carries the functions' token (the value of their secret cloudless-token) in the
+    X-Cloudless-Token header: without it a function refuses the request (401). The token is never printed.
+    Should the connection end without an answer (a gateway timeout), the worker's completion marker in
+    storage is the answer if it is there."""
+
+    name = "OpenFaaS"
 
     def __init__(
         self,
@@ -268,28 +325,74 @@ class OpenFaaSInvoker(Invoker):
         self.gateway, self.channel, self.namespace = gateway.rstrip("/"), channel, namespace
         self.names = names or {}
         self._token = token
+        self.busy = 0  # 429s met (instances busy with another call), for the run's record
 
     def __repr__(self) -> str:
         return f"OpenFaaSInvoker({self.gateway!r}, token={'***' if self._token else None})"
 
     def start(self, invocation: Invocation) -> Handle:
+        return _ThreadHandle(invocation, lambda: self._call(invocation))
+
+    def _call(self, invocation: Invocation) -> InvocationResult:
         name = self.names.get(invocation.function.name, invocation.function.name)
         headers = {"Content-Type": "application/json"}
         if self._token:
             headers[protocol.TOKEN_HEADER] = self._token
-        request = urllib.request.Request(
-            f"{self.gateway}/async-function/{name}",
-            data=_wire(invocation).encode(),
-            headers=headers,
-            method="POST",
-        )
+        body = _wire(invocation).encode()
+        timeout = invocation.function.timeout_s + SYNC_MARGIN_S
+        deadline = time.monotonic() + invocation.function.timeout_s
+        wait = BUSY_FIRST_WAIT_S
+        while True:
+            request = urllib.request.Request(
+                f"{self.gateway}/function/{name}", data=body, headers=headers, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    reply = response.read()
+                break
+            except urllib.error.HTTPError as exc:
+                text = _reply_text(exc)
+                if exc.code == 429 and time.monotonic() + wait < deadline:
+                    self.busy += 1  # an instance busy with another call: try again (maybe another instance)
+                    time.sleep(wait * (0.5 + random.random()))
+                    wait = min(wait * BUSY_BACKOFF, BUSY_MAX_WAIT_S)
+                    continue
+                if exc.code in (502, 503, 504):  # the gateway gave up waiting: the function may have finished
+                    marker = self._marker(invocation)
+                    if marker is not None:
+                        return marker
+                raise InvocationFailed(f"{invocation.label}: {name} answered {exc.code}: {text}") from None
+            except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+                marker = self._marker(invocation)
+                if marker is not None:
+                    return marker
+                raise InvocationFailed(f"{invocation.label}: {self.gateway}: {exc}") from exc
         try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                if response.status != 202:
-                    raise InvocationFailed(f"{invocation.label}: gateway answered {response.status}, expected 202")
-        except urllib.error.URLError as exc:
-            raise InvocationFailed(f"{invocation.label}: {self.gateway}: {exc}") from exc
-        return _marker(self.channel, self.namespace, invocation)
+            return InvocationResult.from_json(json.loads(reply))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"{invocation.label}: {name} answered 200 without a result: {reply[:200]!r}"
+            raise InvocationFailed(why) from exc
+
+    def _marker(self, invocation: Invocation) -> InvocationResult | None:
+        try:
+            data = self.channel.try_get(
+                protocol.done_key(self.namespace, invocation.function.name, invocation.replica, invocation.event.start)
+            )
+        except Exception:  # noqa: BLE001 - no answer either way: the invocation failed
+            return None
+        return InvocationResult.decode(data) if data is not None else None
+
+
+def _reply_text(error: urllib.error.HTTPError) -> str:
+    """An error reply's message (the handler's {"error": ...}, else its first 300 characters)."""
+    try:
+        text = error.read().decode(errors="replace")
+    except OSError:
+        return error.reason or ""
+    try:
+        return str(json.loads(text)["error"])
+    except (ValueError, KeyError, TypeError):
+        return text.strip()[:300] or str(error.reason)
 
 
 class LambdaInvoker(Invoker):
@@ -416,8 +519,12 @@ class Controller:
         invoker: Invoker,
         settings: RunSettings,
         on_progress: Callable[[Progress], None] = lambda p: None,
+        channels: Mapping[str, Channel] | None = None,
     ) -> None:
+        """`channel`: the storage of every region that `channels` (region name -> its own storage,
+        several regions) does not name. A region's markers, progress and abort record are in its own."""
         self.workflow, self.channel, self.invoker, self.settings = workflow, channel, invoker, settings
+        self.channels: dict[str, Channel] = dict(channels or {})
         self.on_progress = on_progress
         if settings.fault_rate and not invoker.can_kill:
             raise RunError(f"--inject-faults needs an invoker that can kill invocations; {invoker.name} cannot")
@@ -435,16 +542,58 @@ class Controller:
     def namespace(self, region: str) -> str:
         return protocol.namespace(self.settings.run_id, region)
 
+    def storage(self, region: str) -> Channel:
+        """The storage of `region` (its keys, markers, progress and abort record)."""
+        return self.channels.get(region, self.channel)
+
+    def _scale(self) -> float:
+        """settings.iterations / the workflow's: how --iterations scales a plan of several regions."""
+        return self.settings.iterations / self.workflow.run.iterations
+
     def region_iterations(self, region: Region) -> int:
-        """Iterations a region runs. One region: the settings'. Several: whole rounds of the region's
-        round length, the same number of rounds in every region (model averaging meets in each),
-        scaled from the workflow's by settings.iterations / run.iterations."""
+        """Iterations a region runs. One region: the settings'. Several: the plan's, `region.iterations`
+        (plan = run); when settings.iterations differs from the workflow's run.iterations, every
+        region's planned iterations scaled by their ratio (rounded, at least 1)."""
         if len(self.workflow.regions) == 1:
             return self.settings.iterations
-        planned = self.workflow.sync.rounds
-        assert planned is not None and region.round_iterations is not None, "several regions: rounds are planned"
-        rounds = max(1, round(planned * self.settings.iterations / self.workflow.run.iterations))
-        return rounds * region.round_iterations
+        planned = region.iterations if region.iterations is not None else self.workflow.run.iterations
+        if self.settings.iterations == self.workflow.run.iterations:
+            return planned
+        return max(1, round(planned * self._scale()))
+
+    def rounds(self) -> int | None:
+        """Several regions: the inter-region rounds of this run (the same in every region): the plan's
+        sync.rounds, scaled like the iterations and at most the fewest iterations of a region; under
+        `sync` every iteration is a round. None for one region."""
+        if len(self.workflow.regions) == 1 or self.workflow.sync.inter_region is None:
+            return None
+        fewest = min(self.region_iterations(r) for r in self.workflow.regions)
+        if self.workflow.sync.inter_region == "sync":
+            return fewest
+        planned = self.workflow.sync.rounds or fewest
+        if self.settings.iterations != self.workflow.run.iterations:
+            planned = max(1, round(planned * self._scale()))
+        return min(planned, fewest)
+
+    def round_ends(self, region: Region) -> tuple[int, ...]:
+        """After how many iterations each of the region's rounds ends in this run (several regions)."""
+        rounds = self.rounds()
+        return () if rounds is None else round_ends(self.region_iterations(region), rounds)
+
+    def asgd_pushes(self) -> list[protocol.PushRecord]:
+        """ASGD-GA: every push of the run, per stage in version order, as the server's storage holds
+        them (read before the clean-up). Empty for the other strategies."""
+        server = self.workflow.sync.server
+        if self.workflow.sync.inter_region != "asgd-ga" or server is None or len(self.workflow.regions) == 1:
+            return []
+        channel, namespace = self.storage(server), self.namespace(server)
+        pushes = []
+        for stage in range(self.workflow.regions[0].stages):
+            version = 1
+            while (data := channel.try_get(protocol.global_key(namespace, stage, version, "push"))) is not None:
+                pushes.append(protocol.PushRecord.decode(data))
+                version += 1
+        return pushes
 
     def run(self) -> dict[str, RegionRun]:
         """Every region's range at once (each its own invocations); what happened, per region."""
@@ -457,13 +606,14 @@ class Controller:
                 if at:
                     # What stopped the run must not stop the resumed one; the interrupted range's
                     # markers would make its invocations look done or duplicated.
-                    self.channel.delete(protocol.abort_key(self.namespace(region.name)))
+                    self.storage(region.name).delete(protocol.abort_key(self.namespace(region.name)))
                     self._forget_range(
                         region,
                         at,
                         {(f.name, r): self.settings.retries for f in region.functions for r in range(f.replicas)},
                     )
-                self.channel.put(protocol.alive_key(self.namespace(region.name)), self.settings.run_id.encode())
+                alive = protocol.alive_key(self.namespace(region.name))
+                self.storage(region.name).put(alive, self.settings.run_id.encode())
                 while at < stop:
                     at = self._invoke_range(region, at, stop, records[region.name])
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
@@ -495,7 +645,7 @@ class Controller:
         for at in sorted({stop, *range(every, stop, every)}, reverse=True):
             try:
                 if all(
-                    self.channel.try_get(protocol.state_key(namespace, f.stage, at)) is not None
+                    self.storage(region.name).try_get(protocol.state_key(namespace, f.stage, at)) is not None
                     for f in region.functions
                 ):
                     return at
@@ -505,6 +655,7 @@ class Controller:
 
     def _event(self, function: Function, replica: int, start: int, stop: int, attempt: int) -> protocol.Invocation:
         limit = self.settings.time_limit_s or max(1.0, function.timeout_s - 30.0)
+        region = next((r for r, f in self.workflow.functions() if f.package == function.package), None)
         return protocol.Invocation(
             start=start,
             stop=stop,
@@ -513,6 +664,9 @@ class Controller:
             attempt=attempt,
             time_limit_s=float(limit),
             timeout=float(self.settings.key_timeout_s),
+            # several regions: the region's iterations and rounds in this run (its meet points)
+            iterations=self.region_iterations(region) if region is not None and self.rounds() else None,
+            rounds=self.rounds(),
         )
 
     def _launch(self, function: Function, replica: int, start: int, stop: int, attempt: int) -> tuple:
@@ -568,7 +722,8 @@ class Controller:
                         function = invocation.function
                         record_ = AbortRecord("failed", f"{exc} ({tried})", start, function.stage, function.name)
                         # Functions the invoker cannot kill (remote) find this and stop waiting.
-                        self.channel.claim(protocol.abort_key(self.namespace(region.name)), record_.encode())
+                        abort = protocol.abort_key(self.namespace(region.name))
+                        self.storage(region.name).claim(abort, record_.encode())
                         raise RunError(record_.message) from exc
                     record.retries += 1
                     attempts[key] = invocation.attempt + 1
@@ -609,19 +764,20 @@ class Controller:
         function waits for may be gone too, so the run stops now instead of after the key timeout.
         The abort record tells functions the controller cannot kill."""
         namespace = self.namespace(region.name)
-        if self.channel.exists(protocol.alive_key(namespace)):
+        channel = self.storage(region.name)
+        if channel.exists(protocol.alive_key(namespace)):
             return
-        gone = self.channel.describe(protocol.alive_key(namespace))
+        gone = channel.describe(protocol.alive_key(namespace))
         message = (
             f"storage lost the run's keys near iteration {iteration} ({gone} is gone: flushed, evicted "
             "or expired?); what is left cannot be trusted, start the run again"
         )
-        self.channel.claim(protocol.abort_key(namespace), AbortRecord("failed", message, iteration, 0, "").encode())
+        channel.claim(protocol.abort_key(namespace), AbortRecord("failed", message, iteration, 0, "").encode())
         raise RunError(message)
 
     def _abort_record(self, region: str) -> AbortRecord | None:
         """The region's abort record, if a function wrote one (the function that found out why)."""
-        data = self.channel.try_get(protocol.abort_key(self.namespace(region)))
+        data = self.storage(region).try_get(protocol.abort_key(self.namespace(region)))
         return AbortRecord.decode(data) if data is not None else None
 
     def _abort_message(self, region: str, result: InvocationResult) -> str:
@@ -639,13 +795,16 @@ class Controller:
             keys += [protocol.claim_key(namespace, function, replica, start, a) for a in range(last_attempt + 1)]
         try:
             for key in keys:
-                self.channel.delete(key)
+                self.storage(region.name).delete(key)
         except Exception as exc:  # noqa: BLE001 - best effort: the run's clean-up deletes them too
             print(f"cloudless-run: could not delete the markers of the range from {start}: {exc}", file=sys.stderr)
 
     def clean_up(self) -> int:
         """Delete every key of the run (each region's namespace); the staged data stays. How many."""
-        return sum(self.channel.delete_prefix(self.namespace(r.name) + "/") for r in self.workflow.regions)
+        names = {r.name for r in self.workflow.regions}
+        if len(names) > 1 and self.workflow.sync.server:  # ASGD-GA's server may train nothing
+            names.add(self.workflow.sync.server)
+        return sum(self.storage(name).delete_prefix(self.namespace(name) + "/") for name in sorted(names))
 
     def _follow(
         self, region: str, last: Function, iteration: int, stop: int, record: RegionRun, wait: bool = False
@@ -658,10 +817,10 @@ class Controller:
             reports = []
             for replica in range(last.replicas):
                 key = protocol.metrics_key(namespace, iteration, replica)
-                data = self.channel.try_get(key)
+                data = self.storage(region).try_get(key)
                 if data is None and wait:
                     try:
-                        data = self.channel.get(key, timeout=2.0)
+                        data = self.storage(region).get(key, timeout=2.0)
                     except KeyTimeout:
                         data = self._report_from_results(last, replica, iteration, record)
                 if data is None:

@@ -6,6 +6,11 @@ behind each other on their link, so two concurrent uploads take twice as long, a
 
 The CPU share is emulated as a CFS quota enforces it: a function of `share` < 1 vCPU may use
 `share * 0.1` s of CPU per 0.1 s period, and is throttled once it has spent that.
+
+Several regions: a function reaches another region's storage across the WAN link between the two
+(`wan_channel`): an `EmulatedChannel` with the link's bandwidth (each way) and latency when the WAN
+is emulated (`Resources.wan`), which always counts the requests and bytes of that region pair. Each
+function process emulates the link on its own (a region's functions do not share one WAN queue).
 """
 
 from __future__ import annotations
@@ -14,23 +19,40 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cloudless.ir.workflow import WanLink
+
 from .storage import Channel
 
 
 @dataclass(frozen=True)
 class Resources:
-    """What one function gets: bytes per second each way to storage, request latency, vCPUs."""
+    """What one function gets: bytes per second each way to storage, request latency, vCPUs, and
+    (`wan`) whether its requests to other regions' storage take the WAN link's time."""
 
     bytes_per_s: float | None = None
     latency_s: float = 0.0
     vcpus: float | None = None
+    wan: bool = False
 
-    def to_json(self) -> dict[str, float | None]:
-        return {"bytes_per_s": self.bytes_per_s, "latency_s": self.latency_s, "vcpus": self.vcpus}
+    def to_json(self) -> dict[str, float | bool | None]:
+        document: dict[str, float | bool | None] = {
+            "bytes_per_s": self.bytes_per_s,
+            "latency_s": self.latency_s,
+            "vcpus": self.vcpus,
+        }
+        if self.wan:
+            document["wan"] = True
+        return document
 
     @staticmethod
-    def from_json(data: dict[str, float | None]) -> Resources:
-        return Resources(data.get("bytes_per_s"), float(data.get("latency_s") or 0.0), data.get("vcpus"))
+    def from_json(data: dict[str, float | bool | None]) -> Resources:
+        bytes_per_s, vcpus = data.get("bytes_per_s"), data.get("vcpus")
+        return Resources(
+            None if bytes_per_s is None else float(bytes_per_s),
+            float(data.get("latency_s") or 0.0),
+            None if vcpus is None else float(vcpus),
+            bool(data.get("wan", False)),
+        )
 
 
 class Link:
@@ -101,6 +123,22 @@ class EmulatedChannel(Channel):
 
     def describe(self, key: str) -> str:
         return self.inner.describe(key)
+
+
+def wan_link(links: tuple[WanLink, ...] | None, a: str, b: str) -> WanLink | None:
+    """The link between regions `a` and `b` (either way round), if the workflow has one."""
+    for link in links or ():
+        if set(link.between) == {a, b}:
+            return link
+    return None
+
+
+def wan_channel(peer: Channel, link: WanLink | None, emulate: bool) -> EmulatedChannel:
+    """Another region's storage as a function sees it: across `link` (its bandwidth each way and its
+    latency per request) when `emulate`, else at the machine's speed; counted either way."""
+    if not emulate or link is None:
+        return EmulatedChannel(peer)
+    return EmulatedChannel(peer, Resources(bytes_per_s=link.mb_per_s * 1e6, latency_s=link.latency_s))
 
 
 class CpuShare:

@@ -48,9 +48,10 @@ from .controller import (
     RunSettings,
     StorageError,
 )
+from .cost import data_moves, measured_cost
 from .data import data_name
-from .emulation import Resources
-from .staging import DataError, describe_staged, evaluate, stage_data, trained_state
+from .emulation import EmulatedChannel, Resources
+from .staging import DataError, describe_staged, evaluate, model_file_state, stage_data, trained_state
 from .storage import Channel, open_channel
 from .tensors import unpack
 
@@ -60,10 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cloudless-run", description="Run a compiled Cloudless workflow: train it for real on this machine."
     )
     parser.add_argument("build", type=Path, help="a build folder written by cloudless-compile")
-    parser.add_argument("--iterations", type=int, help="iterations to train (default: the workflow's)")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        metavar="N",
+        help="iterations to train (default: the workflow's); several regions: every region's planned "
+        "iterations, and the rounds, scaled by N / the workflow's run.iterations",
+    )
     parser.add_argument(
         "--storage",
-        help="where functions exchange tensors: a folder (default OUT/storage), s3://bucket/prefix or redis://host:port/db",
+        action="append",
+        metavar="[REGION=]URL",
+        help="where functions exchange tensors: a folder (default OUT/storage), s3://bucket/prefix or "
+        "redis://host:port/db. Several regions: each has its own storage, by default OUT/storage/REGION; "
+        "REGION=URL (repeatable) names a region's, and one plain URL holds every region under its own "
+        "sub-prefix URL/REGION",
     )
     parser.add_argument("--out", type=Path, help="output folder (default BUILD/run)")
     parser.add_argument(
@@ -77,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gateway", default="http://127.0.0.1:8080", help="OpenFaaS gateway URL (--invoker openfaas)")
     parser.add_argument(
+        "--stack",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="--invoker lambda: train on this deployed SAM stack (its bucket and state machine; several regions: "
+        "REGION=NAME, default <run>-<region>); see runtimes/deploy.py",
+    )
+    parser.add_argument(
         "--token-file",
         type=Path,
         metavar="FILE",
@@ -86,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--emulate",
         action="store_true",
-        help="give each function its tier's resources: bandwidth and request latency to storage, CPU share",
+        help="give each function its tier's resources: bandwidth and request latency to storage, CPU share; "
+        "several regions: each region's request latency, and every request to another region's storage "
+        "takes the WAN link's bandwidth and latency (workflow.yaml's wan)",
     )
     parser.add_argument(
         "--bandwidth", type=float, metavar="MB_PER_S", help="emulate this bandwidth (megabytes/s each way)"
@@ -172,14 +194,18 @@ def resources_of(workflow: Workflow, args: argparse.Namespace) -> Callable[[Func
     """Per function, what --emulate / --bandwidth / --latency-ms give it (None: the machine's own)."""
     if not (args.emulate or args.bandwidth or args.latency_ms):
         return lambda function: None
-    latency = workflow.regions[0].request_latency_s
+    latency = {region.name: region.request_latency_s for region in workflow.regions}
+    wan = bool(args.emulate and len(workflow.regions) > 1)
 
     def resources(function: Function) -> Resources:
         mb_per_s = args.bandwidth or (function.network_mb_per_s if args.emulate else None)
+        region = Path(function.package).parts[1]  # regions/<region>/functions/<function>
+        own = latency.get(region, workflow.regions[0].request_latency_s)
         return Resources(
             bytes_per_s=mb_per_s * 1e6 if mb_per_s else None,
-            latency_s=args.latency_ms / 1000 if args.latency_ms is not None else (latency if args.emulate else 0.0),
+            latency_s=args.latency_ms / 1000 if args.latency_ms is not None else (own if args.emulate else 0.0),
             vcpus=function.cpu_millis / 1000 if args.emulate else None,
+            wan=wan,
         )
 
     return resources
@@ -265,23 +291,54 @@ def summarise(
     }
 
 
+def storage_locations(workflow: Workflow, given: list[str] | None, out: Path) -> dict[str, str]:
+    """Per region (and ASGD-GA's server) its storage location, from --storage (see its help);
+    ValueError for a REGION=URL of no region of the workflow."""
+    names = [r.name for r in workflow.regions]
+    if len(names) > 1 and workflow.sync.server and workflow.sync.server not in names:
+        names.append(workflow.sync.server)
+    plain = [g for g in given or () if g.split("=", 1)[0] not in names]
+    named = dict(g.split("=", 1) for g in given or () if g.split("=", 1)[0] in names)
+    for g in plain:
+        head, equals, _ = g.partition("=")
+        if equals and head and "/" not in head and ":" not in head:  # REGION=URL of an unknown region
+            raise ValueError(f"--storage {g}: no region {head!r} in the workflow; it has {', '.join(names)}")
+    if len(plain) > 1:
+        raise ValueError(f"--storage: {len(plain)} plain locations; give one, or REGION=URL per region")
+    base = plain[0] if plain else str((out / "storage").resolve())
+    if len(names) == 1:
+        return {names[0]: named.get(names[0], base)}
+    return {name: named.get(name) or region_location(base, name) for name in names}
+
+
+def region_location(base: str, region: str) -> str:
+    """A region's own part of one storage location: a sub-folder, or a sub-prefix of the bucket's
+    prefix or of the Redis key prefix (after '#')."""
+    parsed = urlparse(base)
+    if parsed.scheme in ("redis", "rediss"):
+        url, _, prefix = base.partition("#")
+        return f"{url}#{prefix.strip('/') + '/' if prefix.strip('/') else ''}{region}"
+    return f"{base.rstrip('/')}/{region}"
+
+
 def final_model(
-    channel: Channel, workflow: Workflow, run_id: str, iterations: dict[str, int]
+    channel: Channel | Callable[[str], Channel], workflow: Workflow, run_id: str, iterations: dict[str, int]
 ) -> dict[str, torch.Tensor]:
-    """The trained model (original names). Several regions: after model averaging every region
-    holds the same model; under ASGD-GA each stage's newest global version is the model, and the
-    region that wrote it last holds it."""
+    """The trained model (original names). Several regions: after model averaging or synchronous
+    SGD every region holds the same model; under ASGD-GA each stage's newest global version is the
+    model, and the region that wrote it last holds it. `channel`: the storage, or per region its own."""
+    storage_of = channel if callable(channel) else lambda region: channel
     regions = workflow.regions
     stages = regions[0].stages
     if len(regions) == 1 or workflow.sync.inter_region != "asgd-ga":
         name = regions[0].name
-        return trained_state(channel, protocol.namespace(run_id, name), stages, iterations[name])
+        return trained_state(storage_of(name), protocol.namespace(run_id, name), stages, iterations[name])
     state: dict[str, torch.Tensor] = {}
     for s in range(stages):
         newest: tuple[int, dict[str, torch.Tensor]] | None = None
         for entry in regions:
             key = protocol.state_key(protocol.namespace(run_id, entry.name), s, iterations[entry.name])
-            values = unpack(channel.get(key, 60))
+            values = unpack(storage_of(entry.name).get(key, 60))
             version = int(values.get(protocol.BASE_VERSION, torch.tensor(0)))
             if newest is None or version > newest[0]:
                 newest = (version, values)
@@ -347,6 +404,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return fail(str(exc))
     elif args.token_file is not None:
         return fail(f"--token-file: only with --invoker openfaas, not {args.invoker}")
+    if args.stack and args.invoker != "lambda":
+        return fail(f"--stack: only with --invoker lambda, not {args.invoker}")
     for _, function in workflow.functions():
         if not (build / function.package / "handler.py").is_file():
             return fail(f"{build / function.package}: no handler.py; was the build written with --target?")
@@ -359,6 +418,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(str(exc))
     try:
         with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder
+            if args.stack:
+                from .deploy import drive  # boto3 only for this
+
+                return drive(args, build, workflow, iterations, out)
             return _train(args, build, workflow, iterations, out, token)
     except FolderError as exc:
         return fail(str(exc))
@@ -369,22 +432,29 @@ def _train(
 ) -> int:
     """Stage the data, run the workflow, write the outputs into `out`; the exit status. `token`: what the
     OpenFaaS functions require (--invoker openfaas)."""
-    storage = args.storage or str((out / "storage").resolve())
+    try:
+        locations = storage_locations(workflow, args.storage, out)
+    except ValueError as exc:
+        return fail(str(exc))
+    storage = locations[workflow.regions[0].name]
     # Unique: two runs started in the same second must not share keys or logs.
     if args.resume and args.run_id:
         return fail("give --run-id or --resume, not both")
-    if args.resume and len(workflow.regions) > 1:
-        return fail("--resume: a workflow of several regions cannot be resumed yet")
     run_id = args.resume or args.run_id or f"{time.strftime('run-%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     regions = workflow.regions
     region = regions[0].name
     if len(regions) > 1 and args.invoker != "local":
         return fail(f"--invoker {args.invoker}: a workflow of several regions runs here with --invoker local")
     try:
-        channel: Channel = RetryingChannel(open_channel(storage))
+        # Each region's own storage; its requests are counted (several regions: the controller's cost)
+        counters = {name: EmulatedChannel(open_channel(where)) for name, where in locations.items()}
+        channels: dict[str, Channel] = {name: RetryingChannel(counter) for name, counter in counters.items()}
+        channel: Channel = channels[region]
         model = args.model or Path(workflow.data.model_file)
         staged = {
-            entry.name: stage_data(channel, entry.name, model, sources=entry.data_sources, name=data_name(entry))
+            entry.name: stage_data(
+                channels[entry.name], entry.name, model, sources=entry.data_sources, name=data_name(entry)
+            )
             for entry in regions
         }
     except (DataError, ValueError) as exc:
@@ -404,7 +474,7 @@ def _train(
     if args.invoker == "local":
         invoker = LocalProcessInvoker(
             build.resolve(),
-            storage,
+            storage if len(regions) == 1 else locations,
             out / "logs" / run_id,
             resources=resources_of(workflow, args),
             threads=args.threads,
@@ -435,15 +505,21 @@ def _train(
         last_print[:] = [progress.time, done]
 
     try:
-        controller = Controller(workflow, channel, invoker, settings, on_progress=report)
+        controller = Controller(workflow, channel, invoker, settings, on_progress=report, channels=channels)
     except RunError as exc:
         return fail(str(exc))
     totals.update({entry.name: controller.region_iterations(entry) for entry in regions})
     if args.resume:
-        resumed = controller.start_of(regions[0])
-        if resumed == 0:
+        # Several regions: each from its own newest whole checkpoint (what the others sent it since
+        # is still in their storage, and it sends the same again).
+        resumed = {entry.name: controller.start_of(entry) for entry in regions}
+        if not any(resumed.values()):
             return fail(f"--resume {run_id}: {shown(storage)} holds no checkpoint of that run; start it again")
-        print(f"resuming run {run_id} from iteration {resumed}", flush=True)
+        if len(regions) == 1:
+            print(f"resuming run {run_id} from iteration {resumed[region]}", flush=True)
+        else:
+            where = ", ".join(f"{name} from iteration {at}" for name, at in resumed.items())
+            print(f"resuming run {run_id}: {where}", flush=True)
     if not args.quiet:
         for entry in regions:
             functions = entry.functions
@@ -451,12 +527,13 @@ def _train(
             where = f" in {entry.name}" if len(regions) > 1 else ""
             print(
                 f"run {run_id}{where}: {len(functions)} stage(s), replicas {shape}, {totals[entry.name]} "
-                f"iterations of {workflow.run.global_batch} samples; storage {shown(storage)}",
+                f"iterations of {workflow.run.global_batch} samples; storage {shown(locations[entry.name])}",
                 flush=True,
             )
         for name, data in staged.items():
             print(f"{describe_staged(data)}{f' in {name}' if len(regions) > 1 else ''}", flush=True)
     failure: RunError | StorageError | None = None
+    counted = {name: dict(counter.counts) for name, counter in counters.items()}
     try:
         records = controller.run()
     except (RunError, StorageError) as exc:
@@ -464,8 +541,12 @@ def _train(
     seconds = time.time() - began
     test = None
     if failure is None:
-        state = final_model(channel, workflow, run_id, totals)
-        save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(out / "model.safetensors"))
+        state = final_model(controller.storage, workflow, run_id, totals)
+        keyed, unused = model_file_state(build, state)
+        save_file(keyed, str(out / "model.safetensors"))
+        if unused and not args.quiet:
+            shown_keys = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+            print(f"note: model.safetensors leaves out {shown_keys}: the model's forward never uses them", flush=True)
         test = evaluate(build, workflow, region, channel, state)
     record = records.get(region, RegionRun())
     metrics = summarise(record, workflow, settings, seconds, test)
@@ -476,9 +557,30 @@ def _train(
         metrics["inter_region"] = workflow.sync.inter_region
         metrics["regions"] = {
             name: {k: v for k, v in summarise(r, workflow, settings, seconds, None).items() if k != "test"}
-            | {"iterations": totals[name]}
+            | {"iterations": totals[name], "round_ends": list(controller.round_ends(workflow.region(name)))}
             for name, r in records.items()
         }
+        metrics["storage"] = {name: shown(where) for name, where in locations.items()}
+        metrics["wan_emulated"] = bool(args.emulate)
+        requests = {
+            name: {k: v - counted[name].get(k, 0) for k, v in counter.counts.items()}
+            for name, counter in counters.items()
+        }
+        metrics["cost"] = measured_cost(
+            workflow,
+            {name: r.invocations for name, r in records.items()},
+            {name: r.results for name, r in records.items()},
+            controller=requests,
+            data_moves=data_moves(workflow, controller.storage),
+        )
+        pushes = [push.to_json() for push in controller.asgd_pushes()]
+        if workflow.sync.inter_region == "asgd-ga":
+            metrics["asgd_pushes"] = pushes
+            metrics["asgd_staleness"] = {
+                "bound": workflow.sync.staleness_bound,
+                "max": max((p["staleness"] for p in pushes), default=0),
+                "rebased": sum(p["rebased"] for p in pushes),
+            }
     # allow_nan=False: the file is JSON for any reader (a non-finite figure is null, never NaN).
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True, allow_nan=False) + "\n")
     (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began), allow_nan=False) + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,9 +54,7 @@ def load_model_module(path: Path) -> ModuleType:
     return module
 
 
-def _samples(
-    module: ModuleType, path: Path, region: str, split: str, first: int = 0, count: int | None = None
-) -> Any:
+def _samples(module: ModuleType, path: Path, region: str, split: str, first: int = 0, count: int | None = None) -> Any:
     try:
         dataset = module.load_shard(region, split)
         stop = len(dataset) if count is None else first + count
@@ -153,6 +152,19 @@ def trained_state(channel: Channel, namespace: str, stages: int, iteration: int)
         values = unpack(channel.get(protocol.state_key(namespace, s, iteration), timeout=60))
         state.update(protocol.module_values(values))
     return state
+
+
+def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The trained tensors keyed like the user model's state_dict, so that `load_state_dict(...,
+    strict=True)` takes them: a tied weight under each of its names, non-persistent buffers left out.
+    Also the keys no stage holds (tensors forward never uses: not trained, not in the file)."""
+    graph = build / "ir" / "graph.json"
+    names: dict[str, str] = json.loads(graph.read_text()).get("state_names") or {} if graph.is_file() else {}
+    if not names:  # a build without the graph, or from before it recorded them: the stages' names
+        return {k: v.contiguous() for k, v in sorted(state.items())}, []
+    # clones: safetensors refuses two names for one memory
+    keyed = {key: state[source].clone().contiguous() for key, source in sorted(names.items()) if source in state}
+    return keyed, sorted(key for key, source in names.items() if source not in state)
 
 
 @torch.no_grad()

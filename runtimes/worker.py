@@ -6,7 +6,9 @@ workflow). An invocation `{"start": a, "stop": b, "replica": k}` (or `{"iteratio
 iteration) runs iterations a..b-1 as replica k: for each, its micro-batches in schedule order,
 activations forward and gradients backward through storage, the stage's scatter-reduce, the sum of
 tied parameters' gradients with the other stages holding them, and the optimizer step; with several
-regions, every `round_iterations` the inter-region sync; every `checkpoint_every`, a checkpoint.
+regions, the inter-region sync: under `sync` every iteration's cross-region reduce of gradients
+(before the step), under model averaging and ASGD-GA at the end of each round (`round_ends`);
+every `checkpoint_every`, a checkpoint.
 That is the order of the workflow's `steps` for one function, which the worker follows by itself
 (the steps describe it; `span_step` maps the spans it records to them). Every key it reads or
 writes, and the invocation's fields, are spelled in `cloudless.ir.protocol`.
@@ -16,6 +18,10 @@ State between invocations: the parameters, buffers and optimizer state before it
 a warm process keeps them in memory. Every tensor written is a function of the iteration, stage,
 replica and micro-batch, and the computation is deterministic, so a duplicate or retried invocation
 writes the same tensors and changes nothing (only reports, with their times, differ).
+
+Several regions: a function reads and writes its own region's storage; another region's keys are in
+that region's storage (`protocol.PEERS_ENV`), reached through a WAN channel per peer
+(`emulation.wan_channel`: counted, and throttled by the pair's link under emulation).
 """
 
 from __future__ import annotations
@@ -41,23 +47,27 @@ from cloudless.ir import protocol
 from cloudless.ir.protocol import (
     DEFAULT_KEY_TIMEOUT_S,
     EMULATE_ENV,
+    PEERS_ENV,
     STORAGE_ENV,
     AbortRecord,
     CorruptBlob,
     GlobalPart,
     Invocation,
     InvocationResult,
+    PushRecord,
 )
 from cloudless.ir.schedule import compute_order, local_micro_batches, one_f_one_b_windows, sample_indices
-from cloudless.ir.workflow import SYNC_STEP_KIND, Function, StepKind, Workflow
+from cloudless.ir.workflow import SYNC_STEP_KIND, Function, StepKind, Workflow, round_ends
 
 from .data import SplitReader, data_name
-from .emulation import CpuShare, EmulatedChannel, Resources
+from .emulation import CpuShare, EmulatedChannel, Resources, wan_channel, wan_link
 from .storage import Channel, open_channel
 from .sync import scatter_reduce
 from .tensors import pack, unpack
 
 _T = TypeVar("_T")
+#: the span of synchronous cross-region SGD's reduce (not "sync": that is the scatter-reduce's)
+CROSS_REGION_SPAN = "cross-region-reduce"
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -181,7 +191,13 @@ def _receive(value: Any) -> Any:
 
 class StageWorker:
     def __init__(
-        self, package: Path, channel: Channel, *, pipelined_sync: bool = True, resources: Resources | None = None
+        self,
+        package: Path,
+        channel: Channel,
+        *,
+        pipelined_sync: bool = True,
+        resources: Resources | None = None,
+        peers: dict[str, Channel] | None = None,
     ) -> None:
         self.package = Path(package)
         # Every request goes through the function's (possibly emulated) link, which also counts them.
@@ -209,11 +225,21 @@ class StageWorker:
         self.window = one_f_one_b_windows([f.replicas for f in functions])[self.stage]
         self.sync = workflow.sync
         self.data_name = data_name(region)
-        # Several regions: this stage meets its counterparts every `round_iterations` iterations.
-        self.inter_region: str | None = self.sync.inter_region
-        self.round_iterations: int = region.round_iterations or 0
-        self.peers = [(r.name, float(r.weight or 0.0)) for r in workflow.regions]
+        # Several regions: this stage meets its counterparts at the ends of the rounds (`_meets`).
+        self.inter_region: str | None = self.sync.inter_region if len(workflow.regions) > 1 else None
+        self.planned: tuple[int | None, int | None] = (region.iterations, self.sync.rounds)
+        self.meets: dict[int, int] = {}  # iterations done -> the round that ends there
+        # Every region and its weight, in region order: its share of a round's samples (model
+        # averaging, ASGD-GA) or of an iteration's (sync); equal shares where the plan gives none
+        self.peers = [(r.name, float(r.weight or 1.0 / len(workflow.regions))) for r in workflow.regions]
         self.server: str | None = self.sync.server
+        # Other regions' storage, across the WAN (unnamed: the peer's keys are in this storage)
+        emulate_wan = bool(resources and resources.wan)
+        others = {r.name for r in workflow.regions} | ({self.server} if self.server else set())
+        self.wan: dict[str, EmulatedChannel] = {
+            name: wan_channel((peers or {}).get(name, channel), wan_link(workflow.wan, self.region, name), emulate_wan)
+            for name in sorted(others - {self.region})
+        }
         self.base_version = 0  # ASGD-GA: the global version this region's model started its round from
         self.optimizer_spec = workflow.optimizer
         self.holders = {
@@ -255,6 +281,7 @@ class StageWorker:
 
     def save_state(self, iteration: int) -> None:
         self.channel.put(self.state_key(iteration), pack(self._state()))
+        self.channel.put(protocol.latest_state_key(self.namespace, self.stage), str(iteration).encode())
 
     def load_state(self, iteration: int, timeout: float) -> None:
         if iteration == 0:
@@ -272,14 +299,39 @@ class StageWorker:
                 name, field = key.removeprefix(protocol.OPTIMIZER_PREFIX).rsplit("/", 1)
                 self.optimizer.state[params[name]][field] = value
 
+    def _meets(self, iterations: int | None, rounds: int | None) -> dict[int, int]:
+        """Model averaging and ASGD-GA: after how many iterations each round ends -> its index, from
+        the region's iterations in this run and its rounds (the invocation's, else the plan's)."""
+        if self.inter_region not in ("model-average", "asgd-ga"):
+            return {}
+        total, count = iterations or self.planned[0], rounds or self.planned[1]
+        if total is None or count is None:
+            raise ValueError(f"{self.function.name}: several regions, but no iterations or rounds are planned")
+        return {end: k for k, end in enumerate(round_ends(total, min(count, total)))}
+
+    #: how many checkpoints past the newest one recorded a retried invocation also looks for (the record
+    #: is written after its checkpoint: a crash between the two leaves it one behind)
+    RECORD_LAG = 2
+
     def _resume_point(self, start: int, stop: int, attempt: int | None) -> int:
-        """The latest checkpoint of this stage in start..stop-1: where a retried invocation resumes.
-        A first attempt starts at `start` (nothing of its range ran yet) without asking storage."""
+        """The latest checkpoint of this stage in start+1..stop-1: where a retried invocation resumes.
+        A first attempt starts at `start` (nothing of its range ran yet) without asking storage; a retry
+        reads the stage's record of its newest checkpoint (`protocol.latest_state_key`) and checks that
+        one, and the next few multiples of checkpoint_every after it, exist: a few reads, however long
+        the range (it once scanned every multiple of the range from the top down)."""
         if attempt == 0:
             return start
+        try:
+            recorded = int(self.channel.try_get(protocol.latest_state_key(self.namespace, self.stage)) or b"")
+        except ValueError:  # no record: this stage has no checkpoint in this run
+            return start
         every = self.checkpoint_every
-        for iteration in reversed(range(start - start % every + every, stop, every)):
-            if self.channel.exists(self.state_key(iteration)):  # older ones may be swept already
+        below = min(recorded, stop - 1)  # the newest may lie past this range (a later range's): look below
+        below -= below % every
+        candidates = {recorded - recorded % every + k * every for k in range(1, self.RECORD_LAG + 1)}
+        candidates |= {recorded} | {below - k * every for k in range(self.RECORD_LAG + 1)}
+        for iteration in sorted(candidates, reverse=True):
+            if start < iteration < stop and self.channel.exists(self.state_key(iteration)):
                 return iteration
         return start
 
@@ -367,6 +419,8 @@ class StageWorker:
         time_limit_s: float | None = None,
         run: str = "",
         attempt: int | None = None,
+        iterations: int | None = None,
+        rounds: int | None = None,
     ) -> InvocationResult:
         """Iterations start..stop-1 as `replica`, ending early (at the iteration every function of the
         region agrees on) when `time_limit_s` would be passed. The result says where it stopped."""
@@ -374,6 +428,7 @@ class StageWorker:
             raise ValueError(f"replica {replica}: {self.function.name} has replicas 0..{self.replicas - 1}")
         if not 0 <= start < stop:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
+        self.meets = self._meets(iterations, rounds)
         began, wall = time.monotonic(), time.time()
         self.namespace = protocol.namespace(run, self.region)
         if self.channel.namespace != self.namespace:
@@ -396,7 +451,7 @@ class StageWorker:
         losses: list[float] = []
         longest = 0.0
         reached = resume
-        counted = dict(self.link.counts)
+        counted = self._counts()
         stop_key, decided = protocol.stop_key(self.namespace, start), False
         lookups: dict[int, Future[bytes | None]] = {}  # iteration -> read of the stop key for it
         self._ready = None  # until an iteration completes, memory holds no state to reuse
@@ -457,12 +512,20 @@ class StageWorker:
             stop=reached,
             losses=tuple(losses),
             seconds=round(time.monotonic() - began, 6),
-            storage={k: v - counted.get(k, 0) for k, v in self.link.counts.items()},
+            storage={k: v - counted.get(k, 0) for k, v in self._counts().items()},
             spans=tuple((str(n), float(a), float(b)) for n, a, b in spans),
             reason=reason,
         )
         self.channel.put(done_key, result.encode())
         return result
+
+    def _counts(self) -> dict[str, int]:
+        """Requests and bytes so far: to this region's storage, and (`wan/<region>/<kind>`) to each
+        other region's, across the WAN."""
+        counts = dict(self.link.counts)
+        for name, peer in self.wan.items():
+            counts.update({f"{protocol.WAN_COUNT_PREFIX}{name}/{k}": v for k, v in peer.counts.items()})
+        return counts
 
     @staticmethod
     def _span(spans: list[list[Any]], name: str) -> _Span:
@@ -532,20 +595,33 @@ class StageWorker:
             self._reports.append(self._background().submit(self.channel.put, key, record))
         with self._span(spans, "sync"):
             self._synchronise(iteration, replica, timeout)
+        if self.inter_region == "sync":
+            with self._span(spans, CROSS_REGION_SPAN):
+                self._cross_reduce(iteration, replica, timeout)
         with self._span(spans, "step"):
             self._model_code(iteration, "optimizer step", self.optimizer.step)
             self.optimizer.zero_grad(set_to_none=True)
             self._check_finite(iteration, [])
-        if self.inter_region and self.round_iterations and (iteration + 1) % self.round_iterations == 0:
+        if iteration + 1 in self.meets:
+            assert self.inter_region is not None
             with self._span(spans, self.inter_region):
-                self._meet((iteration + 1) // self.round_iterations - 1, replica, timeout)
+                self._meet(self.meets[iteration + 1], replica, timeout)
         return values
 
     # -- between regions ---------------------------------------------------------------------------
-    # Keys of the run (not of a region) are under the namespace of the region that writes them; a
-    # local run keeps every region in one storage, a deployment reads a peer's keys across the WAN.
+    # A key of the run (not of a region) is under the namespace of the region that writes it, in that
+    # region's storage; ASGD-GA's global versions are in the server region's. Another region's
+    # storage is reached through `self.wan` (one storage for all: the same storage, still counted).
     def _peer_namespace(self, region: str) -> str:
         return protocol.namespace(protocol.run_of(self.namespace), region)
+
+    def _storage_of(self, region: str) -> Channel:
+        """Where `region`'s keys are: this function's own storage, or the peer's across the WAN."""
+        return self.channel if region == self.region else self.wan[region]
+
+    def _peer_get(self, region: str, key: str, timeout: float) -> bytes:
+        """A key of another region's, waited for (giving up when this region's run is aborted)."""
+        return self._storage_of(region).get(key, timeout, abort=self.channel.check_abort)
 
     def _round_key(self, region: str, round_index: int, part: protocol.RoundPart) -> str:
         assert self.inter_region is not None
@@ -560,6 +636,43 @@ class StageWorker:
             for name, tensor in self.module.state_dict().items():
                 if name in values:
                     tensor.copy_(values[name])
+
+    def _cross_reduce(self, iteration: int, replica: int, timeout: float) -> None:
+        """Synchronous cross-region SGD: the stage's gradients (summed over its replicas and tied
+        partners) meet those of its counterparts in every other region. Replica 0 writes its region's
+        in its own storage, reads every other region's, and takes their mean weighted by each region's
+        share of the iteration's samples (`Region.weight`), in region order, so that every region computes the same
+        bits and takes the same optimizer step; it leaves the result for its replicas. Floating-point
+        buffers are averaged alike."""
+        params = [p for _, p in self.module.named_parameters()]
+        buffers = [b for _, b in self.module.named_buffers() if b.is_floating_point()]
+        result_key = protocol.cross_key(self.namespace, iteration, self.stage, "result")
+        if replica != 0:
+            total = unpack(self.channel.get(result_key, timeout))["flat"]
+        else:
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                + [b.reshape(-1) for b in buffers]
+            )
+            self.channel.put(protocol.cross_key(self.namespace, iteration, self.stage, "sums"), pack({"flat": flat}))
+            total = torch.zeros_like(flat)
+            for region, weight in self.peers:
+                if region == self.region:
+                    theirs = flat
+                else:
+                    key = protocol.cross_key(self._peer_namespace(region), iteration, self.stage, "sums")
+                    theirs = unpack(self._peer_get(region, key, timeout))["flat"]
+                total = total + weight * theirs
+            if self.replicas > 1:
+                self.channel.put(result_key, pack({"flat": total}))
+        offset = 0
+        for p in params:
+            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(total[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
 
     def _meet(self, round_index: int, replica: int, timeout: float) -> None:
         """This stage's round-end sync with the other regions. Replica 0 talks across regions and
@@ -580,8 +693,9 @@ class StageWorker:
             self.channel.put(result_key, pack({**merged, **extra}))
 
     def _model_average(self, round_index: int, timeout: float) -> dict[str, torch.Tensor]:
-        """Every region writes its model for the round, reads the others' and takes the mean
-        weighted by the samples of their rounds, in region order (so every region gets the same bits)."""
+        """Every region writes its model for the round in its own storage, reads the others' from
+        theirs and takes the mean weighted by the samples of their rounds, in region order (so every
+        region gets the same bits)."""
         mine = self._model()
         self.channel.put(self._round_key(self.region, round_index, "model"), pack(mine))
         total: dict[str, torch.Tensor] = {}
@@ -589,7 +703,7 @@ class StageWorker:
             if region == self.region:
                 theirs = mine
             else:
-                theirs = unpack(self.channel.get(self._round_key(region, round_index, "model"), timeout))
+                theirs = unpack(self._peer_get(region, self._round_key(region, round_index, "model"), timeout))
             for name, value in theirs.items():
                 total[name] = total[name] + weight * value if name in total else weight * value
         return {name: value.to(mine[name].dtype) for name, value in total.items()}
@@ -602,28 +716,58 @@ class StageWorker:
         if version == 0:  # every region starts from the package's weights
             initial = load_file(self.package / "weights.safetensors")
             return {k: v for k, v in initial.items() if k in self._model()}
-        return unpack(self.channel.get(self._global_key(version, "model"), timeout))
+        assert self.server is not None
+        return unpack(self._peer_get(self.server, self._global_key(version, "model"), timeout))
+
+    def push_update(
+        self, previous: dict[str, torch.Tensor], base: dict[str, torch.Tensor], staleness: int
+    ) -> tuple[dict[str, torch.Tensor], float, bool]:
+        """ASGD-GA: the version a push of `staleness` makes from the newest one (`previous`) and the
+        version its round started from (`base`); the factor its update is applied with; whether it
+        was rebased.
+
+        A region's update (its model now minus `base`) counts with its weight w (its share of a
+        round's samples; 1/R without one): when the regions push from the same base, the global
+        model moves as model averaging moves it, where adding every region's full update moved it R
+        times as far (which diverged). Every push lands on the newest version, and the region starts
+        its next round from the version it made. A push whose base lags more than `staleness_bound`
+        versions is rebased: applied onto the newest version all the same, at its weight (not dropped,
+        not damped: damping by (1 + bound) / (1 + staleness), or mixing the newest version toward
+        the region's model, each cost accuracy on the geo sample, where a region pushing fewer, longer
+        rounds is stale by construction), and reported as such (`PushRecord.rebased`)."""
+        mine = self._model()
+        weight = dict(self.peers)[self.region]
+        bound = self.sync.staleness_bound
+        rebased = bound is not None and staleness > bound
+        merged = {name: previous[name] + weight * (mine[name] - base[name]) for name in mine}
+        return {name: value.to(mine[name].dtype) for name, value in merged.items()}, weight, rebased
 
     def _asgd_push(self, round_index: int, timeout: float) -> dict[str, torch.Tensor]:
-        """ASGD-GA: add this round's accumulated update (the model now minus the global version it
-        started from) to the newest global version, as the next version, without waiting for any
-        other region. Versions are claimed with create-if-absent; a retried push finds its own claim
-        and rewrites the same bytes, so an update is never applied twice."""
+        """ASGD-GA: apply this round's update (`push_update`) to the newest global version, as the
+        next version, without waiting for any other region; record the push beside it
+        (`PushRecord`). Versions are claimed with create-if-absent in the server region's storage; a
+        retried push finds its own claim and rewrites the same bytes, so an update is never applied
+        twice."""
+        assert self.server is not None
+        server = self._storage_of(self.server)
         me = protocol.global_owner(self.region, round_index)
         base = self._global(self.base_version, timeout)
-        mine = self._model()
-        delta = {name: mine[name] - base[name] for name in mine}
         version = self.base_version + 1
         while True:
-            owner = self.channel.try_get(self._global_key(version, "owner"))
-            if owner is None and self.channel.claim(self._global_key(version, "owner"), me):
+            owner = server.try_get(self._global_key(version, "owner"))
+            if owner is None and server.claim(self._global_key(version, "owner"), me):
                 owner = me
             elif owner is None:
-                owner = self.channel.get(self._global_key(version, "owner"), timeout)
+                owner = self._peer_get(self.server, self._global_key(version, "owner"), timeout)
             if owner == me:
+                staleness = version - 1 - self.base_version
                 previous = self._global(version - 1, timeout)
-                merged = {name: previous[name] + delta[name] for name in delta}
-                self.channel.put(self._global_key(version, "model"), pack(merged))
+                merged, scale, rebased = self.push_update(previous, base, staleness)
+                record = PushRecord(
+                    self.region, round_index, self.stage, self.base_version, version, staleness, scale, rebased
+                )
+                server.put(self._global_key(version, "push"), record.encode())
+                server.put(self._global_key(version, "model"), pack(merged))
                 self.base_version = version
                 return merged
             version += 1
@@ -784,6 +928,8 @@ def span_step(name: str, replicas: int) -> StepKind | None:
         return "scatter-reduce" if replicas > 1 else None
     if kind == "step":
         return "optimizer-step"
+    if name == CROSS_REGION_SPAN:
+        return "cross-region-reduce"
     if name in SYNC_STEP_KIND:  # the inter-region strategy's own name
         return SYNC_STEP_KIND[name]
     if name == "checkpoint":
@@ -806,8 +952,21 @@ class _Span:
 
 # Idle workers per (package, storage): a warm process reuses one; invocations running at once in one
 # process (several replicas sent to one instance) each get their own, never one shared worker.
-_IDLE: dict[tuple[str, str], list[StageWorker]] = {}
+_IDLE: dict[tuple[str, str, str], list[StageWorker]] = {}
 _IDLE_LOCK = threading.Lock()
+
+
+def open_peers(peers_json: str) -> dict[str, Channel]:
+    """The other regions' storage from `protocol.PEERS_ENV`'s value ({} when unset)."""
+    if not peers_json:
+        return {}
+    try:
+        peers = json.loads(peers_json)
+    except ValueError as exc:
+        raise ValueError(f"{PEERS_ENV}: not JSON: {exc}") from None
+    if not isinstance(peers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in peers.items()):
+        raise ValueError(f'{PEERS_ENV}: expected a JSON object {{"region": "storage location"}}')
+    return {region: open_channel(location) for region, location in peers.items()}
 
 
 def handle_request(package: Path, event: Any, storage: str | None = None) -> dict[str, Any]:
@@ -817,7 +976,8 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
     location = storage or os.environ.get(STORAGE_ENV)
     if not location:
         raise ValueError(f"no storage: set {STORAGE_ENV} (a folder, s3://bucket/prefix or redis://host:port/db)")
-    cache_key = (str(package), location)
+    peers_json = os.environ.get(PEERS_ENV) or ""
+    cache_key = (str(package), location, peers_json)
     with _IDLE_LOCK:
         idle = _IDLE.setdefault(cache_key, [])
         # Prefer the one warm for this replica (its state in memory is that replica's).
@@ -827,7 +987,7 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
     if worker is None:
         emulate = os.environ.get(EMULATE_ENV)
         resources = Resources.from_json(json.loads(emulate)) if emulate else None
-        worker = StageWorker(package, open_channel(location), resources=resources)
+        worker = StageWorker(package, open_channel(location), resources=resources, peers=open_peers(peers_json))
     try:
         return worker.run(
             invocation.start,
@@ -837,6 +997,8 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
             time_limit_s=invocation.time_limit_s,
             run=invocation.run,
             attempt=invocation.attempt,
+            iterations=invocation.iterations,
+            rounds=invocation.rounds,
         ).to_json()
     finally:
         with _IDLE_LOCK:

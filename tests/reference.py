@@ -12,7 +12,7 @@ import torch
 
 from cloudless.compiler.model_file import ModelFile, probe_optimizer
 from cloudless.ir.schedule import sample_indices
-from cloudless.ir.workflow import DataSource, Region, RunSettings, Workflow
+from cloudless.ir.workflow import DataSource, Region, RunSettings, Workflow, round_ends
 
 
 class PlainTrainer:
@@ -29,14 +29,19 @@ class PlainTrainer:
         self.samples = len(items)
 
     def step(self, iteration: int) -> None:
-        run = self.run
-        for m in range(run.micro_batches):
-            idx = sample_indices(iteration, m, run.micro_batch, run.global_batch, self.samples, run.seed)
-            output = self.model(*[x[idx] for x in self.inputs])
-            loss = self.model_file.loss_fn(output, self.targets[idx]) / run.micro_batches
-            loss.backward()
+        self.backward(iteration)
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def backward(self, iteration: int, model: torch.nn.Module | None = None) -> None:
+        """Accumulate iteration i's gradients (the mean loss of its global batch) into `model`'s
+        (default: this trainer's own)."""
+        run, model = self.run, model or self.model
+        for m in range(run.micro_batches):
+            idx = sample_indices(iteration, m, run.micro_batch, run.global_batch, self.samples, run.seed)
+            output = model(*[x[idx] for x in self.inputs])
+            loss = self.model_file.loss_fn(output, self.targets[idx]) / run.micro_batches
+            loss.backward()
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
@@ -76,16 +81,19 @@ def plain_training(
     return trainer.state()
 
 
-def plain_model_average(model_file: ModelFile, workflow: Workflow, rounds: int) -> dict[str, torch.Tensor]:
-    """Several regions with model averaging: each region trains its rounds' iterations on its own
-    samples, then every region takes the weighted mean of all regions' models, in region order."""
+def plain_model_average(
+    model_file: ModelFile, workflow: Workflow, iterations: dict[str, int], rounds: int
+) -> dict[str, torch.Tensor]:
+    """Several regions with model averaging: each region trains its round's iterations on its own
+    samples (round k of a region of n iterations ends after `round_ends(n, rounds)[k]`), then every
+    region takes the weighted mean of all regions' models, in region order."""
     regions = workflow.regions
     trainers = [PlainTrainer(model_file, workflow.run, region_items(model_file, region)) for region in regions]
+    ends = {region.name: (0, *round_ends(iterations[region.name], rounds)) for region in regions}
     for round_index in range(rounds):
         for region, trainer in zip(regions, trainers, strict=True):
-            k = region.round_iterations
-            assert k is not None and region.weight is not None, f"{region.name}: not one of several regions"
-            for iteration in range(round_index * k, (round_index + 1) * k):
+            assert region.weight is not None, f"{region.name}: not one of several regions"
+            for iteration in range(ends[region.name][round_index], ends[region.name][round_index + 1]):
                 trainer.step(iteration)
         states = [t.model.state_dict() for t in trainers]
         mean: dict[str, torch.Tensor] = {}
@@ -99,4 +107,28 @@ def plain_model_average(model_file: ModelFile, workflow: Workflow, rounds: int) 
             for state in states:
                 for name, value in mean.items():
                     state[name].copy_(value)
+    return trainers[0].state()
+
+
+def plain_sync(model_file: ModelFile, workflow: Workflow, iterations: int) -> dict[str, torch.Tensor]:
+    """Several regions with synchronous SGD: one model; each iteration, every region's gradient on
+    its own samples, their mean weighted by the regions' weights (equal without), in region order,
+    and one optimizer step."""
+    regions = workflow.regions
+    trainers = [PlainTrainer(model_file, workflow.run, region_items(model_file, region)) for region in regions]
+    model, optimizer = trainers[0].model, trainers[0].optimizer
+    params = list(model.parameters())
+    for iteration in range(iterations):
+        totals = [torch.zeros_like(p) for p in params]
+        for region, trainer in zip(regions, trainers, strict=True):
+            weight = region.weight if region.weight is not None else 1.0 / len(regions)
+            optimizer.zero_grad(set_to_none=True)
+            trainer.backward(iteration, model)
+            for total, p in zip(totals, params, strict=True):
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                total.copy_(total + weight * grad)
+        for total, p in zip(totals, params, strict=True):
+            p.grad = total
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return trainers[0].state()

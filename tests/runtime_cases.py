@@ -14,8 +14,10 @@ from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, retrace, run_front_end
 from cloudless.ir.catalog import load_catalog
+from cloudless.ir.graph import dumps
 from cloudless.ir.protocol import InvocationResult
 from cloudless.ir.workflow import Function, StepKind, Workflow
+from cloudless.ir.workflow import round_ends as plan_round_ends
 from cloudless.runtimes.staging import stage_data
 from cloudless.runtimes.storage import Channel, DirectoryChannel
 from cloudless.runtimes.worker import StageWorker, span_step
@@ -53,7 +55,8 @@ def write_packages(
         global_batch=global_batch,
         schedule=schedule,  # type: ignore[arg-type]
     )
-    write_build(package_files(lowered), build)
+    # as a compile writes them; ir/graph.json names the trained model file's keys
+    write_build({**package_files(lowered), "ir/graph.json": dumps(result.graph.to_json()).encode()}, build)
     return lowered.workflow
 
 
@@ -122,11 +125,21 @@ def worker_iterations(spans: list[list[Any]], replicas: int) -> list[IterationSp
     return iterations
 
 
-def check_step_order(workflow: Workflow, region: str, result: InvocationResult) -> list[IterationSpans]:
+def _plan_round_ends(workflow: Workflow, region: str) -> tuple[int, ...]:
+    planned, rounds = workflow.region(region).iterations, workflow.sync.rounds
+    assert planned is not None and rounds is not None, f"{region}: no planned iterations or rounds"
+    return plan_round_ends(planned, rounds)
+
+
+def check_step_order(
+    workflow: Workflow, region: str, result: InvocationResult, round_ends: tuple[int, ...] | None = None
+) -> list[IterationSpans]:
     """Assert that one invocation ran, in each of its iterations, exactly the workflow's steps of its
     function that fall on that iteration, each once, in an order that is a topological order of the
     steps' `depends_on` among themselves. A step with `every` runs after iterations i with
-    (i + 1) % every == 0; a checkpoint is replica 0's, and also ends every invocation. Returns the
+    (i + 1) % every == 0; a checkpoint is replica 0's, and also ends every invocation; model averaging
+    and ASGD-GA's push run after the iterations of `round_ends` (the run's; default the plan's,
+    `workflow.round_ends(region.iterations, sync.rounds)`). Returns the
     iterations' spans (for checks across functions)."""
     function = workflow.region(region).function(result.function)
     steps = [s for s in workflow.steps if s.region == region and s.function == function.name]
@@ -144,6 +157,8 @@ def check_step_order(workflow: Workflow, region: str, result: InvocationResult) 
         wanted = set()
         for step in steps:
             due = step.every is None or (i + 1) % step.every == 0
+            if step.kind in ("model-average", "asgd-ga-push") and step.every is None:
+                due = i + 1 in (round_ends if round_ends is not None else _plan_round_ends(workflow, region))
             if step.kind == "checkpoint":
                 due = result.replica == 0 and (due or i + 1 == stop)
             if due:

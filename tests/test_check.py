@@ -164,7 +164,7 @@ def rename_tensor(stage: Path) -> None:
 
 
 def edit_geo_weight(document: dict[str, Any]) -> None:
-    document["regions"][0]["weight"] = 0.75
+    document["regions"][0]["weight"] += 0.25
 
 
 #: (id, build, edit, the message's start, a phrase it holds)
@@ -506,14 +506,41 @@ CORPUS: list[tuple[str, str, Callable[[Path], None], str, str]] = [
         "geo",
         lambda b: edit_workflow(b, edit_geo_weight),
         "workflow.yaml: key regions/0/weight: the regions' weights add up to 1.25, not 1",
-        "compiled as 0.5",
+        "compiled as 0.52",
     ),
     (
-        "geo-round-iterations",
+        "geo-rounds-beyond-iterations",
         "geo",
-        lambda b: edit_workflow(b, lambda d: d["regions"][1].update(round_iterations=4)),
-        "workflow.yaml: key regions/1/round_iterations: region 'aws-eu-west-1': iterations 100, but sync/rounds 20",
-        "compiled as 5",
+        lambda b: edit_workflow(b, lambda d: d["regions"][1].update(iterations=10)),
+        "workflow.yaml: key regions/1/iterations: region 'aws-eu-west-1': 20 rounds over 10 iterations",
+        "compiled as 95",
+    ),
+    (
+        "geo-sync-iterations",
+        "geo",
+        lambda b: edit_workflow(b, lambda d: d["sync"].update(inter_region="sync")),
+        "workflow.yaml: key regions/0/iterations: region 'aws-us-east-1': iterations 105, but run/iterations 200",
+        "under sync every region runs every iteration",
+    ),
+    (
+        "geo-shared-bucket",
+        "geo",
+        lambda b: replace(
+            b / f"regions/{WEST}/stack.yaml",
+            "s3://cloudless-mlp-digits-geo-aws-eu-west-1/",
+            "s3://cloudless-mlp-digits-geo-aws-us-east-1/",
+        ),
+        f"regions/{WEST}/stack.yaml: key functions/*/environment/CLOUDLESS_STORAGE: "
+        "'s3://cloudless-mlp-digits-geo-aws-us-east-1/mlp-digits-geo' is region 'aws-us-east-1''s storage too",
+        "its own bucket",
+    ),
+    (
+        "geo-peer-parameter-missing",
+        "geo",
+        lambda b: replace(b / f"regions/{WEST}/template.yaml", "  PeerBucketAwsUsEast1:\n", "  OtherBucket:\n"),
+        f"regions/{WEST}/template.yaml: key Resources/MlpDigitsGeoS0Function/Properties/Environment/Variables/"
+        "CLOUDLESS_PEERS/Fn::Sub: 'PeerBucketAwsUsEast1'",
+        "neither a resource nor a parameter",
     ),
     (
         "geo-no-inter-region-sync",

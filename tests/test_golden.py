@@ -106,9 +106,7 @@ def test_generated_tree_matches_golden(case: str, compile_cli, tmp_path: Path) -
         return
     assert (GOLDEN / case).is_dir(), f"no golden for {case}: run UPDATE_GOLDENS=1 pytest {__file__}"
     expected = tree(GOLDEN / case)
-    assert sorted(got) == sorted(expected), "files differ: " + ", ".join(
-        sorted(set(got) ^ set(expected))[:10]
-    )
+    assert sorted(got) == sorted(expected), "files differ: " + ", ".join(sorted(set(got) ^ set(expected))[:10])
     for name in expected:
         if comparable(name, got[name]) != comparable(name, expected[name]):
             diff = difflib.unified_diff(
@@ -119,9 +117,7 @@ def test_generated_tree_matches_golden(case: str, compile_cli, tmp_path: Path) -
                 lineterm="",
                 n=1,
             )
-            pytest.fail(
-                f"{name} differs from the golden (UPDATE_GOLDENS=1 to accept):\n" + "\n".join(list(diff)[:40])
-            )
+            pytest.fail(f"{name} differs from the golden (UPDATE_GOLDENS=1 to accept):\n" + "\n".join(list(diff)[:40]))
 
 
 def test_two_compiles_are_byte_identical(compile_cli, tmp_path: Path) -> None:
@@ -155,7 +151,6 @@ def test_check_command_passes_a_build_and_names_a_broken_key(compile_cli, tmp_pa
     code, _, stderr = compile_cli("--check", str(build))
     assert code == 2
     assert "regions/aws-us-east-1/stack.yaml" in stderr and "functions/mlp-digits-s0" in stderr and "langg" in stderr
-
 
 
 CREDENTIALS = re.compile(

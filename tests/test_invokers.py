@@ -1,12 +1,15 @@
-"""`cloudless-run --invoker openfaas` over real HTTP: a gateway shaped like OpenFaaS's asynchronous
-endpoint (202 at once, the function run in the background) runs the generated handlers, the
-controller follows them through their completion markers in storage, and training is exactly what
-plain PyTorch computes. A function the gateway does not serve fails the run with its name. Every call
-carries the run's token (the functions' secret cloudless-token), which is never printed."""
+"""`cloudless-run --invoker openfaas` over real HTTP, through a gateway shaped like OpenFaaS CE's: each
+function's replicas are instances of the python3-http template's request handling behind the watchdog's
+max_inflight 1, the provider routes each call to a random instance, and the queue-worker delivers
+asynchronous calls one at a time. The invoker calls the synchronous route /function/<name>, each call
+held open by a thread, tries a 429 (a busy instance) again, and training is exactly what `cloudless-run`'s
+local processes and plain PyTorch compute. A function the gateway does not serve fails the run with its
+name. Every call carries the run's token (the functions' secret cloudless-token), which is never printed."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +25,7 @@ from cloudless.ir.protocol import STORAGE_ENV, TOKEN_ENV, TOKEN_HEADER, TOKEN_SE
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.storage import DirectoryChannel
-from tests.openfaas_server import load_handler, serve_gateway
+from tests.openfaas_server import load_handler, results, serve_gateway
 from tests.runtime_cases import MLP, front_end, reference_training, write_packages, write_training_data
 
 ITERATIONS = 3
@@ -54,19 +57,33 @@ def handlers(build: Path, workflow: Workflow) -> dict[str, Any]:
     }
 
 
-def test_openfaas_runs_over_http_match_plain_pytorch(two_stages, tmp_path: Path, monkeypatch) -> None:
-    """Two runs through one gateway: cold handlers, then the same handlers warm (as deployed functions
-    stay between runs). Each trains exactly what plain PyTorch does."""
+def local_run(build: Path, result: Any, workflow: Workflow, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """`cloudless-run`'s own run of the build (local processes, storage a folder): the trained parameters."""
+    storage, out = tmp_path / "local-storage", tmp_path / "local"
+    write_training_data(result, DirectoryChannel(storage), workflow.regions[0].name)
+    argv = [str(build), "--storage", str(storage), "--out", str(out), "--model", str(MLP), "-q", "--run-id", "local"]
+    assert run_main(argv) == 0
+    return load_file(out / "model.safetensors")
+
+
+def test_openfaas_trains_through_the_synchronous_route_of_a_ce_gateway(two_stages, tmp_path: Path, monkeypatch) -> None:
+    """Two runs through one CE-like gateway: cold handlers, then the same instances warm (as deployed
+    functions stay between runs). Each replica holds exactly one call at a time, and each run trains
+    what `cloudless-run` trains locally and what plain PyTorch computes."""
     build, workflow, result = two_stages
     region = workflow.regions[0].name
     storage = tmp_path / "storage"
     write_training_data(result, DirectoryChannel(storage), region)
-    monkeypatch.setenv(STORAGE_ENV, str(storage))  # what the functions' deployment sets
     expected = reference_training(result, workflow, region)
+    local = local_run(build, result, workflow, tmp_path)
+    monkeypatch.setenv(STORAGE_ENV, str(storage))  # what the functions' deployment sets
     token_file = tmp_path / "run.token"
     token_file.write_text(TOKEN + "\n")
+    replicas = {f.name: f.replicas for f in workflow.regions[0].functions}
     began = time.monotonic()
-    with serve_gateway(handlers(build, workflow), {TOKEN_SECRET: TOKEN}) as gateway:
+    with serve_gateway(
+        handlers(build, workflow), {TOKEN_SECRET: TOKEN}, replicas=replicas, max_inflight=1, queue="ce"
+    ) as gateway:
         for run_id in ("cold", "warm"):
             out = tmp_path / run_id
             code = run_main(
@@ -76,30 +93,96 @@ def test_openfaas_runs_over_http_match_plain_pytorch(two_stages, tmp_path: Path,
                     *("--token-file", str(token_file)),
                 ]
             )
-            assert gateway.wait(timeout=30), f"{run_id}: calls still running after the run ended"
             calls = [c for c in gateway.calls if json.loads(c.body)["run"] == run_id]
-            replies = [(c.function, c.status, c.reply) for c in calls]
+            replies = [(c.function, c.instance, c.status, c.reply) for c in calls]
             assert code == 0, replies
-            # Every replica of every function was invoked once through the gateway, and each succeeded.
-            assert sorted((c.function, json.loads(c.body)["replica"]) for c in calls) == [
+            # Only the synchronous route; every call answered 200 (a result) or 429 (a busy instance,
+            # tried again), and every replica of every function ran once, each on an instance of its own.
+            assert {c.route for c in calls} == {"sync"}
+            assert {c.status for c in calls} <= {200, 429}, replies
+            ran = [c for c in calls if c.status == 200]
+            assert sorted((c.function, json.loads(c.body)["replica"]) for c in ran) == [
                 ("mlp-digits-s0", 0),
                 ("mlp-digits-s0", 1),
                 ("mlp-digits-s1", 0),
             ]
-            assert all(c.status == 200 and json.loads(c.reply)["status"] == "done" for c in calls), replies
+            assert sorted((c.function, c.instance) for c in ran) == [
+                ("mlp-digits-s0", 0),
+                ("mlp-digits-s0", 1),
+                ("mlp-digits-s1", 0),
+            ]
+            assert all(r is not None and r["status"] == "done" for r in results(ran)), replies
             assert all(c.headers.get(TOKEN_HEADER) == TOKEN for c in calls)
+            # The two replicas of stage 0 ran at the same time as stage 1 (a pipeline, not a queue).
+            assert max(c.began for c in ran) < min(c.ended for c in ran)
 
             params = load_file(out / "model.safetensors")
-            assert set(params) == set(expected)
+            assert set(params) == set(expected) == set(local)
             for name, value in expected.items():
-                torch.testing.assert_close(
-                    params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=f"{run_id}: {name}": f"{n}: {m}"
-                )
+                torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=f"{run_id}: {name}")
+                assert torch.equal(params[name], local[name]), f"{run_id}: {name} differs from the local run"
             metrics = json.loads((out / "metrics.json").read_text())
             assert metrics["invocations"] == 3 and metrics["retries"] == 0
             assert [p["iteration"] for p in metrics["progress"]] == list(range(ITERATIONS))
             assert all(0 < p["loss"] < 5 for p in metrics["progress"])
-    assert time.monotonic() - began < 60
+        # No instance ever ran two calls at once (the watchdog's max_inflight 1 held).
+        assert all(w.most == 1 for ws in gateway.instances.values() for w in ws)
+    assert time.monotonic() - began < 90
+
+
+def test_the_ce_gateway_shape(tmp_path: Path) -> None:
+    """What the invoker relies on and what it avoids, on stub functions: the synchronous route runs calls
+    to different instances at once and passes an instance's 429 back; CE's queue-worker delivers
+    asynchronous calls one at a time, so a call waiting on a partner queued behind it waits forever."""
+    running: list[int] = []
+    most = [0]
+    lock = threading.Lock()
+
+    def slow(event: Any, context: Any) -> dict[str, Any]:
+        with lock:
+            running.append(1)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.3)
+        with lock:
+            running.pop()
+        return {"statusCode": 200, "body": json.dumps({"ok": True})}
+
+    stub = SimpleNamespace(handle=slow)
+
+    def post(url: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST")) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def at_once(url: str, n: int) -> list[int]:
+        statuses: list[int] = []
+        threads = [threading.Thread(target=lambda: statuses.append(post(url)[0])) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sorted(statuses)
+
+    with serve_gateway({"one": stub, "two": stub}, replicas={"one": 1, "two": 2}, queue="ce") as gateway:
+        # One instance, max_inflight 1: of two calls at once, one runs and one is refused (429).
+        assert at_once(f"{gateway.url}/function/one", 2) == [200, 429]
+        refused = [c for c in gateway.calls if c.status == 429]
+        assert len(refused) == 1 and refused[0].reply.startswith("Concurrent request limit exceeded")
+        # The asynchronous route: 202 at once, delivered one at a time by the queue worker.
+        for _ in range(3):
+            status, _ = post(f"{gateway.url}/async-function/two")
+            assert status == 202
+        assert gateway.wait(timeout=10)
+        queued = [c for c in gateway.calls if c.route == "async"]
+        assert len(queued) == 3 and all(c.status == 200 for c in queued)
+        for before, after in zip(queued, queued[1:], strict=False):
+            assert after.began >= before.ended  # never two at once, though "two" has two instances
+        # A function it does not serve: 404 on both routes.
+        assert post(f"{gateway.url}/function/absent")[0] == 404
+        assert post(f"{gateway.url}/async-function/absent")[0] == 404
+    assert most[0] <= 2
 
 
 def test_a_function_the_gateway_does_not_serve_fails_the_run(
@@ -108,38 +191,32 @@ def test_a_function_the_gateway_does_not_serve_fails_the_run(
     build, workflow, _ = two_stages
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # the token from the environment this time
     first, last = workflow.regions[0].functions
-    # Stage 0 is served by a stub that returns at once (a real one would wait for stage 1's
-    # gradients until its key timeout); stage 1 is not served at all.
-    stub = SimpleNamespace(handle=lambda event, context: {"statusCode": 200, "body": "{}"})
+
+    def done(event: Any, context: Any) -> dict[str, Any]:
+        """Stage 0 answers at once as if it had trained (a real one would wait for stage 1's gradients)."""
+        replica = json.loads(event.body)["replica"]
+        result = {"status": "done", "function": first.name, "replica": replica, "start": 0, "stop": ITERATIONS}
+        return {"statusCode": 200, "body": json.dumps(result)}
+
     began = time.monotonic()
-    with serve_gateway({first.name: stub}) as gateway:
-        # The gateway's shape: 202 and a call id at once for a function it serves, 404 otherwise.
-        with urllib.request.urlopen(
-            urllib.request.Request(f"{gateway.url}/async-function/{first.name}", data=b"{}", method="POST")
-        ) as response:
-            assert response.status == 202 and response.headers["X-Call-Id"]
-        with pytest.raises(urllib.error.HTTPError) as missing:
-            urllib.request.urlopen(
-                urllib.request.Request(f"{gateway.url}/async-function/{last.name}", data=b"{}", method="POST")
-            )
-        assert missing.value.code == 404
+    with serve_gateway({first.name: SimpleNamespace(handle=done)}, replicas={first.name: first.replicas}) as gateway:
         code = run_main(
             [
                 *(str(build), "--invoker", "openfaas", "--gateway", gateway.url, "--retries", "0"),
                 *("--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q"),
             ]
         )
-        assert gateway.wait(timeout=5)
     err = capsys.readouterr().err
     assert code == 1, err
     assert f"the run failed: {last.name} replica 0 from iteration 0" in err
-    assert [c.function for c in gateway.calls] == [first.name] * (1 + first.replicas)
+    assert f"{last.name} answered 404: error finding function {last.name}: not found" in err
+    assert sorted({c.function for c in gateway.calls if c.status == 200}) == [first.name]
     # What it did is recorded (valid JSON, saying it failed and why); no trained model is written.
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["status"] == "failed" and f"{last.name} replica 0" in metrics["error"]
     assert not (tmp_path / "out" / "model.safetensors").exists()
     assert time.monotonic() - began < 20
-    assert [c.headers.get(TOKEN_HEADER) for c in gateway.calls[1:]] == [TOKEN] * first.replicas
+    assert {c.headers.get(TOKEN_HEADER) for c in gateway.calls} == {TOKEN}
     # The token is never printed nor written with the run's outputs.
     assert TOKEN not in err
     assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
@@ -180,8 +257,8 @@ def test_the_openfaas_invoker_needs_the_token(
 def test_the_gateway_passes_a_wrong_token_on_and_the_function_refuses_it(
     two_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through the gateway's asynchronous endpoint: a call with a wrong token or none is queued (202) and
-    answered 401 by the function, which writes nothing to storage."""
+    """Through the gateway's synchronous route: a call with a wrong token or none is answered 401 by the
+    function, which writes nothing to storage."""
     build, workflow, _ = two_stages
     storage = tmp_path / "storage"
     monkeypatch.setenv(STORAGE_ENV, str(storage))
@@ -191,10 +268,10 @@ def test_the_gateway_passes_a_wrong_token_on_and_the_function_refuses_it(
     with serve_gateway(served, {TOKEN_SECRET: TOKEN}) as gateway:
         for headers in ({}, {TOKEN_HEADER: "not-the-token"}):
             request = urllib.request.Request(
-                f"{gateway.url}/async-function/{first.name}", data=body, headers=headers, method="POST"
+                f"{gateway.url}/function/{first.name}", data=body, headers=headers, method="POST"
             )
-            with urllib.request.urlopen(request) as response:
-                assert response.status == 202
-        assert gateway.wait(timeout=10)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request)
+            assert refused.value.code == 401
     assert [c.status for c in gateway.calls] == [401, 401]
     assert not storage.exists()

@@ -237,3 +237,52 @@ def test_no_build_file_holds_a_path_of_the_compiling_machine(compile_cli, tmp_pa
     recorded = yaml.safe_load((build / "workflow.yaml").read_text())["data"]["model_file"]
     assert not Path(recorded).is_absolute()
     assert (elsewhere / recorded).resolve() == (SAMPLES / "mlp_digits.py").resolve()  # from where it was compiled
+
+
+WEIGHTED_LOSS = """
+import torch
+WEIGHTS = torch.{weights}
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 4),)
+def example_targets(batch_size):
+    return torch.arange(batch_size) % 3
+def loss_fn(output, target):
+    return torch.nn.functional.cross_entropy(output, target, weight=WEIGHTS)
+"""
+
+
+def test_a_loss_holding_a_constant_tensor_writes_it_into_loss_py(model_file, compile_cli, tmp_path: Path) -> None:
+    """A class-weight table in loss_fn (a constant of the traced loss) goes into loss.py, which computes
+    the model file's loss."""
+    import importlib.util
+
+    import torch
+
+    path = model_file(WEIGHTED_LOSS.format(weights="tensor([1.0, 2.0, 0.5])"))
+    out = tmp_path / "build"
+    code, _, stderr = compile_cli(str(path), "-o", str(out), "--repeats", "1", "--verify", "-q")
+    assert code == 0, stderr
+    (loss_py,) = out.glob("regions/*/functions/*/loss.py")
+    spec = importlib.util.spec_from_file_location("generated_loss", loss_py)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loss = module.Stage()
+    loss.load_state_dict({}, strict=True)  # how a function loads it: the constant is in the source
+    output, target = torch.randn(6, 3), torch.tensor([0, 1, 2, 2, 1, 0])
+    expected = torch.nn.functional.cross_entropy(output, target, weight=torch.tensor([1.0, 2.0, 0.5]))
+    (value,) = loss(output, target)
+    torch.testing.assert_close(value, expected, rtol=0, atol=0)
+
+
+def test_a_loss_holding_a_large_constant_is_one_error(model_file, compile_cli, tmp_path: Path) -> None:
+    source = WEIGHTED_LOSS.format(weights="ones(3)").replace("WEIGHTS = ", "BIG = torch.ones(5000)\nWEIGHTS = ")
+    path = model_file(source.replace("weight=WEIGHTS)", "weight=WEIGHTS) + 0 * BIG[target].sum()"))
+    code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "b"), "--repeats", "1")
+    assert code == 2
+    assert "loss_fn uses a constant tensor of shape (5000,)" in stderr and "make it a buffer of the model" in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()

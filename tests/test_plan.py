@@ -264,6 +264,7 @@ def _catalog_with_prices(tmp_path: Path, value: str, only: tuple[str, ...] | Non
         "storage_put_per_1000",
         "storage_get_per_1000",
         "egress_per_gb",
+        "state_transition_per_1000",
     )
     text = re.sub(rf"\b({'|'.join(keys)}): [0-9.]+", rf"\g<1>: {value}", text)
     path = tmp_path / f"prices-{value}.yaml"

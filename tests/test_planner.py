@@ -335,3 +335,30 @@ def test_a_solver_answer_that_is_no_chain_of_stages_is_no_plan() -> None:
     assert not planner._tiles([choice(0, 1, 1024, 1)], 3)
     assert not planner._tiles([choice(0, 1, 1024, 1), choice(1, 2, 1024, 1)], 3)
     assert not planner._tiles([choice(0, 0, 1024, 1), choice(2, 2, 1024, 1)], 3)
+
+
+def test_a_region_frontier_keeps_within_its_total_memory() -> None:
+    """limits.max_total_memory_mb (a region's capacity): the frontier keeps the plans within it, and
+    when none is, finds the cheapest plan with fewer functions that fits (or none: the region cannot
+    train)."""
+    from cloudless.compiler.plan import plan_memory_mb, region_frontier, within_memory
+
+    checked = 0
+    for seed in range(12):
+        problem = dataclasses.replace(random_problem(seed), replicas=(1, 2, 4), max_functions=None)
+        ranges = [(0, len(problem.blocks) - 1)]
+        frontier = region_frontier(problem, ranges, 5.0)
+        if not frontier:
+            continue
+        most = max(plan_memory_mb(s.plan) for s in frontier)
+        least = min(plan_memory_mb(s.plan) for s in frontier)
+        assert within_memory(problem, ranges, frontier, most, 5.0) == frontier
+        cap = least - 1
+        assert all(plan_memory_mb(s.plan) <= cap for s in within_memory(problem, ranges, frontier, cap, 5.0))
+        # the largest plan alone over a cap only a smaller one meets: the fallback finds one that fits
+        largest = max(frontier, key=lambda s: plan_memory_mb(s.plan))
+        if plan_memory_mb(largest.plan) > least:
+            kept = within_memory(problem, ranges, [largest], least, 5.0)
+            assert kept and all(plan_memory_mb(s.plan) <= least for s in kept)
+            checked += 1
+    assert checked >= 1

@@ -31,15 +31,16 @@ from cloudless.codegen.package import (
 )
 from cloudless.codegen.platforms import (
     EVENTS_PER_DISTRIBUTED_MAP,
-    EVENTS_PER_ITERATION,
+    EVENTS_PER_ROUND,
+    EVENTS_PER_WORKER,
     LAMBDA_RETRY_ERRORS,
     S3_OBJECT_ACTIONS,
     aws_region,
-    iterations_per_execution,
     lambda_function_name,
     logical_id,
     render_region,
     render_samconfig,
+    rounds_per_execution,
     state_machine_name,
     workers,
 )
@@ -206,7 +207,11 @@ def test_stack_file_content(good_build: Path) -> None:
         f["image"]
         for f in yaml.safe_load(render_all(make_workflow())[f"regions/{EAST}/stack.yaml"])["functions"].values()
     ]
-    assert s2["environment"]["CLOUDLESS_STORAGE"] == "s3://cloudless-mlp-digits/mlp-digits"
+    # several regions: one bucket per region, the other regions' storage in CLOUDLESS_PEERS
+    assert s2["environment"]["CLOUDLESS_STORAGE"] == "s3://cloudless-mlp-digits-aws-us-east-1/mlp-digits"
+    assert json.loads(s2["environment"]["CLOUDLESS_PEERS"]) == {
+        WEST: "s3://cloudless-mlp-digits-aws-eu-west-1/mlp-digits"
+    }
     assert s2["environment"]["exec_timeout"] == "900s"
     assert s2["environment"]["read_timeout"] == s2["environment"]["write_timeout"] == "910s"
     assert s2["secrets"] == ["cloudless-storage", "cloudless-token"]
@@ -252,7 +257,8 @@ def test_beyond_openfaas_ce_the_check_warns(build: Path) -> None:
 def test_sam_template_content(good_build: Path) -> None:
     template = yaml.safe_load((good_build / "regions" / EAST / "template.yaml").read_text())
     assert template["Transform"] == "AWS::Serverless-2016-10-31"
-    assert "Parameters" not in template  # nothing to fill in at deploy: no bucket name to choose or guess
+    # nothing to fill in at deploy but, with several regions, the other regions' buckets (no name to guess)
+    assert list(template.get("Parameters", {})) == ["PeerBucketAwsEuWest1"]
     resources = template["Resources"]
     # the run's bucket: a resource of the stack, named by CloudFormation, kept when the stack goes
     bucket = resources["RunBucket"]
@@ -300,11 +306,25 @@ def test_state_machine_shape(good_build: Path) -> None:
     assert iteration["Type"] == "Map" and iteration["MaxConcurrency"] == 7
     invoke = iteration["ItemProcessor"]["States"]["Invoke"]
     assert invoke["Resource"] == "arn:aws:states:::lambda:invoke"
-    assert invoke["Parameters"]["Payload"] == {"iteration.$": "$.iteration", "replica.$": "$.replica"}
+    # Every invocation carries the run's name, attempt and time limit (a new run trains anew in the same
+    # bucket); several regions: also the region's iterations.
+    assert invoke["Parameters"]["Payload"] == {
+        "start.$": "$.start",
+        "stop.$": "$.stop",
+        "replica.$": "$.replica",
+        "run.$": "$.run",
+        "attempt.$": "$.attempt",
+        "time_limit_s.$": "$.time_limit_s",
+        "iterations.$": "$.iterations",
+    }
+    # a round's range: from the iteration to at most `span` more, clamped to the stop
+    assert iteration["ItemSelector"]["start.$"] == "$.iteration" and iteration["ItemSelector"]["stop.$"] == "$.next"
+    assert states["RangeEnd"]["Parameters"]["next.$"].startswith("States.MathAdd($.iteration, ")
     assert invoke["Retry"][0]["ErrorEquals"] == list(LAMBDA_RETRY_ERRORS)
     assert isinstance(invoke["Retry"][0]["BackoffRate"], float)
     assert invoke["Catch"][0]["ErrorEquals"] == ["States.ALL"]
-    assert states["Advance"]["Parameters"]["iteration.$"] == "States.MathAdd($.iteration, 1)"
+    # the next round starts where the workers stopped (the range's end, or where the time limit cut it)
+    assert states["Advance"]["Parameters"]["iteration.$"] == "States.ArrayGetItem($.reached, 0)"
     text = (good_build / "regions" / EAST / "statemachine.asl.json").read_text()
     assert text.endswith("}\n") and '\n  "States": {\n' in text
 
@@ -331,11 +351,11 @@ def test_names() -> None:
     assert aws_region("aws-us-east-1") == "us-east-1"
     assert aws_region("tencent-ap-guangzhou") == "tencent-ap-guangzhou"
     # a history of at most 25,000 events per execution; a Distributed Map's workers have histories of their own
-    assert iterations_per_execution(40) * (10 * 40 + 12) <= 24_000
-    assert iterations_per_execution(1) >= 1000
-    assert iterations_per_execution(41) == iterations_per_execution(10_000) == 24_000 // (10 + 12)
+    assert rounds_per_execution(40) * (EVENTS_PER_WORKER * 40 + EVENTS_PER_ROUND) <= 24_000
+    assert rounds_per_execution(1) >= 700
+    assert rounds_per_execution(41) == rounds_per_execution(10_000) == 24_000 // (10 + EVENTS_PER_ROUND)
     with pytest.raises(ValueError, match="a Step Functions Distributed Map runs at most 10000"):
-        iterations_per_execution(10_001)
+        rounds_per_execution(10_001)
     # Lambda names: at most 64 characters; a longer one keeps its start and a digest, so it stays unique
     assert lambda_function_name("mlp-digits-s0", "aws-us-east-1") == "mlp-digits-s0-aws-us-east-1"
     long_names = {lambda_function_name(f"{'a' * 60}-s{s}", "aws-ap-southeast-1") for s in range(12)}
@@ -369,7 +389,8 @@ def test_no_credentials_and_bucket_scoped_policies(good_build: Path) -> None:
             assert [list(policy) for policy in policies] == [["Statement"]], policies
             statements = policies[0]["Statement"]
             assert all(statement["Effect"] == "Allow" for statement in statements)
-            objects, listing = statements
+            objects, listing, *peers = statements  # several regions: read the peers' run prefixes
+            assert [peer["Sid"] for peer in peers] == ["PeerObjects", "PeerPrefixLookups"]
             assert objects["Action"] == list(S3_OBJECT_ACTIONS) == ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
             assert objects["Resource"] == {"Fn::Sub": "${RunBucket.Arn}/mlp-digits/*"}
             assert "Condition" not in objects
@@ -399,7 +420,7 @@ def test_the_policy_follows_the_storage_prefix() -> None:
         moved = Workflow.from_json({**workflow.to_json(), "storage": {"bucket": "b-1", "prefix": prefix}})
         template = yaml.safe_load(render_region(moved, EAST, {"sam"})[f"regions/{EAST}/template.yaml"])
         function = template["Resources"]["MlpDigitsS0Function"]["Properties"]
-        objects, listing = function["Policies"][0]["Statement"]
+        objects, listing, *_ = function["Policies"][0]["Statement"]
         assert objects["Resource"]["Fn::Sub"] == f"${{RunBucket.Arn}}/{expected}*"
         assert listing["Condition"]["StringLike"]["s3:prefix"] == f"{expected}*"
         assert function["Environment"]["Variables"]["CLOUDLESS_STORAGE"] == {"Fn::Sub": f"s3://${{RunBucket}}/{prefix}"}
@@ -759,6 +780,13 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
     region_workers = workers(workflow, EAST)
     definition = render_region(workflow, EAST, {"sam"})[f"regions/{EAST}/statemachine.asl.json"]
     config = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
+    from moto.awslambda_simple.models import LambdaSimpleBackend
+
+    def ran_its_range(self: Any, function_name: str, qualifier: Any, body: Any, *rest: Any) -> bytes:
+        """Without Docker moto runs no function code: answer as a worker that ran its range does."""
+        return json.dumps({"status": "done", "stop": json.loads(body)["stop"], "reason": ""}).encode()
+
+    monkeypatch.setattr(LambdaSimpleBackend, "invoke", ran_its_range)
     with mock_aws(config=config):
         trust = {
             "Version": "2012-10-17",
@@ -808,7 +836,7 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
             return json.loads(described["output"]), history
 
         output, history = run({"start": 0, "stop": 2})
-        assert output == {"iteration": 2, "stop": 2}
+        assert output == {"iteration": 2, "stop": 2, "run": output["run"], "attempt": 0, "time_limit_s": 870.0}
         if len(region_workers) <= 40:  # an inline Map: the invocations are the execution's own events
             invoked = [
                 json.loads(e["taskScheduledEventDetails"]["parameters"])
@@ -816,10 +844,11 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
                 if e["type"] == "TaskScheduled"
             ]
             assert sorted(
-                (p["FunctionName"], p["Payload"]["iteration"], p["Payload"]["replica"]) for p in invoked
-            ) == sorted((arns[f"{w.logical_id}Arn"], i, w.replica) for w in region_workers for i in range(2))
-            # the history budget behind iterations_per_execution holds
-            assert len(history) <= 2 * (10 * len(region_workers) + 12)
+                (p["FunctionName"], p["Payload"]["start"], p["Payload"]["stop"], p["Payload"]["replica"])
+                for p in invoked
+            ) == sorted((arns[f"{w.logical_id}Arn"], i, i + 1, w.replica) for w in region_workers for i in range(2))
+            # the history budget behind rounds_per_execution holds
+            assert len(history) <= 2 * (EVENTS_PER_WORKER * len(region_workers) + EVENTS_PER_ROUND)
         else:  # a Distributed Map: one map run per iteration, every worker a child execution, all at once
             runs = [
                 sfn.describe_map_run(mapRunArn=r["mapRunArn"])
@@ -835,12 +864,13 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
                 )
             # the parent's history does not grow with the workers
             assert not any(e["type"] == "TaskScheduled" for e in history)
-            assert len(history) <= 2 * (EVENTS_PER_DISTRIBUTED_MAP + EVENTS_PER_ITERATION) + 8
+            assert len(history) <= 2 * (EVENTS_PER_DISTRIBUTED_MAP + EVENTS_PER_ROUND) + 8
 
         output, _ = run({"stop": 1})  # start defaults to 0
-        assert output == {"iteration": 1, "stop": 1}
+        # run defaults to the execution's name, attempt to 0, the time limit to the shortest timeout - 30 s
+        assert output == {"iteration": 1, "stop": 1, "run": "run-1-None", "attempt": 0, "time_limit_s": 870.0}
         output, history = run({"start": 3, "stop": 3})  # nothing to do
-        assert output == {"iteration": 3, "stop": 3}
+        assert output == {"iteration": 3, "stop": 3, "run": "run-2-3", "attempt": 0, "time_limit_s": 870.0}
         assert not any(e["type"] == "TaskScheduled" for e in history)
 
 
@@ -860,7 +890,8 @@ def test_the_function_policy_allows_what_the_runtime_does_in_moto(monkeypatch: p
 
     def substituted(value: Any) -> Any:
         if isinstance(value, dict) and list(value) == ["Fn::Sub"]:
-            return value["Fn::Sub"].replace("${RunBucket.Arn}", "arn:aws:s3:::run-bucket")
+            text = value["Fn::Sub"].replace("${RunBucket.Arn}", "arn:aws:s3:::run-bucket")
+            return text.replace("${AWS::Partition}", "aws").replace("${PeerBucketAwsEuWest1}", "peer-bucket")
         if value == {"Fn::GetAtt": ["RunBucket", "Arn"]}:
             return "arn:aws:s3:::run-bucket"
         if isinstance(value, dict):

@@ -91,7 +91,7 @@ def spelled_keys(source: str, filename: str) -> list[str]:
 
 def test_the_scan_finds_keys_spelled_by_hand() -> None:
     """The ways the runtime used to spell keys are all caught."""
-    source = '''
+    source = """
 def f(ns, i, s, m, run, region, name, replica, start, stage, version, index):
     a = "/".join([ns, f"it{i}", "act", f"s{s}", f"mb{m}"])
     b = f"{ns}/state/s{s}/it{i}"
@@ -102,7 +102,7 @@ def f(ns, i, s, m, run, region, name, replica, start, stage, version, index):
     h = "cloudless-storage"
     k = f"module/{name}"
     return f"{ns}/it{i}/sync/s{s}" + f"/c{s}/from{replica}/p{m}"
-'''
+"""
     lines = {int(hit.split(":")[1]) for hit in spelled_keys(source, "example.py")}
     assert lines == set(range(3, 12))
 
@@ -160,7 +160,7 @@ def test_an_invocation_reads_back_what_it_writes() -> None:
 # --- (b) both sides agree, on a real run ---------------------------------------------------------
 
 #: a small model whose embedding and output layer share one weight, so two stages hold it
-TIED_MODEL = '''
+TIED_MODEL = """
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -202,7 +202,7 @@ def example_targets(batch_size):
 
 def load_shard(region, split):
     return TensorDataset(*_data(96 if split == "train" else 32))
-'''
+"""
 RUN = "proto"
 ITERATIONS = 6  # checkpoint_every is then 2
 
@@ -312,6 +312,7 @@ def key_shapes() -> dict[str, re.Pattern[str]]:
         "shared_gradient_key": protocol.shared_gradient_key(ns, n, n),
         "metrics_key": protocol.metrics_key(ns, n, n),
         "state_key": protocol.state_key(ns, n, n),
+        "latest_state_key": protocol.latest_state_key(ns, n),
         "done_key": protocol.done_key(ns, name, n, n),
         "claim_key": protocol.claim_key(ns, name, n, n, n),
         "stop_key": protocol.stop_key(ns, n),
@@ -450,8 +451,12 @@ def test_the_worker_runs_each_functions_steps_in_the_dags_order(tied_run: TiedRu
                 for replica in range(mine.replicas):
                     began = next(b for k, b, _ in spans[(mine.name, replica, i)] if k == "optimizer-step")
                     if dependency.kind == "compute":
-                        ends = [e for r in range(partner.replicas) for k, _, e in spans[(partner.name, r, i)]
-                                if k == "compute"]
+                        ends = [
+                            e
+                            for r in range(partner.replicas)
+                            for k, _, e in spans[(partner.name, r, i)]
+                            if k == "compute"
+                        ]
                     else:
                         assert dependency.kind == "scatter-reduce"
                         sync = protocol.sync_key(ns, i, partner.stage)

@@ -20,6 +20,8 @@ CASES = {
     "resnet101": ("fx", 44_549_160),
     "gpt2": ("fx", 123_751_680),
     "bert_large": ("export", 335_174_458),
+    "llama_text": ("export", 656_512),
+    "mlp_digits_geo": ("fx", 17_226),
 }
 
 

@@ -52,8 +52,11 @@ def handle(event, context):
 
 
 def handler(event, context):
-    """AWS Lambda: an exception fails the invocation, so Step Functions' Retry sees it."""
-    return handle_request(HERE, event)
+    """AWS Lambda: an exception fails the invocation, so Step Functions' Retry sees it. The answer leaves
+    out the per-iteration losses and spans (they are in the completion marker in storage): a state's
+    input and output in Step Functions are at most 256 KB."""
+    result = handle_request(HERE, event)
+    return {key: value for key, value in result.items() if key not in ("losses", "spans")}
 
 
 def _error(status, what, exc):
@@ -70,4 +73,5 @@ def _reply(status, body):
 
 if __name__ == "__main__":
     # A local invocation: python handler.py '{"iteration": 0, "replica": 0}'
-    print(json.dumps(handler(json.loads(sys.argv[1] if len(sys.argv) > 1 else "{}"), None)))
+    # (the whole result, losses and spans included: cloudless-run reads them from this line)
+    print(json.dumps(handle_request(HERE, json.loads(sys.argv[1] if len(sys.argv) > 1 else "{}"))))

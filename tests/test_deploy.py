@@ -1,0 +1,277 @@
+"""The deploy-and-train driver, offline: `cloudless-run BUILD --invoker lambda --stack NAME` against moto's
+server (a real HTTP endpoint for CloudFormation, S3 and Step Functions). The stack is created in moto with
+the generated template's Outputs (bucket, state machine, functions); moto records the executions the
+driver starts, and since moto cannot run the functions' code, a stand-in service runs each execution
+with the ASL interpreter (tests/asl.py), the generated Lambda handlers in this process, storage the
+stack's bucket on moto, and reports its status and output back to moto, where the driver reads them.
+
+The driver stages the data into the bucket, starts the executions with the run's name, attempt and time
+limit, continues where an execution stopped (a chunk of iterations each), starts a failed one again with
+the next attempt, and fetches the model: the parameters plain PyTorch trains, and a
+second run in the same bucket trains again."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region, rounds_per_execution
+from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV
+from cloudless.ir.workflow import Workflow
+from cloudless.runtimes import deploy
+from cloudless.runtimes.run import main as run_main
+from tests.asl import Execution, ExecutionFailed, InProcessLambda, ProcessLambda, substitute
+from tests.openfaas_server import load_handler
+from tests.runtime_cases import MLP, front_end, reference_training, write_packages
+
+ITERATIONS = 3
+ACCOUNT = "123456789012"
+AWS_REGION = "us-east-1"
+STACK = "mlp-digits-trial"
+CHUNK = 2  # iterations per execution here (the generated machine's is larger): the driver continues
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow, Any]:
+    result = front_end()
+    n = len(result.chain.blocks)
+    build = tmp_path_factory.mktemp("deploy") / "build"
+    workflow = write_packages(
+        result, build, [(0, 1, 2), (2, n - 1, 1)], micro_batch=8, global_batch=32, iterations=ITERATIONS
+    )
+    return build, workflow, result
+
+
+@pytest.fixture(scope="module")
+def expected_model(two_stages) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on the same samples in the same order (tests/test_invokers.py and
+    tests/test_stepfunctions.py check that the same handlers train exactly what `cloudless-run` does)."""
+    _, workflow, result = two_stages
+    return reference_training(result, workflow, workflow.regions[0].name)
+
+
+class StepFunctionsService:
+    """What moto cannot do: run the executions the driver starts. Each RUNNING execution of the machine
+    is run by the ASL interpreter in a thread; its end is written back into moto's record of it."""
+
+    def __init__(self, machine_arn: str, definition: dict[str, Any], invoke: Any, fail_first: int = 0) -> None:
+        from moto.stepfunctions.models import stepfunctions_backends
+
+        self.backend = stepfunctions_backends[ACCOUNT][AWS_REGION]
+        self.machine_arn, self.definition, self.invoke = machine_arn, definition, invoke
+        self.fail_first = fail_first  # this many executions fail at once (a worker's error, say)
+        self.ran: list[Execution] = []
+        self.handled: set[str] = set()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> StepFunctionsService:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+    def _loop(self) -> None:
+        while not self.stopped.is_set():
+            machine = self.backend.describe_state_machine(self.machine_arn)
+            for execution in list(machine.executions):
+                if execution.status == "RUNNING" and execution.execution_arn not in self.handled:
+                    self.handled.add(execution.execution_arn)
+                    threading.Thread(target=self._run, args=(execution,), daemon=True).start()
+            time.sleep(0.02)
+
+    def _run(self, record: Any) -> None:
+        execution = Execution(self.definition, json.loads(record.execution_input), self.invoke, name=record.name)
+        self.ran.append(execution)
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            record.error, record.cause, record.status = "States.TaskFailed", "injected", "FAILED"
+            record.stop_date = datetime.now(UTC)
+            return
+        try:
+            output = execution.run()
+        except ExecutionFailed as exc:
+            record.error, record.cause, record.status = exc.error, exc.cause, "FAILED"
+        else:
+            record.output, record.status = json.dumps(output), "SUCCEEDED"
+        record.stop_date = datetime.now(UTC)
+
+
+def lambda_role() -> str:
+    """A role Lambda and Step Functions may assume (moto checks that a function's role exists)."""
+    import boto3
+
+    iam = boto3.client("iam")
+    trust = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": {"Service": ["lambda.amazonaws.com", "states.amazonaws.com"]},
+                "Action": "sts:AssumeRole",
+            }
+        ],
+    }
+    try:
+        return iam.get_role(RoleName="cloudless")["Role"]["Arn"]
+    except iam.exceptions.NoSuchEntityException:
+        return iam.create_role(RoleName="cloudless", AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]
+
+
+@pytest.fixture
+def stack(
+    two_stages, moto_endpoint: str, aws_env: None, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[dict[str, str], dict[str, Any], Any]]:
+    """A stack named STACK in moto: the run's bucket, the region's state machine and the functions,
+    with the generated template's Outputs. Yields (outputs, the machine's definition, invoke)."""
+    import boto3
+
+    build, workflow, _ = two_stages
+    region = workflow.regions[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)  # every boto3 client of the driver: moto
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)  # the functions' storage channel
+    monkeypatch.setattr(deploy, "POLL_S", 0.05)
+    files = render_region(workflow, region.name, {"sam"})
+    template = yaml.safe_load(files[f"regions/{region.name}/template.yaml"])
+    names = {f.name: lambda_function_name(f.name, region.name) for f in region.functions}
+    arns = {f"{logical_id(f)}Arn": f"arn:aws:lambda:{AWS_REGION}:{ACCOUNT}:function:{n}" for f, n in names.items()}
+    text = files[f"regions/{region.name}/statemachine.asl.json"]
+    chunk = rounds_per_execution(sum(f.replicas for f in region.functions))
+    text = text.replace(f'"NumericLessThan": {chunk}', f'"NumericLessThan": {CHUNK}')
+    definition = substitute(text, arns)
+    role = lambda_role()
+    resources: dict[str, Any] = {
+        "RunBucket": {"Type": "AWS::S3::Bucket"},
+        "IterationStateMachine": {
+            "Type": "AWS::StepFunctions::StateMachine",
+            "Properties": {
+                "StateMachineName": f"{STACK}-machine",
+                "DefinitionString": json.dumps(definition),
+                "RoleArn": role,
+            },
+        },
+    }
+    for function, name in names.items():
+        resources[logical_id(function)] = {
+            "Type": "AWS::Lambda::Function",
+            "Properties": {
+                "FunctionName": name,
+                "Role": role,
+                "Runtime": "python3.12",
+                "Handler": "handler.handler",
+                "Code": {"ZipFile": "def handler(event, context):\n    return event\n"},
+            },
+        }
+    body = {"AWSTemplateFormatVersion": "2010-09-09", "Resources": resources, "Outputs": template["Outputs"]}
+    cloudformation = boto3.client("cloudformation", region_name=AWS_REGION)
+    cloudformation.create_stack(StackName=STACK, TemplateBody=json.dumps(body))
+    outputs = {
+        o["OutputKey"]: o["OutputValue"]
+        for o in cloudformation.describe_stacks(StackName=STACK)["Stacks"][0]["Outputs"]
+    }
+    monkeypatch.setenv(STORAGE_ENV, f"s3://{outputs['BucketName']}/{workflow.storage.prefix}")
+    handlers = {
+        arns[f"{logical_id(f.name)}Arn"]: load_handler(build / f.package, f"deploy_{f.name.replace('-', '_')}")
+        for f in region.functions
+    }
+    try:
+        yield outputs, definition, InProcessLambda(handlers)
+    finally:
+        cloudformation.delete_stack(StackName=STACK)
+
+
+@pytest.mark.parametrize(
+    "functions", ["in-process", pytest.param("processes", marks=pytest.mark.slow)], ids=["in-process", "processes"]
+)
+def test_the_driver_trains_on_the_stack_and_a_second_run_trains_again(
+    two_stages, expected_model, stack, functions: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`in-process`: the handlers run in the service's threads; `processes`: each invocation a cold process
+    running the package's handler.py, its storage the stack's bucket on moto over HTTP (about 2 minutes)."""
+    import boto3
+
+    build, workflow, _ = two_stages
+    torch.set_num_threads(1)
+    outputs, definition, invoke = stack
+    if functions == "processes":
+        region = workflow.regions[0]
+        packages = {
+            f"arn:aws:lambda:{AWS_REGION}:{ACCOUNT}:function:{lambda_function_name(f.name, region.name)}": build
+            / f.package
+            for f in region.functions
+        }
+        invoke = ProcessLambda(packages, {}, tmp_path / "logs")  # the environment: the deployment's (the fixture's)
+    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, invoke) as service:
+        for run_id in ("first", "second"):
+            out = tmp_path / run_id
+            argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", run_id, "--out", str(out)]
+            code = run_main([*argv, "--model", str(MLP)])
+            captured = capsys.readouterr()
+            assert code == 0, captured.err
+            assert f"iteration      {ITERATIONS}/{ITERATIONS}" in captured.out
+            model = load_file(out / "model.safetensors")
+            assert set(model) == set(expected_model)
+            for name, value in expected_model.items():
+                torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
+            metrics = json.loads((out / "metrics.json").read_text())
+            region = metrics["regions"][workflow.regions[0].name]
+            assert metrics["status"] == "done" and region["bucket"] == outputs["BucketName"]
+            # Two executions: iterations [0, 2), then [2, 3) from where the first stopped.
+            assert [e["input"] for e in region["executions"]] == [
+                {"run": run_id, "attempt": 0, "time_limit_s": 870.0, "start": 0, "stop": ITERATIONS},
+                {"run": run_id, "attempt": 0, "time_limit_s": 870.0, "start": CHUNK, "stop": ITERATIONS},
+            ]
+            assert [p["iteration"] for p in region["progress"]] == list(range(ITERATIONS))
+        # Every invocation carried its run's name, attempt and time limit, and trained (no duplicate).
+        calls = [c for e in service.ran for c in e.calls]
+        assert len(calls) == 2 * ITERATIONS * 3
+        assert {c.payload["run"] for c in calls} == {"first", "second"}
+        assert all(c.result["status"] == "done" and not c.result["duplicate"] for c in calls)
+    # The data stays in the bucket; each run's keys are gone.
+    s3 = boto3.client("s3", region_name=AWS_REGION)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=outputs["BucketName"]).get("Contents", [])]
+    assert keys and all("/data/" in k or k.split("/")[1] == "data" for k in keys), keys[:5]
+
+
+def test_a_failed_execution_is_started_again_with_the_next_attempt(
+    two_stages, expected_model, stack, tmp_path: Path
+) -> None:
+    build, workflow, _ = two_stages
+    torch.set_num_threads(1)
+    outputs, definition, invoke = stack
+    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, invoke, fail_first=1):
+        out = tmp_path / "out"
+        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "again", "--out", str(out), "-q"]
+        assert run_main([*argv, "--model", str(MLP), "--retries", "1"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    executions = metrics["regions"][workflow.regions[0].name]["executions"]
+    assert [(e["input"]["attempt"], e["input"]["start"], e["status"]) for e in executions] == [
+        (0, 0, "FAILED"),
+        (1, 0, "SUCCEEDED"),
+        (1, CHUNK, "SUCCEEDED"),
+    ]
+    model = load_file(out / "model.safetensors")
+    for name, value in expected_model.items():
+        torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stack_that_is_not_there_or_not_the_runs(two_stages, stack, tmp_path: Path, capsys) -> None:
+    build, _, _ = two_stages
+    out = tmp_path / "out"
+    assert run_main([str(build), "--invoker", "lambda", "--stack", "absent", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cloudless-run: --stack absent: ") and "does not exist" in err and err.count("\n") == 1
+    assert run_main([str(build), "--stack", STACK, "--out", str(out)]) == 2
+    assert "--stack: only with --invoker lambda, not local" in capsys.readouterr().err
