@@ -313,22 +313,16 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
             explained += " n/a: the baseline's figure is 0 (the catalog's prices or times), so there is no ratio."
         lines.append(explained)
         lines.append("")
-        rows = []
-        for b in plan.baselines:
-            if b.feasible and b.predicted is not None:
-                rows.append(
-                    [
-                        f"**{b.name}**",
-                        b.description,
-                        "yes",
-                        fmt(b.predicted.iteration_s),
-                        fmt(b.predicted.cost_usd),
-                        fmt_ratio(b.time_ratio),
-                        fmt_ratio(b.cost_ratio),
-                    ]
-                )
-            else:
-                rows.append([f"**{b.name}**", b.description, f"no: {b.reason}", "-", "-", "-", "-"])
+        rows = [
+            _baseline_row(
+                b.name,
+                b.description,
+                b.reason,
+                None if b.predicted is None or not b.feasible else (b.predicted.iteration_s, b.predicted.cost_usd),
+                (b.time_ratio, b.cost_ratio),
+            )
+            for b in plan.baselines
+        ]
         lines += _table(
             ["Baseline", "Description", "Feasible", "Time (s)", "Cost (USD)", "Time ratio", "Cost ratio"],
             rows,
@@ -424,22 +418,16 @@ def region_lines(schedule: RegionSchedule) -> list[str]:
         "Naive placements on the same cost model (ratios: this schedule over the placement; below 1× is better):",
         "",
     ]
-    baseline_rows = []
-    for b in schedule.baselines:
-        if b.feasible:
-            baseline_rows.append(
-                [
-                    f"**{b.name}**",
-                    b.description,
-                    "yes",
-                    fmt(b.training_s),
-                    fmt(b.cost_usd),
-                    fmt_ratio(b.time_ratio),
-                    fmt_ratio(b.cost_ratio),
-                ]
-            )
-        else:
-            baseline_rows.append([f"**{b.name}**", b.description, f"no: {b.reason}", "-", "-", "-", "-"])
+    baseline_rows = [
+        _baseline_row(
+            b.name,
+            b.description,
+            b.reason,
+            (b.training_s, b.cost_usd) if b.feasible and b.training_s is not None and b.cost_usd is not None else None,
+            (b.time_ratio, b.cost_ratio),
+        )
+        for b in schedule.baselines
+    ]
     lines += _table(
         ["Placement", "Description", "Feasible", "Training (s)", "Cost (USD)", "Time ratio", "Cost ratio"],
         baseline_rows,
@@ -487,6 +475,19 @@ def why_lines(plan: TrainingPlan) -> list[str]:
     ]
     bullets = [f"- **{a.label}** ({a.description}): {a.summary}." for a in plan.explanation or ()]
     return lines + (bullets or ["None: no other family of plans was possible."])
+
+
+def _baseline_row(
+    name: str,
+    description: str,
+    reason: str,
+    figures: tuple[float, float] | None,
+    ratios: tuple[float | None, float | None],
+) -> list[str]:
+    """A baseline's row: its time and cost and this plan's ratios to them, or why it is infeasible."""
+    if figures is None:
+        return [f"**{name}**", description, f"no: {reason}", "-", "-", "-", "-"]
+    return [f"**{name}**", description, "yes", fmt(figures[0]), fmt(figures[1]), *map(fmt_ratio, ratios)]
 
 
 def _deployment(workflow: Workflow) -> list[str]:

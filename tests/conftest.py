@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,3 +149,27 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         _stop(process)
+
+
+# --- a small build the invoker, Step Functions and deploy tests share ---------------------------------
+
+#: iterations of the `two_stages` build
+TWO_STAGE_ITERATIONS = 3
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    """A 2-stage build of the MLP with replicas (2, 1) (workflow, front end's result alongside), for
+    TWO_STAGE_ITERATIONS iterations. One thread: the tests run functions as threads of this process."""
+    import torch
+
+    from tests.runtime_cases import front_end, write_packages
+
+    torch.set_num_threads(1)
+    result = front_end()
+    n = len(result.chain.blocks)
+    build = tmp_path_factory.mktemp("two_stages") / "build"
+    workflow = write_packages(
+        result, build, [(0, 1, 2), (2, n - 1, 1)], micro_batch=8, global_batch=32, iterations=TWO_STAGE_ITERATIONS
+    )
+    return build, workflow, result

@@ -27,29 +27,19 @@ from safetensors.torch import load_file
 
 from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region, rounds_per_execution
 from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV
-from cloudless.ir.workflow import Workflow
 from cloudless.runtimes import deploy
 from cloudless.runtimes.run import main as run_main
 from tests.asl import Execution, ExecutionFailed, InProcessLambda, ProcessLambda, substitute
+from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.openfaas_server import load_handler
-from tests.runtime_cases import MLP, front_end, reference_training, write_packages
+from tests.runtime_cases import MLP, reference_training
+from tests.test_platforms import lambda_role
 
-ITERATIONS = 3
+ITERATIONS = TWO_STAGE_ITERATIONS  # the two_stages build's (tests/conftest.py)
 ACCOUNT = "123456789012"
 AWS_REGION = "us-east-1"
 STACK = "mlp-digits-trial"
 CHUNK = 2  # iterations per execution here (the generated machine's is larger): the driver continues
-
-
-@pytest.fixture(scope="module")
-def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow, Any]:
-    result = front_end()
-    n = len(result.chain.blocks)
-    build = tmp_path_factory.mktemp("deploy") / "build"
-    workflow = write_packages(
-        result, build, [(0, 1, 2), (2, n - 1, 1)], micro_batch=8, global_batch=32, iterations=ITERATIONS
-    )
-    return build, workflow, result
 
 
 @pytest.fixture(scope="module")
@@ -107,27 +97,6 @@ class StepFunctionsService:
         else:
             record.output, record.status = json.dumps(output), "SUCCEEDED"
         record.stop_date = datetime.now(UTC)
-
-
-def lambda_role() -> str:
-    """A role Lambda and Step Functions may assume (moto checks that a function's role exists)."""
-    import boto3
-
-    iam = boto3.client("iam")
-    trust = {
-        "Version": "2012-10-17",
-        "Statement": [
-            {
-                "Effect": "Allow",
-                "Principal": {"Service": ["lambda.amazonaws.com", "states.amazonaws.com"]},
-                "Action": "sts:AssumeRole",
-            }
-        ],
-    }
-    try:
-        return iam.get_role(RoleName="cloudless")["Role"]["Arn"]
-    except iam.exceptions.NoSuchEntityException:
-        return iam.create_role(RoleName="cloudless", AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]
 
 
 @pytest.fixture

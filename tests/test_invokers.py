@@ -25,24 +25,12 @@ from cloudless.ir.protocol import STORAGE_ENV, TOKEN_ENV, TOKEN_HEADER, TOKEN_SE
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.storage import DirectoryChannel
+from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.openfaas_server import load_handler, results, serve_gateway
-from tests.runtime_cases import MLP, front_end, reference_training, write_packages, write_training_data
+from tests.runtime_cases import MLP, reference_training, write_training_data
 
-ITERATIONS = 3
+ITERATIONS = TWO_STAGE_ITERATIONS  # the two_stages build's (tests/conftest.py)
 TOKEN = "0d9c2b7e4f6a8c1e3b5d7f9a2c4e6b8d"
-
-
-@pytest.fixture(scope="module")
-def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow, Any]:
-    """A 2-stage build of the MLP with replicas (2, 1), and the front end's result."""
-    torch.set_num_threads(1)  # the functions run as threads of this process
-    result = front_end()
-    n = len(result.chain.blocks)
-    build = tmp_path_factory.mktemp("openfaas") / "build"
-    workflow = write_packages(
-        result, build, [(0, 1, 2), (2, n - 1, 1)], micro_batch=8, global_batch=32, iterations=ITERATIONS
-    )
-    return build, workflow, result
 
 
 def handlers(build: Path, workflow: Workflow) -> dict[str, Any]:

@@ -788,18 +788,7 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
 
     monkeypatch.setattr(LambdaSimpleBackend, "invoke", ran_its_range)
     with mock_aws(config=config):
-        trust = {
-            "Version": "2012-10-17",
-            "Statement": [
-                {
-                    "Effect": "Allow",
-                    "Principal": {"Service": ["lambda.amazonaws.com", "states.amazonaws.com"]},
-                    "Action": "sts:AssumeRole",
-                }
-            ],
-        }
-        role = boto3.client("iam").create_role(RoleName="cloudless", AssumeRolePolicyDocument=json.dumps(trust))
-        role_arn = role["Role"]["Arn"]
+        role_arn = lambda_role()
         code = io.BytesIO()
         with zipfile.ZipFile(code, "w") as archive:
             archive.writestr("handler.py", "def handler(event, context):\n    return event\n")
@@ -952,3 +941,24 @@ def test_definition_over_1_mb(build: Path) -> None:
     path.write_text(json.dumps(definition))
     message = failure(build)
     assert message.startswith(f"regions/{EAST}/statemachine.asl.json: key (top level): about"), message
+
+
+def lambda_role() -> str:
+    """A role Lambda and Step Functions may assume (moto checks that a function's role exists)."""
+    import boto3
+
+    iam = boto3.client("iam")
+    trust = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": {"Service": ["lambda.amazonaws.com", "states.amazonaws.com"]},
+                "Action": "sts:AssumeRole",
+            }
+        ],
+    }
+    try:
+        return iam.get_role(RoleName="cloudless")["Role"]["Arn"]
+    except iam.exceptions.NoSuchEntityException:
+        return iam.create_role(RoleName="cloudless", AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]

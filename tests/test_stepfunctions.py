@@ -26,11 +26,12 @@ from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.staging import trained_state
 from cloudless.runtimes.storage import DirectoryChannel
 from tests.asl import Execution, ExecutionFailed, FunctionError, InProcessLambda, ProcessLambda, substitute
+from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.openfaas_server import load_handler
-from tests.runtime_cases import MLP, front_end, reference_training, write_packages, write_training_data
+from tests.runtime_cases import MLP, reference_training, write_training_data
 from tests.test_platforms import EAST, WEST, make_workflow
 
-ITERATIONS = 3
+ITERATIONS = TWO_STAGE_ITERATIONS  # the two_stages build's (tests/conftest.py)
 ACCOUNT = "123456789012"
 
 
@@ -44,18 +45,6 @@ def definition(workflow: Workflow, region: str, iteration_s: float | None = None
     text = render_region(workflow, region, {"sam"}, iteration_s=iteration_s)[f"regions/{region}/statemachine.asl.json"]
     functions = workflow.region(region).functions
     return substitute(text, {f"{logical_id(f.name)}Arn": arn(f.name, region) for f in functions})
-
-
-@pytest.fixture(scope="module")
-def two_stages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow, Any]:
-    """A 2-stage build of the MLP with replicas (2, 1), and the front end's result."""
-    result = front_end()
-    n = len(result.chain.blocks)
-    build = tmp_path_factory.mktemp("stepfunctions") / "build"
-    workflow = write_packages(
-        result, build, [(0, 1, 2), (2, n - 1, 1)], micro_batch=8, global_batch=32, iterations=ITERATIONS
-    )
-    return build, workflow, result
 
 
 def local_state(build: Path, workflow: Workflow, result: Any, tmp_path: Path) -> dict[str, torch.Tensor]:
