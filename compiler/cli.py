@@ -48,6 +48,9 @@ SLOW_STEPS = {
 }
 
 
+#: asgd-ga and model-average: iterations of the whole training between two inter-region meetings
+DEFAULT_SYNC_EVERY = 10
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="cloudless-compile",
@@ -143,10 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     planning.add_argument(
         "--sync-every",
         type=int,
-        default=10,
+        default=None,
         metavar="ITERATIONS",
         help="asgd-ga and model-average: regions meet every this many iterations of the whole training "
-        "(default 10; 2 or more: meeting every iteration is --sync sync)",
+        f"(default {DEFAULT_SYNC_EVERY}; 2 or more: meeting every iteration is --sync sync)",
     )
     planning.add_argument(
         "--objective",
@@ -246,6 +249,14 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.repeats < 0:
         console.print(f"cloudless-compile: error: --repeats {args.repeats}: expected 0 or more", markup=False)
         return 2
+    if args.sync_every is not None and args.sync == "sync":
+        console.print(
+            f"cloudless-compile: error: --sync-every {args.sync_every} with --sync sync: synchronous cross-region SGD "
+            "meets every iteration; --sync-every is for asgd-ga and model-average",
+            markup=False,
+        )
+        return 2
+    args.sync_every = DEFAULT_SYNC_EVERY if args.sync_every is None else args.sync_every
     if args.sync_every < 1:
         console.print("cloudless-compile: error: --sync-every must be at least 1", markup=False)
         return 2

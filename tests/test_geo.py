@@ -364,6 +364,11 @@ def test_sync_every_one_without_sync_sync_is_an_error(capsys: pytest.CaptureFixt
     code = main([*args, "-q"])
     assert code == 2
     assert "use --sync sync" in capsys.readouterr().err
+    # and sync meets every iteration: another interval is a mistake, not silently ignored
+    assert main([*args[:-1], "3", "--sync", "sync", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--sync-every 3 with --sync sync" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
 
 
 # --- the shipped sample, compiled: several regions deploy one bucket each, the server has its files ---------
