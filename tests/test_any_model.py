@@ -89,10 +89,11 @@ def test_a_replicated_pipeline_trains_like_plain_pytorch(model: Path, tmp_path: 
     trains_like_plain_pytorch(model, tmp_path, TRACED, MICRO_BATCH, GLOBAL_BATCH, ITERATIONS)
 
 
-#: the large samples: one iteration of two micro-batches of 2 per replica (traced at 1), to keep CI short
+#: the large samples: one iteration of two micro-batches of 2 per replica (traced at 1), to keep CI short.
+#: resnet101.py is resnet50.py's family with more blocks (the same code paths; it verifies in test_samples)
 LARGE = [
     pytest.param(SAMPLES / name, id=name.removesuffix(".py"), marks=pytest.mark.slow)
-    for name in ("gpt2.py", "bert_large.py", "resnet50.py", "resnet101.py")
+    for name in ("gpt2.py", "bert_large.py", "resnet50.py")
 ]
 
 
