@@ -253,8 +253,9 @@ def profile_warnings(chain: BlockChain, reused_from: Path | None = None) -> list
     if busy:
         reasons.append(
             f"the fastest reference matmul ({chain.machine.reference_gflops:.1f} GFLOP/s) got {s.cpu_share:.0%} of "
-            f"the CPU time its threads could use, so measured times may be up to "
-            f"{1 / max(s.cpu_share, 0.01):.1f}x this machine's"
+            f"the CPU time its threads could use, so measured times may be several times this machine's (at least "
+            f"{1 / max(s.cpu_share, 0.01):.1f}x; small operations far more: each waits for a thread that is not "
+            "running, 20x and more seen)"
         )
     if not reasons:
         return []
