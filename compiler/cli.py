@@ -51,6 +51,7 @@ SLOW_STEPS = {
 #: asgd-ga and model-average: iterations of the whole training between two inter-region meetings
 DEFAULT_SYNC_EVERY = 10
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="cloudless-compile",

@@ -380,8 +380,10 @@ def state_key(ns: str, stage: int, iteration: int) -> str:
 
 
 def latest_state_key(ns: str, stage: int) -> str:
-    """The iteration of the stage's newest checkpoint (decimal), written after it: where a retried
-    invocation resumes, found with one read however long its range."""
+    """The stage's record of its checkpoints, written after each (JSON): `latest`, the newest one's
+    iteration (where a retried invocation resumes, found with one read however long its range), and
+    `between`, the checkpoints at an invocation's range end that are not multiples of checkpoint_every
+    and not yet deleted (each is deleted once `sweep_before` passes it)."""
     return f"{ns}/state/s{stage}/latest"
 
 

@@ -279,9 +279,30 @@ class StageWorker:
             values[protocol.BASE_VERSION] = torch.tensor(self.base_version)
         return values
 
-    def save_state(self, iteration: int) -> None:
+    def save_state(self, iteration: int, start: int = 0) -> None:
+        """Checkpoint at `iteration` during an invocation that started at `start`."""
         self.channel.put(self.state_key(iteration), pack(self._state()))
-        self.channel.put(protocol.latest_state_key(self.namespace, self.stage), str(iteration).encode())
+        record = self._record()
+        between = [i for i in record.get("between", []) if isinstance(i, int) and i != iteration]
+        if iteration % self.checkpoint_every:
+            between.append(iteration)
+        # A range-end checkpoint before this invocation's start (an earlier invocation's end, which
+        # nothing resumes from now) or beyond the sweep's horizon is deleted: else a run of many short
+        # (time-limited) invocations would keep one per invocation
+        horizon = max(start, protocol.sweep_before(iteration, self.checkpoint_every))
+        old = [i for i in between if i < horizon]
+        if old:
+            self._reports.append(self._background().submit(self._delete, [self.state_key(i) for i in old]))
+        record = {"latest": iteration, "between": sorted(i for i in between if i >= horizon)}
+        self.channel.put(protocol.latest_state_key(self.namespace, self.stage), json.dumps(record).encode())
+
+    def _record(self) -> dict[str, Any]:
+        """The stage's checkpoint record (`protocol.latest_state_key`); empty when none is readable."""
+        try:
+            record = json.loads(self.channel.try_get(protocol.latest_state_key(self.namespace, self.stage)) or b"{}")
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}
 
     def load_state(self, iteration: int, timeout: float) -> None:
         if iteration == 0:
@@ -321,9 +342,8 @@ class StageWorker:
         the range (it once scanned every multiple of the range from the top down)."""
         if attempt == 0:
             return start
-        try:
-            recorded = int(self.channel.try_get(protocol.latest_state_key(self.namespace, self.stage)) or b"")
-        except ValueError:  # no record: this stage has no checkpoint in this run
+        recorded = self._record().get("latest")
+        if not isinstance(recorded, int):  # no record: this stage has no checkpoint in this run
             return start
         every = self.checkpoint_every
         below = min(recorded, stop - 1)  # the newest may lie past this range (a later range's): look below
@@ -478,11 +498,11 @@ class StageWorker:
                 if reached % self.checkpoint_every == 0:
                     if replica == 0:
                         with self._span(spans, "checkpoint"):
-                            self.save_state(reached)
+                            self.save_state(reached, start)
                     self._sweep(reached, start)
             if replica == 0 and reached % self.checkpoint_every != 0:
                 with self._span(spans, "checkpoint"):
-                    self.save_state(reached)  # where the next invocation starts
+                    self.save_state(reached, start)  # where the next invocation starts
         except Diverged as exc:
             # The first function to find out records why; every other one gives up on reading it.
             self.channel.claim(protocol.abort_key(self.namespace), exc.record.encode())

@@ -122,6 +122,29 @@ def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
     assert repeat.duplicate is True and repeat.losses == retried.losses
 
 
+def test_short_invocations_leave_no_range_end_checkpoints_behind(tmp_path: Path) -> None:
+    """Invocations cut short (time limits) each end with a checkpoint that is not a multiple of
+    checkpoint_every; once a later invocation has started past it, nobody resumes from it: deleted,
+    so storage holds the last two regular checkpoints and the last invocation's start only."""
+    result = front_end()
+    n_blocks = len(result.chain.blocks)
+    workflow = write_packages(
+        result, tmp_path / "build", [(0, n_blocks - 1, 1)], micro_batch=8, global_batch=16, iterations=6
+    )
+    region = workflow.regions[0]
+    assert workflow.run.checkpoint_every == 2
+    storage = tmp_path / "storage"
+    write_training_data(result, DirectoryChannel(storage), region.name)
+    package = tmp_path / "build" / region.functions[0].package
+    for start, stop in ((0, 3), (3, 5), (5, 6)):
+        done = StageWorker(package, DirectoryChannel(storage)).run(start, stop, 0, run="r", attempt=0)
+        assert (done.status, done.stop) == ("done", stop)
+    states = sorted(p.name for p in (storage / "r" / region.name / "state" / "s0").glob("it*"))
+    assert states == ["it4", "it5", "it6"]
+    # a retry of the last range resumes from the recorded newest checkpoint in its range
+    assert StageWorker(package, DirectoryChannel(storage)).run(5, 6, 0, run="r", attempt=1).resumed == 5
+
+
 def test_a_model_that_raises_stops_the_run_at_once_without_retries(
     pipelined, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
