@@ -384,8 +384,19 @@ def _render_template(workflow: Workflow, entry: Region, tags: Mapping[str, str])
     global_arn = None
     if server is not None and server != entry.name and len(workflow.regions) > 1:
         global_arn = f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(server)}}}/{prefix}*/{server}/global/*"
+    # Model averaging, sync: a region that stops waiting for a peer marks the peer's missing contribution
+    # and its departure in the peer's bucket (create-if-absent, protocol.LEFT_MARK), nothing else there.
+    departure_arns = []
+    contribution = {"model-average": "model-average/*/model", "sync": "it*/cross/*/sums"}.get(
+        workflow.sync.inter_region or ""
+    )
+    if contribution is not None and len(workflow.regions) > 1:
+        for peer in peers:
+            base = f"arn:${{AWS::Partition}}:s3:::${{{peer['parameter']}}}/{prefix}*/{peer['region']}"
+            departure_arns += [f"{base}/{contribution}", f"{base}/left"]
     return _ENV.get_template("template.yaml.j2").render(
         peers=peers,
+        departure_arns=departure_arns,
         peers_env=PEERS_ENV,
         peers_sub=_peers_json(workflow, entry.name, lambda peer: f"${{{peer_parameter(peer)}}}"),
         global_arn=global_arn,

@@ -51,6 +51,7 @@ from typing import Literal
 from cloudless.compiler.cost_model import MAX_ITERATION_S, MAX_ITERATION_USD, Objective, OutOfRange, Plan
 from cloudless.compiler.solver import Goal, Program, SolveStatus, solve_program
 from cloudless.ir.catalog import Link
+from cloudless.ir.workflow import whole_iterations
 
 SyncStrategy = Literal["sync", "asgd-ga", "model-average"]
 SYNC_STRATEGIES: tuple[SyncStrategy, ...] = ("sync", "asgd-ga", "model-average")
@@ -690,21 +691,3 @@ def region_shares(problem: GeoProblem, plan: GeoPlan) -> list[RegionShare]:
         RegionShare(r, samples, sources, count, round(samples / total_samples, 9))
         for (r, samples, sources), count in zip(held, counts, strict=True)
     ]
-
-
-def whole_iterations(shares: list[float], total: int, least: int) -> list[int]:
-    """Whole numbers adding up to `total`, each at least `least`, near `shares` (which add up to
-    `total`): the floors, then one more to the largest remainders; a share below `least` is raised
-    to it, taken from the largest."""
-    counts = [max(least, math.floor(x)) for x in shares]
-    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - math.floor(shares[i])), i))
-    for i in order:
-        if sum(counts) >= total:
-            break
-        counts[i] += 1
-    while sum(counts) > total:
-        above = [j for j in range(len(counts)) if counts[j] > least]
-        if not above:
-            break
-        counts[max(above, key=lambda j: (counts[j] - shares[j], counts[j], -j))] -= 1
-    return counts

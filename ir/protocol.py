@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 _V = TypeVar("_V")
-#: what a round's key holds between regions: a region's `model`, or the `result` its replica 0 got
-RoundPart = Literal["model", "result"]
+#: what a round's key holds between regions: a region's `model`, the `result` its replica 0 got, or
+#: the round's `members` (JSON {region: weight} of the models it averaged: what was applied)
+RoundPart = Literal["model", "result", "members"]
 #: ASGD-GA: a global version's `model`, its `owner` (who claimed the version) and its `push` (the
 #: `PushRecord` of the update that made it)
 GlobalPart = Literal["model", "owner", "push"]
@@ -72,6 +73,9 @@ TOKEN_ENV = "CLOUDLESS_TOKEN"
 
 #: how long a function waits for any one key unless the invocation says otherwise, seconds
 DEFAULT_KEY_TIMEOUT_S = 600.0
+#: several regions: how long a meet waits for another region's contribution before the others go on
+#: without that region (it left the run), unless the invocation says otherwise, seconds
+DEFAULT_REGION_TIMEOUT_S = 120.0
 #: the largest iteration, replica or attempt number a payload may carry (a signed 64-bit integer);
 #: beyond it a key's name (`from<start>`, `a<attempt>`) outgrows what a storage holds
 MAX_NUMBER = 2**63 - 1
@@ -89,7 +93,12 @@ class Invocation:
     attempt does nothing), `time_limit_s` (end early, where every function agrees, before this many
     seconds) and `timeout` (how long to wait for any one key). Several regions: `iterations`, the
     region's iterations in this run, and `rounds`, its inter-region syncs over them (round k ends
-    after `workflow.round_ends(iterations, rounds)[k]` iterations); default the workflow's."""
+    after `workflow.round_ends(iterations, rounds)[k]` iterations); default the workflow's. The
+    coordinator's re-plan of a region (a capacity change, a region that left) adds: `since` and
+    `first_round` (its iterations since..iterations-1 hold rounds first_round..rounds-1,
+    `workflow.round_meets`), `replicas` (per stage, where capacity shrank), `weight` (its share of a
+    round's samples) and `region_timeout` (how long a meet waits for another region before it goes on
+    without it, `left_key`)."""
 
     start: int
     stop: int
@@ -100,13 +109,31 @@ class Invocation:
     timeout: float | None = None
     iterations: int | None = None
     rounds: int | None = None
+    since: int | None = None
+    first_round: int | None = None
+    replicas: tuple[int, ...] | None = None
+    weight: float | None = None
+    region_timeout: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"start": self.start, "stop": self.stop, "replica": self.replica}
-        for name in ("run", "attempt", "time_limit_s", "timeout", "iterations", "rounds"):
+        for name in (
+            "run",
+            "attempt",
+            "time_limit_s",
+            "timeout",
+            "iterations",
+            "rounds",
+            "since",
+            "first_round",
+            "weight",
+            "region_timeout",
+        ):
             value = getattr(self, name)
             if value not in (None, ""):
                 payload[name] = value
+        if self.replicas is not None:
+            payload["replicas"] = list(self.replicas)
         return payload
 
     @classmethod
@@ -122,7 +149,7 @@ class Invocation:
             fields["replica"] = event.get("replica", 0)
         else:
             fields = {"start": event.get("start"), "stop": event.get("stop"), "replica": event.get("replica", 0)}
-        for name in ("attempt", "iterations", "rounds"):
+        for name in ("attempt", "iterations", "rounds", "since", "first_round"):
             if event.get(name) is not None:
                 fields[name] = event[name]
         for name, value in fields.items():
@@ -133,13 +160,25 @@ class Invocation:
         run = event.get("run", "")
         check_run_name(run, "run")
         numbers: dict[str, float | None] = {}
-        for name in ("time_limit_s", "timeout"):
+        for name in ("time_limit_s", "timeout", "region_timeout"):
             value = event.get(name)
             if value is not None and (
                 not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= sys.float_info.max
             ):
                 raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
             numbers[name] = None if value is None else float(value)
+        weight = event.get("weight")
+        if weight is not None and (
+            not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight <= 1
+        ):
+            raise ValueError(f"weight: expected a share in (0, 1], got {weight!r}")
+        replicas = event.get("replicas")
+        if replicas is not None and (
+            not isinstance(replicas, list)
+            or not replicas
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 for n in replicas)
+        ):
+            raise ValueError(f"replicas: expected a list of replica counts per stage (1 to 1024), got {replicas!r}")
         start = fields["start"]
         return cls(
             start=start,
@@ -151,14 +190,20 @@ class Invocation:
             timeout=numbers["timeout"],
             iterations=fields.get("iterations"),
             rounds=fields.get("rounds"),
+            since=fields.get("since"),
+            first_round=fields.get("first_round"),
+            replicas=None if replicas is None else tuple(replicas),
+            weight=None if weight is None else float(weight),
+            region_timeout=numbers["region_timeout"],
         )
 
 
 # -- what an invocation returns -------------------------------------------------------------------
 #: done: it ran its range (or up to where the time limit stopped it); duplicate: another invocation
 #: of the same attempt ran it; diverged: a loss or parameter was not finite (see `AbortRecord`);
-#: aborted: it stopped because the region's run was aborted by another function
-InvocationStatus = Literal["done", "duplicate", "diverged", "aborted"]
+#: aborted: it stopped because the region's run was aborted by another function; left: the other
+#: regions went on without this one (it missed a meet by more than the region timeout, `left_key`)
+InvocationStatus = Literal["done", "duplicate", "diverged", "aborted", "left"]
 
 
 @dataclass(frozen=True)
@@ -232,8 +277,9 @@ class AbortRecord:
     that found out; every function waiting on a key looks there now and then and gives up."""
 
     # diverged: a loss or parameter not finite; failed: the model's code raised (deterministic, so
-    # no retry can help) or the controller gave up on an invocation after its retries
-    reason: Literal["diverged", "failed"]
+    # no retry can help) or the controller gave up on an invocation after its retries; left: the other
+    # regions went on without this one (`left_key`), so it stops
+    reason: Literal["diverged", "failed", "left"]
     message: str  # one line: what, where (iteration, stage, function)
     iteration: int
     stage: int
@@ -398,8 +444,21 @@ def claim_key(ns: str, function: str, replica: int, start: int, attempt: int) ->
 
 
 def stop_key(ns: str, start: int) -> str:
-    """Where the region's invocations that started at `start` all stop (the time limit's decision)."""
+    """Where the region's invocations that started at `start` all stop: the decision of the first
+    stage's replica 0 (the leader: every other function is behind it), at its time limit or on the
+    coordinator's request (`CUT_REQUEST`), which the key holds until the leader replaces it."""
     return f"{ns}/stop/from{start}"
+
+
+#: a stop key's value written by the coordinator (a re-plan): "stop at a meet from this iteration on"
+CUT_REQUEST = b"cut:"
+
+
+def cut_request(value: bytes | None) -> int | None:
+    """The iteration a stop key's value requests (the coordinator's), or None for a decision or nothing."""
+    if value is None or not value.startswith(CUT_REQUEST):
+        return None
+    return int(value[len(CUT_REQUEST) :])
 
 
 def check_run_name(run: Any, field: str) -> None:
@@ -427,6 +486,18 @@ def round_key(ns: str, strategy: str, stage: int, round_index: int, part: RoundP
     """Between regions: a stage's `model` for a round (model averaging) or the round's `result`
     for the stage's other replicas."""
     return f"{ns}/{strategy}/s{stage}/round{round_index}/{part}"
+
+
+#: what a region's contribution to a meet (`round_key` model, `cross_key` sums) is claimed with by
+#: another region that stopped waiting for it: the region left the run at that meet
+LEFT_MARK = b"cloudless:left"
+
+
+def left_key(ns: str) -> str:
+    """A region's departure: written (JSON {"by": region, "why": ...}) in the departed region's storage by the
+    coordinator or by the first region that gave up waiting for it. From then on a meet that misses
+    its contribution claims the contribution's key with `LEFT_MARK` at once instead of waiting."""
+    return f"{ns}/left"
 
 
 def global_key(ns: str, stage: int, version: int, part: GlobalPart) -> str:
@@ -505,6 +576,9 @@ OPTIMIZER_PREFIX = "optimizer/"
 BASE_VERSION = "meta/base_version"
 #: in a round's `result` (the other replicas' copy of what replica 0 got): the global version
 ROUND_VERSION = "meta/version"
+#: in a region's contribution to a meet (its round `model`, its `sums`): its weight, the share of the
+#: samples it stands for; the meet takes the weighted mean over the contributions it has
+ROUND_WEIGHT = "meta/weight"
 #: an invocation's `storage` counts of requests to another region's storage, across the WAN, are
 #: named `wan/<region>/<kind>` (kinds as for its own storage: gets, puts, deletes, bytes_in, bytes_out)
 WAN_COUNT_PREFIX = "wan/"

@@ -9,6 +9,7 @@ its workflow through it. The file forms (YAML, the JSON Schema and the DAG check
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -48,6 +49,32 @@ def round_ends(iterations: int, rounds: int) -> tuple[int, ...]:
     if not 1 <= rounds <= iterations:
         raise ValueError(f"{rounds} rounds over {iterations} iterations: expected 1 <= rounds <= iterations")
     return tuple(((k + 1) * iterations) // rounds for k in range(rounds))
+
+
+def round_meets(end: int, rounds: int, *, since: int = 0, first_round: int = 0) -> dict[int, int]:
+    """A region's meet points: iterations done -> the index of the round that ends there. Its plan
+    since iteration `since` (0, or where the coordinator last re-planned it) spreads its iterations
+    since..end-1 over rounds `first_round`..rounds-1 as `round_ends` spreads a whole run."""
+    ends = round_ends(end - since, rounds - first_round)
+    return {since + e: first_round + k for k, e in enumerate(ends)}
+
+
+def whole_iterations(shares: list[float], total: int, least: int) -> list[int]:
+    """Whole numbers adding up to `total`, each at least `least`, near `shares` (which add up to
+    `total`): the floors, then one more to the largest remainders; a share below `least` is raised
+    to it, taken from the largest."""
+    counts = [max(least, math.floor(x)) for x in shares]
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - math.floor(shares[i])), i))
+    for i in order:
+        if sum(counts) >= total:
+            break
+        counts[i] += 1
+    while sum(counts) > total:
+        above = [j for j in range(len(counts)) if counts[j] > least]
+        if not above:
+            break
+        counts[max(above, key=lambda j: (counts[j] - shares[j], counts[j], -j))] -= 1
+    return counts
 
 
 @dataclass(frozen=True)

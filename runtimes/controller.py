@@ -48,14 +48,18 @@ from cloudless.ir.protocol import (
     MetricsReport,
 )
 from cloudless.ir.schedule import local_micro_batches
-from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow, round_ends
+from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow, round_meets
 
+from .elastic import CapacityChange, RegionFailure, check_regions, fit_replicas, share_iterations, slowdown
 from .emulation import Resources
 from .storage import Channel, KeyTimeout
 
 #: step kinds the stage workers run inside their invocations
 # Every step runs inside the functions (the sync steps too): the controller invokes ranges of iterations.
 FUNCTION_STEPS = frozenset(STEP_KINDS)
+#: a re-plan asks a region's range to stop at a meet at least this many iterations past its reported
+#: progress (its leading function stops it there or, when already past, 2 iterations on)
+CUT_LEAD = 3
 
 
 class RunError(RuntimeError):
@@ -64,6 +68,17 @@ class RunError(RuntimeError):
 
 class RunDiverged(RunError):
     """A loss or a parameter stopped being finite; the message names the iteration and the stage."""
+
+
+class RegionGone(RunError):
+    """Several regions: this region leaves the run (its invocations failed beyond their retries, the
+    others went on without it, it stopped answering, or its capacity no longer holds its pipeline);
+    the others go on. `tell`: the coordinator writes its departure (`protocol.left_key`) so that no
+    meet waits for it."""
+
+    def __init__(self, message: str, tell: bool) -> None:
+        super().__init__(message)
+        self.tell = tell
 
 
 @dataclass
@@ -497,6 +512,28 @@ class RunSettings:
     poll_s: float = 0.05
     resume: bool = False  # continue run_id from its stages' newest common checkpoint
     alive_check_s: float = 2.0  # how often the controller checks that storage still holds the run
+    # several regions: how long a meet waits for a region before going on without it
+    region_timeout_s: float = protocol.DEFAULT_REGION_TIMEOUT_S
+    capacity_changes: tuple[CapacityChange, ...] = ()
+    region_failures: tuple[RegionFailure, ...] = ()  # injected: a region stops answering
+
+
+@dataclass
+class RegionPlan:
+    """The coordinator's plan of one region: it trains until iteration `end`; since iteration `since`
+    its iterations hold rounds `first_round`.. (`workflow.round_meets`); its replicas per stage and
+    weight (share of the samples; None: the workflow's). `next`: a re-plan taking effect where its
+    range under way stops (`cut`, or earlier at a time limit). `left`: why it left ("" while it trains)."""
+
+    end: int
+    replicas: tuple[int, ...]
+    weight: float | None = None
+    since: int = 0
+    first_round: int = 0
+    next: RegionPlan | None = None
+    cut: int | None = None
+    left: str = ""
+    met: tuple[int, ...] = ()  # the meets of its earlier plans (up to `since`)
 
 
 @dataclass
@@ -538,6 +575,19 @@ class Controller:
         self.random = {
             region.name: random.Random(settings.fault_seed + index) for index, region in enumerate(workflow.regions)
         }
+        try:
+            check_regions([r.name for r in workflow.regions], settings.capacity_changes, settings.region_failures)
+        except ValueError as exc:
+            raise RunError(str(exc)) from None
+        # The coordinator: every region's plan, re-planned as capacity changes and regions leave.
+        self.lock = threading.RLock()
+        self.plans = {
+            region.name: RegionPlan(self.region_iterations(region), tuple(f.replicas for f in region.functions))
+            for region in workflow.regions
+        }
+        self.ranges: dict[str, tuple[int, int]] = {}  # the range under way per region
+        self.ends: dict[str, int] = {}  # where each region's run ended
+        self.events: list[dict[str, Any]] = []  # what the coordinator did, in order (metrics.json)
 
     def namespace(self, region: str) -> str:
         return protocol.namespace(self.settings.run_id, region)
@@ -575,10 +625,10 @@ class Controller:
             planned = max(1, round(planned * self._scale()))
         return min(planned, fewest)
 
-    def round_ends(self, region: Region) -> tuple[int, ...]:
-        """After how many iterations each of the region's rounds ends in this run (several regions)."""
-        rounds = self.rounds()
-        return () if rounds is None else round_ends(self.region_iterations(region), rounds)
+    def round_ends(self, name: str) -> tuple[int, ...]:
+        """After how many iterations each of the region's rounds ended in this run (several regions),
+        under each plan the coordinator gave it."""
+        return (*self.plans[name].met, *sorted(self.meets(name)))
 
     def asgd_pushes(self) -> list[protocol.PushRecord]:
         """ASGD-GA: every push of the run, per stage in version order, as the server's storage holds
@@ -595,14 +645,31 @@ class Controller:
                 version += 1
         return pushes
 
+    def round_members(self) -> list[dict[str, Any]]:
+        """Model averaging: what every region's every stage averaged at each of its rounds (read
+        before the clean-up): [{region, stage, round, members: {region: weight}}]."""
+        if self.workflow.sync.inter_region != "model-average" or len(self.workflow.regions) == 1:
+            return []
+        rows = []
+        for region in self.workflow.regions:
+            channel, namespace = self.storage(region.name), self.namespace(region.name)
+            for stage in range(region.stages):
+                for k in range(self.rounds() or 0):
+                    key = protocol.round_key(namespace, "model-average", stage, k, "members")
+                    data = channel.try_get(key)
+                    if data is not None:
+                        rows.append({"region": region.name, "stage": stage, "round": k, "members": json.loads(data)})
+        return rows
+
     def run(self) -> dict[str, RegionRun]:
         """Every region's range at once (each its own invocations); what happened, per region."""
         records = self.records = {region.name: RegionRun() for region in self.workflow.regions}
         errors: list[BaseException] = []
 
         def run_region(region: Region) -> None:
+            at = 0
             try:
-                at, stop = self.start_of(region), self.region_iterations(region)
+                at = self.start_of(region)
                 if at:
                     # What stopped the run must not stop the resumed one; the interrupted range's
                     # markers would make its invocations look done or duplicated.
@@ -614,10 +681,17 @@ class Controller:
                     )
                 alive = protocol.alive_key(self.namespace(region.name))
                 self.storage(region.name).put(alive, self.settings.run_id.encode())
-                while at < stop:
+                while (stop := self._next_stop(region.name, at)) is not None:
                     at = self._invoke_range(region, at, stop, records[region.name])
+                    with self.lock:
+                        self.ranges.pop(region.name, None)
+                        self._range_ended(region, at)
+            except RegionGone as exc:
+                self._leave(region.name, str(exc), tell=exc.tell)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)
+            finally:
+                self.ends[region.name] = at
 
         threads = [threading.Thread(target=run_region, args=(r,)) for r in self.workflow.regions]
         for thread in threads:
@@ -633,7 +707,193 @@ class Controller:
             raise
         if errors:
             raise errors[0]
+        if all(plan.left for plan in self.plans.values()):
+            raise RunError("every region left the run: " + "; ".join(p.left for p in self.plans.values()))
         return records
+
+    # -- the coordinator ---------------------------------------------------------------------------
+    def _next_stop(self, name: str, at: int) -> int | None:
+        """Where the region's next range stops (its end, or its next capacity change), None when it is
+        done or has left; notes the range as under way."""
+        with self.lock:
+            plan = self.plans[name]
+            if plan.left or at >= plan.end:
+                return None
+            stop = min(
+                [plan.end]
+                + [c.iteration for c in self.settings.capacity_changes if c.region == name and at < c.iteration]
+            )
+            self.ranges[name] = (at, stop)
+            return stop
+
+    def meets(self, name: str) -> dict[int, int]:
+        """The region's meet points under its plan now: iterations done -> the round ending there
+        (every iteration under `sync`; none for one region)."""
+        plan, rounds = self.plans[name], self.rounds()
+        if rounds is None:
+            return {}
+        if self.workflow.sync.inter_region == "sync":
+            return {i + 1: i for i in range(plan.end)}
+        return round_meets(plan.end, rounds, since=plan.since, first_round=plan.first_round)
+
+    def _rounds_done(self, name: str, at: int) -> int:
+        """How many of its rounds the region has met after `at` iterations (its plan now)."""
+        plan, rounds = self.plans[name], self.rounds() or 0
+        if self.workflow.sync.inter_region == "sync":
+            return min(at, rounds)
+        return plan.first_round + sum(1 for end in self.meets(name) if plan.since < end <= at)
+
+    def _range_ended(self, region: Region, at: int) -> None:
+        """The region's range stopped at `at`: adopt a re-plan waiting for it, then apply the capacity
+        changes due there (re-planning every region)."""
+        name = region.name
+        plan = self.plans[name]
+        if plan.next is not None:
+            self._adopt(name, plan.next, at)
+        for change in self.settings.capacity_changes:
+            if change.region != name or change.iteration != at or at >= self.plans[name].end:
+                continue
+            plan = self.plans[name]
+            planned = tuple(f.replicas for f in region.functions)
+            fitted = fit_replicas(planned, change.functions)
+            self._note("capacity", name, at, functions=change.functions, replicas=list(fitted or ()))
+            if fitted is None:
+                raise RegionGone(
+                    f"{name}: capacity {change.functions} function(s) from iteration {at} cannot hold its "
+                    f"{len(planned)} stage(s)",
+                    tell=True,
+                )
+            factor = slowdown(self.workflow.run.micro_batches, plan.replicas, fitted)
+            plan.replicas = fitted
+            self._replan(name, at, factor)
+
+    def _adopt(self, name: str, new: RegionPlan, at: int) -> None:
+        """Region `name`'s range stopped at `at`: its plan from there is `new` (its end at least one
+        iteration per round left; no iterations where no round is left, as nothing would apply them)."""
+        rounds = self.rounds()
+        done = self._rounds_done(name, at)
+        plan = self.plans[name]
+        plan.replicas, plan.weight, plan.next, plan.cut = new.replicas, new.weight, None, None
+        if rounds is None or self.workflow.sync.inter_region == "sync":
+            return
+        left = rounds - done
+        if left:
+            plan.met += tuple(end for end in sorted(self.meets(name)) if end <= at)
+            plan.end, plan.since, plan.first_round = max(new.end, at + left), at, done
+        else:
+            plan.end = at
+
+    def _seconds_per_iteration(self, name: str) -> float:
+        """The region's pace: the median of its last iterations' times (meets included only as the
+        median lets them), else the median over all regions, else 1."""
+        times = [p.time for p in self.records.get(name, RegionRun()).progress[-21:]]
+        steps = [b - a for a, b in zip(times[:-1], times[1:], strict=True) if b >= a]
+        if steps:
+            return max(statistics.median(steps), 1e-6)
+        others = [self._seconds_per_iteration(n) for n in self.plans if n != name and self.records.get(n)]
+        return (
+            statistics.median(others)
+            if others and any(self.records[n].progress for n in self.plans if n != name)
+            else 1.0
+        )
+
+    def _cut(self, name: str) -> int | None:
+        """Ask the region's range under way to stop at a meet a few iterations past its reported progress
+        (`protocol.CUT_REQUEST`; its leading function decides where, at that meet or later); the
+        iteration asked for, the time limit's decision if one came first, or None where no meet is left
+        before the range's end (or no range is under way)."""
+        if name not in self.ranges:
+            return None
+        start, stop = self.ranges[name]
+        progress = self.records[name].progress
+        reached = progress[-1].iteration + 1 if progress else start
+        candidates = [m for m in sorted(self.meets(name)) if reached + CUT_LEAD <= m < stop]
+        if not candidates:
+            return None
+        key = protocol.stop_key(self.namespace(name), start)
+        channel = self.storage(name)
+        if channel.claim(key, protocol.CUT_REQUEST + str(candidates[0]).encode()):
+            return candidates[0]
+        decided = channel.try_get(key)
+        if decided is None:
+            return None
+        requested = protocol.cut_request(decided)  # an earlier re-plan's request: this one takes its place
+        return requested if requested is not None else (int(decided) if int(decided) < stop else None)
+
+    def _replan(self, trigger: str | None, at: int, factor: float = 1.0) -> None:
+        """Re-solve the inter-region level from the current state: the run's iterations not yet planned
+        for good go to the regions still training, in proportion to their pace (the trigger's scaled by
+        `factor`, its new replicas), each at least one per round left. A region whose range cannot be
+        cut keeps its plan. Under `sync` every region runs every iteration: nothing moves."""
+        if self.rounds() is None or self.workflow.sync.inter_region == "sync":
+            return
+        rounds = self.rounds() or 0
+        total = sum(self.region_iterations(r) for r in self.workflow.regions)
+        committed, points, seconds, least = 0, {}, {}, {}
+        for name, plan in self.plans.items():
+            if plan.left:
+                # what it did up to its last round met
+                progress = self.records[name].progress if name in self.records else []
+                reached = progress[-1].iteration + 1 if progress else 0
+                committed += max([0, *[end for end in self.meets(name) if end <= reached]])
+                continue
+            point = at if name == trigger else self._cut(name)
+            left = rounds - self._rounds_done(name, point) if point is not None else 0
+            if point is None or left == 0:
+                committed += plan.end
+                continue
+            points[name], least[name] = point, left
+            seconds[name] = self._seconds_per_iteration(name) * (factor if name == trigger else 1.0)
+        if not points:
+            return
+        shares = share_iterations(total - committed - sum(points.values()), seconds, least)
+        planned = sum(shares.values())
+        for name, point in points.items():
+            plan = self.plans[name]
+            new = RegionPlan(point + shares[name], plan.replicas, shares[name] / planned if planned else None)
+            if name == trigger:
+                self._adopt(name, new, point)
+            else:
+                plan.next, plan.cut = new, point
+        self._note(
+            "replan",
+            trigger or "",
+            at,
+            iterations={name: point + shares[name] for name, point in points.items()},
+            seconds_per_iteration={name: round(value, 6) for name, value in seconds.items()},
+        )
+
+    def _leave(self, name: str, why: str, tell: bool) -> None:
+        """Region `name` leaves the run: record it, tell the others (unless it went silent: they find
+        out by the region timeout), and re-plan the rest."""
+        with self.lock:
+            plan = self.plans[name]
+            if plan.left:
+                return
+            plan.left = why
+            self.ranges.pop(name, None)
+            print(f"cloudless-run: {why}; the other regions go on without it", file=sys.stderr, flush=True)
+            if tell:
+                record = json.dumps({"by": "coordinator", "why": why}).encode()
+                try:
+                    self.storage(name).claim(protocol.left_key(self.namespace(name)), record)
+                except Exception as exc:  # noqa: BLE001 - its storage unreachable: the others time out
+                    print(f"cloudless-run: could not record that {name} left: {exc}", file=sys.stderr)
+            progress = self.records[name].progress if name in self.records else []
+            self._note("left", name, progress[-1].iteration + 1 if progress else 0, why=why)
+            if any(not p.left for p in self.plans.values()):
+                self._replan(None, 0)
+
+    def _watch_departures(self) -> None:
+        """A region another one stopped waiting for (its `left_key` is there) leaves the run."""
+        for name, plan in list(self.plans.items()):
+            if not plan.left and self.storage(name).exists(protocol.left_key(self.namespace(name))):
+                data = self.storage(name).try_get(protocol.left_key(self.namespace(name))) or b"{}"
+                why = str(json.loads(data).get("why", "it missed a meet"))
+                self._leave(name, f"{name} left the run: {why}", tell=False)
+
+    def _note(self, event: str, region: str, iteration: int, **details: Any) -> None:
+        self.events.append({"event": event, "region": region, "iteration": iteration, "time": time.time(), **details})
 
     def start_of(self, region: Region) -> int:
         """Where the region's run starts: 0, or resuming, the newest iteration at which every stage
@@ -656,6 +916,9 @@ class Controller:
     def _event(self, function: Function, replica: int, start: int, stop: int, attempt: int) -> protocol.Invocation:
         limit = self.settings.time_limit_s or max(1.0, function.timeout_s - 30.0)
         region = next((r for r, f in self.workflow.functions() if f.package == function.package), None)
+        several = region is not None and len(self.workflow.regions) > 1
+        plan = self.plans[region.name] if region is not None else None
+        planned = tuple(f.replicas for f in region.functions) if region is not None else ()
         return protocol.Invocation(
             start=start,
             stop=stop,
@@ -664,9 +927,15 @@ class Controller:
             attempt=attempt,
             time_limit_s=float(limit),
             timeout=float(self.settings.key_timeout_s),
-            # several regions: the region's iterations and rounds in this run (its meet points)
-            iterations=self.region_iterations(region) if region is not None and self.rounds() else None,
+            # several regions: the region's iterations and rounds in this run (its meet points), and
+            # what the coordinator re-planned
+            iterations=plan.end if plan is not None and self.rounds() else None,
             rounds=self.rounds(),
+            since=plan.since if plan is not None and plan.since else None,
+            first_round=plan.first_round if plan is not None and plan.first_round else None,
+            replicas=plan.replicas if plan is not None and plan.replicas != planned else None,
+            weight=plan.weight if plan is not None else None,
+            region_timeout=float(self.settings.region_timeout_s) if several else None,
         )
 
     def _launch(self, function: Function, replica: int, start: int, stop: int, attempt: int) -> tuple:
@@ -680,7 +949,12 @@ class Controller:
 
     def _invoke_range(self, region: Region, start: int, stop: int, record: RegionRun) -> int:
         """Invoke every replica of every function for start..stop-1; returns where they stopped."""
-        pending = {(f.name, r): self._launch(f, r, start, stop, 0) for f in region.functions for r in range(f.replicas)}
+        replicas = self.plans[region.name].replicas
+        pending = {
+            (f.name, r): self._launch(f, r, start, stop, 0)
+            for f, count in zip(region.functions, replicas, strict=True)
+            for r in range(count)
+        }
         kills = self._plan_faults(self.random[region.name], list(pending), start, stop)
         attempts = dict.fromkeys(pending, 0)  # the last attempt of each, for the clean-up
         try:
@@ -724,6 +998,8 @@ class Controller:
                         # Functions the invoker cannot kill (remote) find this and stop waiting.
                         abort = protocol.abort_key(self.namespace(region.name))
                         self.storage(region.name).claim(abort, record_.encode())
+                        if len(self.workflow.regions) > 1:  # the region leaves; the others go on
+                            raise RegionGone(f"{region.name} failed: {record_.message}", tell=True) from exc
                         raise RunError(record_.message) from exc
                     record.retries += 1
                     attempts[key] = invocation.attempt + 1
@@ -736,6 +1012,9 @@ class Controller:
                 del pending[key]
                 record.results.append(result)
                 record.invocations.append(self._summary(invocation, result.status, result.reason))
+                recorded = self._abort_record(region.name) if result.status in ("left", "aborted") else None
+                if result.status == "left" or (recorded is not None and recorded.reason == "left"):
+                    raise RegionGone(recorded.message if recorded is not None else result.reason, tell=False)
                 if result.status in ("diverged", "aborted"):  # the others find the abort record
                     raise RunDiverged(self._abort_message(region.name, result))
                 stopped.append(result.stop)
@@ -743,7 +1022,18 @@ class Controller:
             now = time.time()
             if now - last_look > self.settings.alive_check_s:
                 self._check_alive(region, next_iteration)
+                if len(self.workflow.regions) > 1:
+                    with self.lock:
+                        self._watch_departures()
+                    if self.plans[region.name].left:
+                        raise RegionGone(self.plans[region.name].left, tell=False)
                 last_look = now
+            for failure in self.settings.region_failures:
+                if failure.region == region.name and start <= failure.iteration <= next_iteration:
+                    for _, handle in pending.values():
+                        handle.kill()
+                    # It says nothing: the other regions find out by the region timeout.
+                    raise RegionGone(f"{region.name} stopped answering at iteration {failure.iteration}", tell=False)
             for key, when in list(kills.items()):
                 victim = pending[key][1] if key in pending else None
                 if victim is not None and self._due(when, next_iteration, now, record, range_began):
@@ -815,14 +1105,16 @@ class Controller:
         namespace = self.namespace(region)
         while iteration < stop:
             reports = []
-            for replica in range(last.replicas):
+            for replica in range(self.plans[region].replicas[-1]):
                 key = protocol.metrics_key(namespace, iteration, replica)
                 data = self.storage(region).try_get(key)
                 if data is None and wait:
                     try:
                         data = self.storage(region).get(key, timeout=2.0)
                     except KeyTimeout:
-                        data = self._report_from_results(last, replica, iteration, record)
+                        data = self._report_from_results(
+                            last, replica, iteration, record, self.plans[region].replicas[-1]
+                        )
                 if data is None:
                     return iteration
                 reports.append(MetricsReport.decode(data))
@@ -834,8 +1126,10 @@ class Controller:
             iteration += 1
         return iteration
 
-    def _report_from_results(self, last: Function, replica: int, iteration: int, record: RegionRun) -> bytes:
-        per_iteration = len(local_micro_batches(self.workflow.run.micro_batches, last.replicas, replica))
+    def _report_from_results(
+        self, last: Function, replica: int, iteration: int, record: RegionRun, replicas: int
+    ) -> bytes:
+        per_iteration = len(local_micro_batches(self.workflow.run.micro_batches, replicas, replica))
         when = record.progress[-1].time if record.progress else time.time()
         for result in reversed(record.results):
             if result.function == last.name and result.replica == replica:

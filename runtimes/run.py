@@ -50,6 +50,7 @@ from .controller import (
 )
 from .cost import data_moves, measured_cost
 from .data import data_name
+from .elastic import CapacityChange, RegionFailure, check_regions
 from .emulation import EmulatedChannel, Resources
 from .staging import DataError, describe_staged, evaluate, model_file_state, stage_data, trained_state
 from .storage import Channel, open_channel
@@ -122,6 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="kill this share (0-1) of invocations at random points; they are retried",
     )
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
+    parser.add_argument(
+        "--capacity-change",
+        action="append",
+        metavar="REGION@ITERATION=FUNCTIONS",
+        help="several regions: from its iteration ITERATION, REGION runs at most FUNCTIONS functions at once; "
+        "the coordinator fits its replicas (or, when its stages do not fit, the region leaves) and re-plans "
+        "every region's remaining iterations (repeatable)",
+    )
+    parser.add_argument(
+        "--fail-region",
+        action="append",
+        metavar="REGION@ITERATION",
+        help="several regions, fault injection: REGION stops answering at its iteration ITERATION; the others "
+        "go on without it after the region timeout (repeatable)",
+    )
+    parser.add_argument(
+        "--region-timeout",
+        type=float,
+        metavar="S",
+        help="several regions: how long a meet waits for another region before going on without it "
+        f"(default {protocol.DEFAULT_REGION_TIMEOUT_S:g} s)",
+    )
     parser.add_argument(
         "--time-limit", type=float, metavar="S", help="end each invocation before S seconds (default: timeout - 30 s)"
     )
@@ -328,9 +351,9 @@ def final_model(
     SGD every region holds the same model; under ASGD-GA each stage's newest global version is the
     model, and the region that wrote it last holds it. `channel`: the storage, or per region its own."""
     storage_of = channel if callable(channel) else lambda region: channel
-    regions = workflow.regions
+    regions = [region for region in workflow.regions if region.name in iterations]  # those that stayed
     stages = regions[0].stages
-    if len(regions) == 1 or workflow.sync.inter_region != "asgd-ga":
+    if len(workflow.regions) == 1 or workflow.sync.inter_region != "asgd-ga":
         name = regions[0].name
         return trained_state(storage_of(name), protocol.namespace(run_id, name), stages, iterations[name])
     state: dict[str, torch.Tensor] = {}
@@ -382,6 +405,7 @@ def _main(argv: Sequence[str] | None) -> int:
     for option, number, what in (
         ("--time-limit", args.time_limit, "a positive number of seconds"),
         ("--key-timeout", args.key_timeout, "a positive number of seconds"),
+        ("--region-timeout", args.region_timeout, "a positive number of seconds"),
         ("--bandwidth", args.bandwidth, "a positive number of megabytes per second"),
     ):
         if number is not None and not (math.isfinite(number) and number > 0):
@@ -390,6 +414,16 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(f"--latency-ms {args.latency_ms}: expected a number of milliseconds, 0 or more")
     if not 0 <= args.inject_faults < 1:
         return fail(f"--inject-faults {args.inject_faults}: expected a share in [0, 1)")
+    try:
+        changes = tuple(CapacityChange.parse(text) for text in args.capacity_change or ())
+        failures = tuple(RegionFailure.parse(text) for text in args.fail_region or ())
+        check_regions([r.name for r in workflow.regions], changes, failures)
+    except ValueError as exc:
+        return fail(str(exc))
+    if args.region_timeout and len(workflow.regions) == 1:
+        return fail("--region-timeout needs a workflow of several regions")
+    if (changes or failures) and args.resume:
+        return fail("--resume cannot replay --capacity-change or --fail-region: start the run again")
     for option, name in (("--run-id", args.run_id), ("--resume", args.resume)):
         try:
             if name is not None:
@@ -468,6 +502,9 @@ def _train(
         retries=args.retries,
         fault_rate=args.inject_faults,
         fault_seed=args.fault_seed,
+        region_timeout_s=args.region_timeout or protocol.DEFAULT_REGION_TIMEOUT_S,
+        capacity_changes=tuple(CapacityChange.parse(text) for text in args.capacity_change or ()),
+        region_failures=tuple(RegionFailure.parse(text) for text in args.fail_region or ()),
     )
     namespace = protocol.namespace(run_id, region)
     invoker: Invoker
@@ -494,6 +531,7 @@ def _train(
         last_print = last_prints[progress.region]
         if not last_print:
             last_print[:] = [progress.time, done]
+        totals[progress.region] = controller.plans[progress.region].end  # re-planned as the run goes
         if args.quiet or (done % every and done != totals[progress.region]):
             return
         rate = ""
@@ -540,8 +578,9 @@ def _train(
         failure, records = exc, controller.records
     seconds = time.time() - began
     test = None
+    stayed = {name: at for name, at in controller.ends.items() if not controller.plans[name].left} or totals
     if failure is None:
-        state = final_model(controller.storage, workflow, run_id, totals)
+        state = final_model(controller.storage, workflow, run_id, stayed)
         keyed, unused = model_file_state(build, state)
         save_file(keyed, str(out / "model.safetensors"))
         if unused and not args.quiet:
@@ -557,9 +596,14 @@ def _train(
         metrics["inter_region"] = workflow.sync.inter_region
         metrics["regions"] = {
             name: {k: v for k, v in summarise(r, workflow, settings, seconds, None).items() if k != "test"}
-            | {"iterations": totals[name], "round_ends": list(controller.round_ends(workflow.region(name)))}
+            | {"iterations": controller.ends.get(name, totals[name]), "round_ends": list(controller.round_ends(name))}
+            | ({"left": controller.plans[name].left} if controller.plans[name].left else {})
             for name, r in records.items()
         }
+        if controller.events:
+            metrics["elastic"] = controller.events
+        if workflow.sync.inter_region == "model-average":
+            metrics["rounds"] = controller.round_members()
         metrics["storage"] = {name: shown(where) for name, where in locations.items()}
         metrics["wan_emulated"] = bool(args.emulate)
         requests = {
@@ -592,7 +636,11 @@ def _train(
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
         return 1
-    trained = " + ".join(f"{totals[name]} ({name})" for name in records) if len(records) > 1 else str(iterations)
+    trained = (
+        " + ".join(f"{controller.ends.get(name, totals[name])} ({name})" for name in records)
+        if len(records) > 1
+        else str(iterations)
+    )
     line = f"trained {trained} iterations in {seconds:.1f} s"
     if metrics["samples_per_s"]:
         line += f" ({metrics['samples_per_s']:,.0f} samples/s, {metrics['median_iteration_s'] * 1000:.1f} ms/iteration)"

@@ -46,8 +46,11 @@ from safetensors.torch import load_file
 from cloudless.ir import protocol
 from cloudless.ir.protocol import (
     DEFAULT_KEY_TIMEOUT_S,
+    DEFAULT_REGION_TIMEOUT_S,
     EMULATE_ENV,
+    LEFT_MARK,
     PEERS_ENV,
+    ROUND_WEIGHT,
     STORAGE_ENV,
     AbortRecord,
     CorruptBlob,
@@ -57,11 +60,11 @@ from cloudless.ir.protocol import (
     PushRecord,
 )
 from cloudless.ir.schedule import compute_order, local_micro_batches, one_f_one_b_windows, sample_indices
-from cloudless.ir.workflow import SYNC_STEP_KIND, Function, StepKind, Workflow, round_ends
+from cloudless.ir.workflow import SYNC_STEP_KIND, Function, StepKind, Workflow, round_meets
 
 from .data import SplitReader, data_name
 from .emulation import CpuShare, EmulatedChannel, Resources, wan_channel, wan_link
-from .storage import Channel, open_channel
+from .storage import Channel, KeyTimeout, open_channel
 from .sync import scatter_reduce
 from .tensors import pack, unpack
 
@@ -113,6 +116,15 @@ def _where(exc: BaseException) -> str:
 
 class Aborted(RuntimeError):
     """Another function aborted the region's run; this one gives up waiting."""
+
+    def __init__(self, record: AbortRecord) -> None:
+        super().__init__(record.message)
+        self.record = record
+
+
+class RegionLeft(RuntimeError):
+    """The other regions went on without this one: a region that waited for its contribution to a
+    meet longer than the region timeout claimed it (`protocol.LEFT_MARK`). The region stops."""
 
     def __init__(self, record: AbortRecord) -> None:
         super().__init__(record.message)
@@ -232,6 +244,10 @@ class StageWorker:
         # Every region and its weight, in region order: its share of a round's samples (model
         # averaging, ASGD-GA) or of an iteration's (sync); equal shares where the plan gives none
         self.peers = [(r.name, float(r.weight or 1.0 / len(workflow.regions))) for r in workflow.regions]
+        self.weight = dict(self.peers)[self.region]  # this invocation's (the coordinator may re-plan it)
+        self.region_timeout = DEFAULT_REGION_TIMEOUT_S
+        self.planned_replicas = [f.replicas for f in functions]
+        self.departed: set[str] = set()  # regions this worker has seen leave (they contribute no more)
         self.server: str | None = self.sync.server
         # Other regions' storage, across the WAN (unnamed: the peer's keys are in this storage)
         emulate_wan = bool(resources and resources.wan)
@@ -320,15 +336,23 @@ class StageWorker:
                 name, field = key.removeprefix(protocol.OPTIMIZER_PREFIX).rsplit("/", 1)
                 self.optimizer.state[params[name]][field] = value
 
-    def _meets(self, iterations: int | None, rounds: int | None) -> dict[int, int]:
+    def _meets(self, iterations: int | None, rounds: int | None, since: int, first_round: int) -> dict[int, int]:
         """Model averaging and ASGD-GA: after how many iterations each round ends -> its index, from
-        the region's iterations in this run and its rounds (the invocation's, else the plan's)."""
+        the region's iterations in this run and its rounds (the invocation's, else the plan's), since
+        the coordinator's last re-plan of it (`round_meets`)."""
         if self.inter_region not in ("model-average", "asgd-ga"):
             return {}
         total, count = iterations or self.planned[0], rounds or self.planned[1]
         if total is None or count is None:
             raise ValueError(f"{self.function.name}: several regions, but no iterations or rounds are planned")
-        return {end: k for k, end in enumerate(round_ends(total, min(count, total)))}
+        if since or first_round:
+            if not (since < total and first_round < count and count - first_round <= total - since):
+                raise ValueError(
+                    f"since {since}, first_round {first_round}: rounds {first_round}..{count - 1} do not fit "
+                    f"in iterations {since}..{total - 1}"
+                )
+            return round_meets(total, count, since=since, first_round=first_round)
+        return round_meets(total, min(count, total))
 
     #: how many checkpoints past the newest one recorded a retried invocation also looks for (the record
     #: is written after its checkpoint: a crash between the two leaves it one behind)
@@ -441,18 +465,32 @@ class StageWorker:
         attempt: int | None = None,
         iterations: int | None = None,
         rounds: int | None = None,
+        since: int | None = None,
+        first_round: int | None = None,
+        replicas: tuple[int, ...] | None = None,
+        weight: float | None = None,
+        region_timeout: float | None = None,
     ) -> InvocationResult:
         """Iterations start..stop-1 as `replica`, ending early (at the iteration every function of the
-        region agrees on) when `time_limit_s` would be passed. The result says where it stopped."""
+        region agrees on) when `time_limit_s` would be passed. The result says where it stopped.
+        The rest is the coordinator's plan of the region (`protocol.Invocation`)."""
+        counts = list(replicas) if replicas is not None else self.planned_replicas
+        if len(counts) != self.stages:
+            raise ValueError(f"replicas: {len(counts)} counts for the region's {self.stages} stages")
+        self.replicas = counts[self.stage]
+        self.window = one_f_one_b_windows(counts)[self.stage]
+        self.weight = weight if weight is not None else dict(self.peers)[self.region]
+        self.region_timeout = region_timeout or DEFAULT_REGION_TIMEOUT_S
         if not 0 <= replica < self.replicas:
             raise ValueError(f"replica {replica}: {self.function.name} has replicas 0..{self.replicas - 1}")
         if not 0 <= start < stop:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
-        self.meets = self._meets(iterations, rounds)
+        self.meets = self._meets(iterations, rounds, since or 0, first_round or 0)
         began, wall = time.monotonic(), time.time()
         self.namespace = protocol.namespace(run, self.region)
         if self.channel.namespace != self.namespace:
             self.channel.written.clear()  # another run's keys: not this invocation's to sweep
+            self.departed.clear()
         self.channel.namespace = self.namespace
         self.replica = replica
         done_key = protocol.done_key(self.namespace, self.function.name, replica, start)
@@ -480,13 +518,21 @@ class StageWorker:
         try:
             for iteration in range(resume, stop):
                 if time_limit_s is not None:
-                    elapsed = time.monotonic() - began
-                    if self.first and replica == 0 and not decided and iteration + 2 < stop:
-                        if elapsed + 3 * longest > time_limit_s:
-                            self.channel.claim(stop_key, str(iteration + 2).encode())
-                            decided = True
                     lookup = lookups.pop(iteration, None)
                     found = lookup.result() if lookup is not None else self.channel.try_get(stop_key)
+                    requested = protocol.cut_request(found)  # the coordinator's, for the leader to decide
+                    if requested is not None:
+                        found = None
+                    if self.first and replica == 0 and not decided and iteration + 2 < stop:
+                        # The leader decides, 2 iterations ahead: every other function is behind it.
+                        wanted = None
+                        if requested is not None:
+                            wanted = max(requested, iteration + 2)
+                        elif time.monotonic() - began + 3 * longest > time_limit_s:
+                            wanted = iteration + 2
+                        if wanted is not None:
+                            self._decide_stop(stop_key, wanted)
+                            decided = True
                     if found is not None and int(found) <= iteration:
                         break
                 tick = time.monotonic()
@@ -512,6 +558,9 @@ class StageWorker:
             # invocation fails, as a platform expects of a function that raised.
             self.channel.claim(protocol.abort_key(self.namespace), exc.record.encode())
             raise
+        except RegionLeft as exc:
+            self.channel.claim(protocol.abort_key(self.namespace), exc.record.encode())  # its partners stop
+            status, reason = "left", str(exc)
         except Aborted as exc:
             status, reason = "aborted", str(exc)
         finally:
@@ -538,6 +587,15 @@ class StageWorker:
         )
         self.channel.put(done_key, result.encode())
         return result
+
+    def _decide_stop(self, key: str, iteration: int) -> None:
+        """The leader's stop decision for the range: written unless one is there already (an earlier
+        attempt's, which others may have acted on); it replaces a coordinator's request."""
+        value = str(iteration).encode()
+        if not self.channel.claim(key, value):
+            current = self.channel.try_get(key)
+            if current is None or protocol.cut_request(current) is not None:
+                self.channel.put(key, value)
 
     def _counts(self) -> dict[str, int]:
         """Requests and bytes so far: to this region's storage, and (`wan/<region>/<kind>`) to each
@@ -674,15 +732,20 @@ class StageWorker:
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                 + [b.reshape(-1) for b in buffers]
             )
-            self.channel.put(protocol.cross_key(self.namespace, iteration, self.stage, "sums"), pack({"flat": flat}))
-            total = torch.zeros_like(flat)
-            for region, weight in self.peers:
+            weight = torch.tensor(self.weight, dtype=torch.float64)
+            own = protocol.cross_key(self.namespace, iteration, self.stage, "sums")
+            self._contribute(own, pack({"flat": flat, ROUND_WEIGHT: weight}), iteration)
+            parts: list[tuple[float, dict[str, torch.Tensor]]] = []
+            for region, _ in self.peers:
                 if region == self.region:
-                    theirs = flat
-                else:
-                    key = protocol.cross_key(self._peer_namespace(region), iteration, self.stage, "sums")
-                    theirs = unpack(self._peer_get(region, key, timeout))["flat"]
-                total = total + weight * theirs
+                    parts.append((self.weight, {"flat": flat}))
+                    continue
+                key = protocol.cross_key(self._peer_namespace(region), iteration, self.stage, "sums")
+                data = self._contribution(region, key, timeout)
+                if data is not None:
+                    theirs = unpack(data)
+                    parts.append((float(theirs.pop(ROUND_WEIGHT)), theirs))
+            total = weighted_mean(parts)["flat"]
             if self.replicas > 1:
                 self.channel.put(result_key, pack({"flat": total}))
         offset = 0
@@ -713,20 +776,78 @@ class StageWorker:
             self.channel.put(result_key, pack({**merged, **extra}))
 
     def _model_average(self, round_index: int, timeout: float) -> dict[str, torch.Tensor]:
-        """Every region writes its model for the round in its own storage, reads the others' from
-        theirs and takes the mean weighted by the samples of their rounds, in region order (so every
-        region gets the same bits)."""
+        """Every region writes its model for the round (with its weight, its share of the round's
+        samples) in its own storage, reads the others' from theirs and takes the weighted mean, in
+        region order (so every region gets the same bits). A region missing from the meet longer than
+        the region timeout is left out (`_contribution`); the mean is then over those present. What
+        was averaged is recorded beside the model (`members`)."""
         mine = self._model()
-        self.channel.put(self._round_key(self.region, round_index, "model"), pack(mine))
-        total: dict[str, torch.Tensor] = {}
-        for region, weight in self.peers:
+        weight = torch.tensor(self.weight, dtype=torch.float64)
+        self._contribute(
+            self._round_key(self.region, round_index, "model"), pack({**mine, ROUND_WEIGHT: weight}), round_index
+        )
+        parts: list[tuple[float, dict[str, torch.Tensor]]] = []
+        members: dict[str, float] = {}
+        for region, _ in self.peers:
             if region == self.region:
-                theirs = mine
-            else:
-                theirs = unpack(self._peer_get(region, self._round_key(region, round_index, "model"), timeout))
-            for name, value in theirs.items():
-                total[name] = total[name] + weight * value if name in total else weight * value
+                parts.append((self.weight, mine))
+                members[region] = self.weight
+                continue
+            data = self._contribution(region, self._round_key(region, round_index, "model"), timeout)
+            if data is not None:
+                theirs = unpack(data)
+                members[region] = float(theirs.pop(ROUND_WEIGHT))
+                parts.append((members[region], theirs))
+        self.channel.put(self._round_key(self.region, round_index, "members"), json.dumps(members).encode())
+        total = weighted_mean(parts)
         return {name: value.to(mine[name].dtype) for name, value in total.items()}
+
+    def _contribute(self, key: str, data: bytes, step: int) -> None:
+        """Write this region's contribution to a meet, create-if-absent: a region that stopped waiting
+        for it may have claimed the key first (`protocol.LEFT_MARK`), and then this region has left
+        the run (RegionLeft). A retry finds its own earlier write (the same bytes) and goes on."""
+        if self.channel.claim(key, data) or self.channel.try_get(key) != LEFT_MARK:
+            return
+        message = (
+            f"region {self.region} left the run at meet {step} (stage {self.stage}): the other regions "
+            f"went on without it after waiting {self.region_timeout:g} s"
+        )
+        raise RegionLeft(AbortRecord("left", message, step, self.stage, self.function.name))
+
+    def _contribution(self, region: str, key: str, timeout: float) -> bytes | None:
+        """Another region's contribution to a meet, or None if that region left the run. Waits up to the
+        region timeout, then claims the key with LEFT_MARK (create-if-absent: if the region's own write
+        wins, it counts; either way every region that reads the key agrees), and records the departure
+        (`left_key`), after which a missing contribution of that region is marked at once."""
+        if region in self.departed:
+            return None
+        storage = self._storage_of(region)
+        left = protocol.left_key(self._peer_namespace(region))
+        began = time.monotonic()
+        checked = began - 1.0
+        wait = storage.poll_s
+        while True:
+            data = storage.try_get(key)
+            if data is not None:
+                if data == LEFT_MARK:
+                    self.departed.add(region)
+                    return None
+                return data
+            now = time.monotonic()
+            if now >= began + self.region_timeout or (now - checked >= 1.0 and storage.exists(left)):
+                if storage.claim(key, LEFT_MARK):
+                    why = f"{region} missed meet of {key.rsplit('/', 2)[-2]} by {now - began:.0f} s"
+                    storage.claim(left, json.dumps({"by": self.region, "why": why}).encode())
+                    self.departed.add(region)
+                    return None
+                continue  # its contribution (or another region's mark) landed meanwhile: read it
+            if now >= began + timeout:
+                raise KeyTimeout(f"{storage.describe(key)} did not appear within {timeout:g} s")
+            if now - checked >= 1.0:
+                checked = now
+                self.channel.check_abort()
+            time.sleep(wait)
+            wait = min(wait * 2, storage.max_poll_s)
 
     def _global_key(self, version: int, part: GlobalPart) -> str:
         assert self.server is not None
@@ -756,7 +877,7 @@ class StageWorker:
         the region's model, each cost accuracy on the geo sample, where a region pushing fewer, longer
         rounds is stale by construction), and reported as such (`PushRecord.rebased`)."""
         mine = self._model()
-        weight = dict(self.peers)[self.region]
+        weight = self.weight
         bound = self.sync.staleness_bound
         rebased = bound is not None and staleness > bound
         merged = {name: previous[name] + weight * (mine[name] - base[name]) for name in mine}
@@ -936,6 +1057,19 @@ class StageWorker:
                 by_name[name].grad = total_grad
 
 
+def weighted_mean(parts: list[tuple[float, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Sum of weight x values over `parts` in their order, divided by the weights' sum unless that is
+    1 (a region left, or the regions' plans changed at different meets)."""
+    total: dict[str, torch.Tensor] = {}
+    for weight, values in parts:
+        for name, value in values.items():
+            total[name] = total[name] + weight * value if name in total else weight * value
+    weights = math.fsum(weight for weight, _ in parts)
+    if abs(weights - 1.0) > 1e-9:
+        total = {name: value / weights for name, value in total.items()}
+    return total
+
+
 def span_step(name: str, replicas: int) -> StepKind | None:
     """The workflow step (`Step.kind`) whose work a span of a worker's result times, for a function
     of `replicas` replicas; None for work outside an iteration's steps (loading state). The `sync`
@@ -1019,6 +1153,11 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
             attempt=invocation.attempt,
             iterations=invocation.iterations,
             rounds=invocation.rounds,
+            since=invocation.since,
+            first_round=invocation.first_round,
+            replicas=invocation.replicas,
+            weight=invocation.weight,
+            region_timeout=invocation.region_timeout,
         ).to_json()
     finally:
         with _IDLE_LOCK:

@@ -389,8 +389,11 @@ def test_no_credentials_and_bucket_scoped_policies(good_build: Path) -> None:
             assert [list(policy) for policy in policies] == [["Statement"]], policies
             statements = policies[0]["Statement"]
             assert all(statement["Effect"] == "Allow" for statement in statements)
-            objects, listing, *peers = statements  # several regions: read the peers' run prefixes
-            assert [peer["Sid"] for peer in peers] == ["PeerObjects", "PeerPrefixLookups"]
+            # several regions: read the peers' run prefixes, and mark a peer's missed meet there
+            objects, listing, *peers = statements
+            assert [peer["Sid"] for peer in peers] == ["PeerObjects", "PeerPrefixLookups", "DepartureMarks"]
+            marks = peers[2]["Resource"]
+            assert all(m["Fn::Sub"].endswith(("/left", "/model-average/*/model")) for m in marks), marks
             assert objects["Action"] == list(S3_OBJECT_ACTIONS) == ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
             assert objects["Resource"] == {"Fn::Sub": "${RunBucket.Arn}/mlp-digits/*"}
             assert "Condition" not in objects
