@@ -73,8 +73,9 @@ TOKEN_ENV = "CLOUDLESS_TOKEN"
 
 #: how long a function waits for any one key unless the invocation says otherwise, seconds
 DEFAULT_KEY_TIMEOUT_S = 600.0
-#: several regions: how long a meet waits for another region's contribution before the others go on
-#: without that region (it left the run), unless the invocation says otherwise, seconds
+#: several regions: how long cloudless-run lets a meet wait for another region's contribution before the
+#: others go on without that region (it left the run), seconds; an invocation that gives no
+#: `region_timeout` waits up to its key timeout and fails (a region started later is not a failed one)
 DEFAULT_REGION_TIMEOUT_S = 120.0
 #: the largest iteration, replica or attempt number a payload may carry (a signed 64-bit integer);
 #: beyond it a key's name (`from<start>`, `a<attempt>`) outgrows what a storage holds
@@ -517,7 +518,7 @@ class PushRecord:
     """ASGD-GA: one push, written beside the global version it made (`global_key(..., "push")`).
     `base` is the version the region's round started from, `version` the one it wrote; `staleness`
     = version - 1 - base (other regions' pushes applied since its base); `scale` the factor its
-    update was applied with; `rebased` whether staleness passed the bound (the update was damped)."""
+    update was applied with; `rebased` whether staleness passed the bound (applied all the same)."""
 
     region: str
     round: int

@@ -691,7 +691,8 @@ class Controller:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)
             finally:
-                self.ends[region.name] = at
+                progress = records[region.name].progress  # a region that left mid-range: as far as it got
+                self.ends[region.name] = max(at, progress[-1].iteration + 1 if progress else 0)
 
         threads = [threading.Thread(target=run_region, args=(r,)) for r in self.workflow.regions]
         for thread in threads:

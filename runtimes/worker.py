@@ -46,7 +46,6 @@ from safetensors.torch import load_file
 from cloudless.ir import protocol
 from cloudless.ir.protocol import (
     DEFAULT_KEY_TIMEOUT_S,
-    DEFAULT_REGION_TIMEOUT_S,
     EMULATE_ENV,
     LEFT_MARK,
     PEERS_ENV,
@@ -245,7 +244,9 @@ class StageWorker:
         # averaging, ASGD-GA) or of an iteration's (sync); equal shares where the plan gives none
         self.peers = [(r.name, float(r.weight or 1.0 / len(workflow.regions))) for r in workflow.regions]
         self.weight = dict(self.peers)[self.region]  # this invocation's (the coordinator may re-plan it)
-        self.region_timeout = DEFAULT_REGION_TIMEOUT_S
+        # how long a meet waits for another region before going on without it; None (an invocation that
+        # does not say, e.g. a deployed region's state machine): until the key timeout, then fail
+        self.region_timeout: float | None = None
         self.planned_replicas = [f.replicas for f in functions]
         self.departed: set[str] = set()  # regions this worker has seen leave (they contribute no more)
         self.server: str | None = self.sync.server
@@ -480,7 +481,7 @@ class StageWorker:
         self.replicas = counts[self.stage]
         self.window = one_f_one_b_windows(counts)[self.stage]
         self.weight = weight if weight is not None else dict(self.peers)[self.region]
-        self.region_timeout = region_timeout or DEFAULT_REGION_TIMEOUT_S
+        self.region_timeout = region_timeout
         if not 0 <= replica < self.replicas:
             raise ValueError(f"replica {replica}: {self.function.name} has replicas 0..{self.replicas - 1}")
         if not 0 <= start < stop:
@@ -810,7 +811,7 @@ class StageWorker:
             return
         message = (
             f"region {self.region} left the run at meet {step} (stage {self.stage}): the other regions "
-            f"went on without it after waiting {self.region_timeout:g} s"
+            "went on without it (it missed a meet by the region timeout)"
         )
         raise RegionLeft(AbortRecord("left", message, step, self.stage, self.function.name))
 
@@ -834,7 +835,8 @@ class StageWorker:
                     return None
                 return data
             now = time.monotonic()
-            if now >= began + self.region_timeout or (now - checked >= 1.0 and storage.exists(left)):
+            late = self.region_timeout is not None and now >= began + self.region_timeout
+            if late or (now - checked >= 1.0 and storage.exists(left)):
                 if storage.claim(key, LEFT_MARK):
                     why = f"{region} missed meet of {key.rsplit('/', 2)[-2]} by {now - began:.0f} s"
                     storage.claim(left, json.dumps({"by": self.region, "why": why}).encode())
