@@ -62,7 +62,10 @@ def check_regions(regions: Sequence[str], changes: Sequence[CapacityChange], fai
     """ValueError naming the first change or failure of a region the workflow does not have, or any
     of them with one region (nothing to re-plan between)."""
     if (changes or failures) and len(regions) == 1:
-        raise ValueError("--capacity-change and --fail-region need a workflow of several regions")
+        raise ValueError(
+            f"--capacity-change and --fail-region need a workflow of several regions; this one trains in {regions[0]} "
+            "alone (see its report.md, 'Between regions')"
+        )
     for name in [c.region for c in changes] + [f.region for f in failures]:
         if name not in regions:
             raise ValueError(f"{name}: no such region in workflow.yaml (its regions: {', '.join(sorted(regions))})")

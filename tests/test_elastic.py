@@ -275,3 +275,11 @@ def test_synchronous_sgd_goes_on_without_a_failed_region(compile_cli, tmp_path: 
     assert all(data is not None for data in sums[: marked[0]])  # every earlier iteration's sums met
     assert all(data is None for data in sums[marked[0] + 1 :])
     assert metrics["test"]["accuracy"] > 0.9
+
+
+def test_a_one_region_build_says_there_is_nothing_to_re_plan(two_stages, tmp_path: Path, capsys) -> None:
+    build, workflow, _ = two_stages
+    region = workflow.regions[0].name
+    for options in (["--fail-region", f"{region}@3"], ["--region-timeout", "5"]):
+        assert run_main([str(build), "--out", str(tmp_path / "run"), *options]) == 2
+        assert "several regions" in capsys.readouterr().err
