@@ -18,12 +18,17 @@ import yaml
 from cloudless.ir import protocol
 from cloudless.ir.protocol import Invocation, global_key, global_owner, namespace
 from cloudless.ir.workflow import round_ends, round_meets
+from cloudless.runtimes.controller import Controller, RunSettings
 from cloudless.runtimes.elastic import CapacityChange, RegionFailure, fit_replicas, share_iterations, slowdown
 from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.staging import trained_state
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.tensors import unpack
 from cloudless.runtimes.worker import weighted_mean
+from tests.conftest import TWO_STAGE_ITERATIONS
+from tests.runtime_cases import write_training_data
 from tests.test_geo_run import REGIONS, compile_geo, rewrite_workflow, run_geo
+from tests.test_protocol import ThreadInvoker
 
 US, EU = REGIONS.split(",")
 
@@ -283,3 +288,27 @@ def test_a_one_region_build_says_there_is_nothing_to_re_plan(two_stages, tmp_pat
     for options in (["--fail-region", f"{region}@3"], ["--region-timeout", "5"]):
         assert run_main([str(build), "--out", str(tmp_path / "run"), *options]) == 2
         assert "several regions" in capsys.readouterr().err
+
+
+def test_a_pipeline_with_fewer_replicas_than_planned_trains_the_same_model(two_stages, tmp_path: Path) -> None:
+    """The replicas a capacity change leaves (here (1, 1) for the planned (2, 1)): every stage's
+    micro-batches, 1F1B windows and progress follow the invocation's counts, and the model trained
+    equals the planned pipeline's (the same sums, in another order)."""
+    build, workflow, result = two_stages
+    region = workflow.regions[0].name
+    assert [f.replicas for f in workflow.regions[0].functions] == [2, 1]
+    states = []
+    for replicas in ((2, 1), (1, 1)):
+        storage = tmp_path / f"storage{replicas[0]}"
+        write_training_data(result, DirectoryChannel(storage), region)
+        settings = RunSettings(iterations=TWO_STAGE_ITERATIONS, run_id="p", key_timeout_s=60.0, retries=0)
+        controller = Controller(workflow, DirectoryChannel(storage), ThreadInvoker(build, storage, region), settings)
+        controller.plans[region].replicas = replicas
+        record = controller.run()[region]
+        assert [p.iteration for p in record.progress] == list(range(TWO_STAGE_ITERATIONS))
+        assert {(r.function, r.replica) for r in record.results} == {
+            (f.name, k) for f, count in zip(workflow.regions[0].functions, replicas, strict=True) for k in range(count)
+        }
+        states.append(trained_state(DirectoryChannel(storage), namespace("p", region), 2, TWO_STAGE_ITERATIONS))
+    for name, value in states[0].items():
+        assert torch.allclose(value, states[1][name], atol=1e-6), name
