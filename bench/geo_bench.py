@@ -8,8 +8,9 @@ with different prices, capacities (`max_functions`, `max_total_memory_mb`) and W
 residency (aws-eu-west-1's data may not move; aws-ap-southeast-1's only to aws-us-east-1).
 
 1. Compiles the job across the three regions once per strategy (`cloudless-compile --regions A,B,C
-   --sync sync|model-average|asgd-ga`, the cost objective): the first compile profiles the model,
-   the other two reuse that profile (`--profile`), so the three plans see the same block times.
+   --sync sync|model-average|asgd-ga`, the cost objective) with the same block times: those of
+   bench/geo3_blocks.json (`--profile`, taken on a quiet machine: a busy one profiled these tiny blocks
+   20-100x slow), or with `--profile measure` the first compile's own profile.
 2. (a) Time to accuracy. Runs every build with `cloudless-run --emulate` (each region's request
    latency and CPU share, every cross-region request over the catalog's WAN link) at increasing
    `--iterations N` (N scales every region's planned iterations and rounds by N / 200), the three
@@ -51,6 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MODEL = ROOT / "bench" / "models" / "digits_geo3.py"
 CATALOG = ROOT / "bench" / "geo3.yaml"
+#: the job's block times, profiled on this kind of machine while quiet (the compile's CPU share 1.0):
+#: on a busy one the profile of these sub-millisecond blocks came out 20-100x slow, and the plans with it
+PROFILE = ROOT / "bench" / "geo3_blocks.json"
 REGIONS = ("aws-us-east-1", "aws-eu-west-1", "aws-ap-southeast-1")
 STRATEGIES = ("sync", "model-average", "asgd-ga")
 SPEEDUP_TARGET = 1.7
@@ -199,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile",
         metavar="BLOCKS_JSON",
-        help="reuse this profile (an earlier build's ir/blocks.json of the same model) instead of profiling: "
-        "the plans are then the same from run to run",
+        default=str(PROFILE.relative_to(ROOT)),
+        help="the model's block times (a build's ir/blocks.json of the same model), so that the plans are the "
+        f"same from run to run (default {PROFILE.relative_to(ROOT)}, taken on a quiet machine); 'measure': "
+        "profile afresh",
     )
     parser.add_argument("--keep", metavar="DIR", help="keep the builds in DIR (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -217,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             f"levels {levels} (of 200 planned iterations), median of {repeats}; {os.cpu_count()} cores",
             flush=True,
         )
-        builds = compile_all(work, args.objective, Path(args.profile).resolve() if args.profile else None)
+        profile = None if args.profile == "measure" else (ROOT / args.profile).resolve()
+        builds = compile_all(work, args.objective, profile)
         plans = {s: planned(builds[s]) for s in STRATEGIES}
         for strategy in STRATEGIES:
             plan = plans[strategy]
