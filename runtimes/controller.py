@@ -832,11 +832,9 @@ class Controller:
         total = sum(self.region_iterations(r) for r in self.workflow.regions)
         committed, points, seconds, least = 0, {}, {}, {}
         for name, plan in self.plans.items():
-            if plan.left:
-                # what it did up to its last round met
-                progress = self.records[name].progress if name in self.records else []
-                reached = progress[-1].iteration + 1 if progress else 0
-                committed += max([0, *[end for end in self.meets(name) if end <= reached]])
+            if plan.left:  # what it did up to its last round applied
+                applied = self._applied_rounds(name)
+                committed += self.round_ends(name)[applied - 1] if applied else 0
                 continue
             point = at if name == trigger else self._cut(name)
             left = rounds - self._rounds_done(name, point) if point is not None else 0
@@ -863,6 +861,32 @@ class Controller:
             iterations={name: point + shares[name] for name, point in points.items()},
             seconds_per_iteration={name: round(value, 6) for name, value in seconds.items()},
         )
+
+    def _applied_rounds(self, name: str) -> int:
+        """How many of a departed region's rounds the others applied (its functions write no more): its
+        round models that are not departure marks (model averaging), its pushes (ASGD-GA); the fewest
+        over its stages."""
+        region = self.workflow.region(name)
+        counts = []
+        for stage in range(region.stages):
+            if self.workflow.sync.inter_region == "asgd-ga":
+                server = self.workflow.sync.server or name
+                channel, namespace = self.storage(server), self.namespace(server)
+                pushed, version = 0, 1
+                while (owner := channel.try_get(protocol.global_key(namespace, stage, version, "owner"))) is not None:
+                    pushed += owner.decode().startswith(f"{name}/round")
+                    version += 1
+                counts.append(pushed)
+                continue
+            channel, k = self.storage(name), 0
+            while True:
+                key = protocol.round_key(self.namespace(name), "model-average", stage, k, "model")
+                data = channel.try_get(key)
+                if data is None or data == protocol.LEFT_MARK:
+                    break
+                k += 1
+            counts.append(k)
+        return min(counts, default=0)
 
     def _leave(self, name: str, why: str, tell: bool) -> None:
         """Region `name` leaves the run: record it, tell the others (unless it went silent: they find
