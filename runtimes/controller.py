@@ -523,7 +523,8 @@ class RegionPlan:
     """The coordinator's plan of one region: it trains until iteration `end`; since iteration `since`
     its iterations hold rounds `first_round`.. (`workflow.round_meets`); its replicas per stage and
     weight (share of the samples; None: the workflow's). `next`: a re-plan taking effect where its
-    range under way stops (`cut`, or earlier at a time limit). `left`: why it left ("" while it trains)."""
+    range under way stops (at the coordinator's stop request, or earlier at a time limit). `left`: why
+    it left ("" while it trains)."""
 
     end: int
     replicas: tuple[int, ...]
@@ -531,7 +532,6 @@ class RegionPlan:
     since: int = 0
     first_round: int = 0
     next: RegionPlan | None = None
-    cut: int | None = None
     left: str = ""
     met: tuple[int, ...] = ()  # the meets of its earlier plans (up to `since`)
 
@@ -774,7 +774,7 @@ class Controller:
         rounds = self.rounds()
         done = self._rounds_done(name, at)
         plan = self.plans[name]
-        plan.replicas, plan.weight, plan.next, plan.cut = new.replicas, new.weight, None, None
+        plan.replicas, plan.weight, plan.next = new.replicas, new.weight, None
         if rounds is None or self.workflow.sync.inter_region == "sync":
             return
         left = rounds - done
@@ -853,7 +853,7 @@ class Controller:
             if name == trigger:
                 self._adopt(name, new, point)
             else:
-                plan.next, plan.cut = new, point
+                plan.next = new
         self._note(
             "replan",
             trigger or "",

@@ -32,10 +32,16 @@ from torch.utils.data import Dataset
 SHARES = {"aws-us-east-1": (0.0, 0.7), "aws-eu-west-1": (0.7, 1.0)}
 
 
-def load_shard(region: str, split: str) -> Dataset:
+def shard_of(shares: dict[str, tuple[float, float]], region: str, split: str) -> Dataset:
+    """The region's slice [low, high) of the train split by `shares` (none where not named); the
+    whole test split everywhere."""
     images, labels = _split(split)
     if split != "train":
         return _DigitsDataset(images, labels)
-    low, high = SHARES.get(region, (0.0, 0.0))
+    low, high = shares.get(region, (0.0, 0.0))
     first, last = round(low * len(images)), round(high * len(images))
     return _DigitsDataset(images[first:last], labels[first:last])
+
+
+def load_shard(region: str, split: str) -> Dataset:
+    return shard_of(SHARES, region, split)
