@@ -369,6 +369,11 @@ def _trace_failure(model_path: Path, fx_exc: BaseException | None, export_exc: B
     if export_exc is not None:
         reasons.append(f"torch.export: {_short(describe(export_exc))}")
     fixes = _FIXES
+    if export_exc is not None and "in output, which is not a known type" in str(export_exc):
+        fixes = (
+            "return tensors, or tuples, lists, dicts and dataclasses of them, from forward; a transformers "
+            "model returns its cache object unless its config says use_cache=False"
+        )
     if isinstance(fx_exc, RegionNotTraceable) and export_exc is None:
         fixes = "trace with --tracer auto or --tracer export, which keep the region"
     return TraceFailure(f"{where}: cannot trace the model{line} ({'; '.join(reasons)}). Fix: {fixes}")

@@ -165,6 +165,46 @@ def test_untraceable_model_names_the_line_and_the_fix(model_file, compile_cli, t
     assert not (tmp_path / "b").exists()
 
 
+OPAQUE_OUTPUT = """
+import torch
+
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), Box(x)
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 4),)
+
+
+def loss_fn(output, target):
+    return output[0].sum()
+"""
+
+
+def test_an_output_torch_cannot_flatten_says_what_to_return(model_file, compile_cli, tmp_path: Path) -> None:
+    """A transformers model's cache (use_cache=True) is such an output: the fix says so."""
+    code, _, stderr = compile_cli(str(model_file(OPAQUE_OUTPUT)), "-o", str(tmp_path / "b"))
+    assert code == 2 and "Traceback" not in stderr
+    assert "Fix: return tensors, or tuples, lists, dicts and dataclasses of them" in stderr
+    assert "use_cache=False" in stderr and "torch.where" not in stderr
+    assert not (tmp_path / "b").exists()
+
+
 def test_summary_and_quiet(compile_cli, tmp_path: Path) -> None:
     from .conftest import MODELS
 
