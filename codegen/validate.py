@@ -1054,6 +1054,13 @@ def _check_optimizer(context: _Build, document: dict[str, Any], workflow: Workfl
         optimizer([torch.nn.Parameter(torch.zeros(1))], **spec.options)
     except (TypeError, ValueError, RuntimeError) as exc:
         _fail("workflow.yaml", "optimizer/options", f"torch.optim.{spec.class_name} refuses them: {exc}")
+    rates = spec.learning_rates
+    if rates is not None and len(rates) != workflow.run.iterations:
+        _fail(
+            "workflow.yaml",
+            "optimizer/learning_rates",
+            f"{len(rates)} rates; expected one per iteration of run/iterations ({workflow.run.iterations})",
+        )
 
 
 # --- plan.json ---------------------------------------------------------------------------------------

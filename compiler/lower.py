@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.cost_model import Plan, checkpoint_interval
 from cloudless.compiler.errors import CompileError
-from cloudless.compiler.model_file import ModelFile, probe_optimizer
+from cloudless.compiler.model_file import ModelFile, probe_learning_rates, probe_optimizer
 from cloudless.compiler.trace import trace_model
 from cloudless.ir import catalog
 from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES
@@ -103,10 +103,11 @@ def slug(text: str, limit: int = 40) -> str:
     return label[:limit].rstrip("-")
 
 
-def describe_optimizer(model_file: ModelFile) -> OptimizerSpec:
-    """The model file's optimizer as the workflow names it: a torch.optim class and its options."""
+def describe_optimizer(model_file: ModelFile, iterations: int) -> OptimizerSpec:
+    """The model file's optimizer as the workflow names it: a torch.optim class and its options,
+    and its scheduler's learning rate at each of the run's `iterations`."""
     probe = probe_optimizer(model_file)
-    return OptimizerSpec(probe.class_name, probe.options)
+    return OptimizerSpec(probe.class_name, probe.options, probe_learning_rates(model_file, iterations))
 
 
 def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: list[Any], targets: Any) -> str:

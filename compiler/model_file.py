@@ -1,13 +1,14 @@
 """Load a user's model file by path and check it follows the contract (see README).
 
 Required: build_model() -> nn.Module; example_inputs(batch_size) -> tuple of tensors.
-Optional: example_targets, loss_fn, make_optimizer, load_shard, TRAINING.
+Optional: example_targets, loss_fn, make_optimizer, make_scheduler, load_shard, TRAINING.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import sys
 import typing
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class ModelFile:
     example_targets: Callable[[int], Any] | None = None
     loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    make_scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
     load_shard: Callable[[str, str], Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
 
@@ -190,7 +192,7 @@ def load_model_file(path: Path) -> ModelFile:
         if not callable(value):
             raise ModelFileError(f"{shown}: {name} is {type(value).__name__}; expected a function")
         functions[name] = value
-    for name in ("example_targets", "loss_fn", "make_optimizer", "load_shard"):
+    for name in ("example_targets", "loss_fn", "make_optimizer", "make_scheduler", "load_shard"):
         value = getattr(module, name, None)
         if value is not None and not callable(value):
             raise ModelFileError(f"{shown}: {name} is {type(value).__name__}; expected a function")
@@ -232,6 +234,13 @@ def _type_name(expected: type | tuple[type, ...]) -> str:
     return expected.__name__
 
 
+def _optimizer_of(model_file: ModelFile, probe: nn.Parameter) -> torch.optim.Optimizer:
+    """The model file's optimizer over `probe` (the default SGD when it makes none)."""
+    if model_file.make_optimizer is None:
+        return torch.optim.SGD([probe], lr=float(model_file.training.get("learning_rate", DEFAULT_LEARNING_RATE)))
+    return model_file.call("make_optimizer", [probe])
+
+
 def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     """Build the model file's optimizer on a probe parameter and take one step: its class and options,
     and the state it then holds per parameter (counted, so any torch.optim optimizer is sized right)."""
@@ -239,7 +248,7 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
         lr = model_file.training.get("learning_rate", DEFAULT_LEARNING_RATE)
         return OptimizerProbe("SGD", {"lr": float(lr)}, 0)
     probe = nn.Parameter(torch.zeros(4))
-    optimizer = model_file.call("make_optimizer", [probe])
+    optimizer = _optimizer_of(model_file, probe)
     cls = type(optimizer)
     if getattr(torch.optim, cls.__name__, None) is not cls:
         raise ModelFileError(
@@ -277,3 +286,56 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     # Scalars (Adam's step count) are not per-parameter memory; tensors shaped like the parameter are.
     sized = sum(1 for value in state.values() if isinstance(value, torch.Tensor) and value.shape == probe.shape)
     return OptimizerProbe(cls.__name__, options, sized)
+
+
+def probe_learning_rates(model_file: ModelFile, iterations: int) -> tuple[float, ...] | None:
+    """Each iteration's learning rate under the model file's `make_scheduler(optimizer, iterations)`,
+    stepped once after each optimizer step as a PyTorch loop does: the functions set it from this
+    list, so they never run the model file's code. None without a scheduler."""
+    if model_file.make_scheduler is None:
+        return None
+    probe = nn.Parameter(torch.zeros(1))
+    optimizer = _optimizer_of(model_file, probe)
+    group = optimizer.param_groups[0]
+    # The functions follow the learning rate alone: a scheduler that moves another option (OneCycleLR's
+    # momentum) would train differently there, so it is refused rather than half followed.
+    others = {key: repr(group[key]) for key in optimizer.defaults if key != "lr" and key in group}
+    scheduler = model_file.call("make_scheduler", optimizer, iterations)
+    cls = type(scheduler)
+    wanted = "return a torch.optim.lr_scheduler scheduler of the optimizer it is given"
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        returned = f"{cls.__module__}.{cls.__qualname__}"
+        raise ModelFileError(f"{model_file.name}: make_scheduler returned {returned}; {wanted}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ModelFileError(
+            f"{model_file.name}: make_scheduler returned ReduceLROnPlateau, which follows a metric the run "
+            "only knows as it trains; the learning rates are fixed at compile time, so use a schedule by iteration"
+        )
+    if scheduler.optimizer is not optimizer:
+        raise ModelFileError(f"{model_file.name}: make_scheduler's scheduler drives another optimizer; {wanted}")
+    rates: list[float] = []
+    for iteration in range(iterations):
+        moved = sorted(key for key, value in others.items() if repr(group.get(key)) != value)
+        if moved:
+            raise ModelFileError(
+                f"{model_file.name}: make_scheduler's {cls.__name__} changes the optimizer's {', '.join(moved)} "
+                f"at iteration {iteration}, not only its learning rate; the functions follow the learning rate "
+                "alone: keep the others fixed (OneCycleLR: cycle_momentum=False)"
+            )
+        rate = optimizer.param_groups[0]["lr"]
+        rate = float(rate.item() if isinstance(rate, torch.Tensor) else rate)
+        if not (math.isfinite(rate) and rate >= 0):
+            raise ModelFileError(
+                f"{model_file.name}: make_scheduler's learning rate at iteration {iteration} is {rate}; "
+                "expected a finite number >= 0"
+            )
+        rates.append(rate)
+        if iteration + 1 == iterations:
+            break  # a step past the run's end is not the loop's (OneCycleLR refuses it)
+        optimizer.step()  # no gradient: nothing changes, but the scheduler sees the step it expects
+        try:
+            scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+            what = f"step {iteration + 1} of make_scheduler's {cls.__name__} raised {describe(exc)}"
+            raise model_file.error_at(exc, what) from exc
+    return tuple(rates)

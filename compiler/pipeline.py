@@ -275,7 +275,7 @@ def lower(
         schedule=schedule,
         input_names=program.input_names,
         target_count=len(pytree.tree_leaves(front.example_targets)),
-        optimizer=describe_optimizer(model_file),
+        optimizer=describe_optimizer(model_file, iterations),
         inter_region=inter_region,
     )
     return Lowered(stages, loss, workflow)

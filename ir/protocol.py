@@ -92,9 +92,10 @@ class Invocation:
     On the wire `{"start": a, "stop": b, "replica": k}` (or `{"iteration": i, "replica": k}` for one
     iteration), with optional `run` (a name for the run's keys), `attempt` (a duplicate of the same
     attempt does nothing), `time_limit_s` (end early, where every function agrees, before this many
-    seconds) and `timeout` (how long to wait for any one key). Several regions: `iterations`, the
-    region's iterations in this run, and `rounds`, its inter-region syncs over them (round k ends
-    after `workflow.round_ends(iterations, rounds)[k]` iterations); default the workflow's. The
+    seconds), `timeout` (how long to wait for any one key) and `iterations`, the region's iterations
+    in this run (a learning-rate schedule stretches over them). Several regions: `rounds`, its
+    inter-region syncs over its iterations (round k ends after `workflow.round_ends(iterations,
+    rounds)[k]` iterations); default the workflow's. The
     coordinator's re-plan of a region (a capacity change, a region that left) adds: `since` and
     `first_round` (its iterations since..iterations-1 hold rounds first_round..rounds-1,
     `workflow.round_meets`), `replicas` (per stage, where capacity shrank), `weight` (its share of a

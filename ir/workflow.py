@@ -269,17 +269,32 @@ class RunSettings:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """A torch.optim class name and its constructor's keyword arguments."""
+    """A torch.optim class name and its constructor's keyword arguments; with a learning-rate
+    schedule, the rate of each of the run's iterations (`learning_rate`)."""
 
     class_name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    learning_rates: tuple[float, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"class": self.class_name, "options": dict(self.options)}
+        document: dict[str, Any] = {"class": self.class_name, "options": dict(self.options)}
+        if self.learning_rates is not None:
+            document["learning_rates"] = list(self.learning_rates)
+        return document
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> OptimizerSpec:
-        return cls(data["class"], dict(data["options"]))
+        rates = data.get("learning_rates")
+        return cls(data["class"], dict(data["options"]), tuple(float(r) for r in rates) if rates is not None else None)
+
+    def learning_rate(self, iteration: int, iterations: int) -> float | None:
+        """The rate at `iteration` of a region that trains `iterations` in this run: the schedule
+        stretched over them (every region of several walks the whole schedule over its own share,
+        as a run with other iterations than planned does); None without a schedule."""
+        rates = self.learning_rates
+        if not rates:
+            return None
+        return rates[min(len(rates) - 1, iteration * len(rates) // max(1, iterations))]
 
 
 @dataclass(frozen=True)

@@ -952,9 +952,9 @@ class Controller:
             attempt=attempt,
             time_limit_s=float(limit),
             timeout=float(self.settings.key_timeout_s),
-            # several regions: the region's iterations and rounds in this run (its meet points), and
-            # what the coordinator re-planned
-            iterations=plan.end if plan is not None and self.rounds() else None,
+            # the region's iterations in this run (its meet points with several regions, what a
+            # learning-rate schedule stretches over), and what the coordinator re-planned
+            iterations=plan.end if plan is not None else None,
             rounds=self.rounds(),
             since=plan.since if plan is not None and plan.since else None,
             first_round=plan.first_round if plan is not None and plan.first_round else None,

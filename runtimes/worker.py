@@ -239,6 +239,9 @@ class StageWorker:
         # Several regions: this stage meets its counterparts at the ends of the rounds (`_meets`).
         self.inter_region: str | None = self.sync.inter_region if len(workflow.regions) > 1 else None
         self.planned: tuple[int | None, int | None] = (region.iterations, self.sync.rounds)
+        # the region's iterations in this run (the invocation's, else the plan's): what the
+        # learning-rate schedule stretches over
+        self.iterations: int = region.iterations or run.iterations
         self.meets: dict[int, int] = {}  # iterations done -> the round that ends there
         # Every region and its weight, in region order: its share of a round's samples (model
         # averaging, ASGD-GA) or of an iteration's (sync); equal shares where the plan gives none
@@ -487,6 +490,7 @@ class StageWorker:
         if not 0 <= start < stop:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
         self.meets = self._meets(iterations, rounds, since or 0, first_round or 0)
+        self.iterations = iterations or self.planned[0] or self.workflow.run.iterations
         began, wall = time.monotonic(), time.time()
         self.namespace = protocol.namespace(run, self.region)
         if self.channel.namespace != self.namespace:
@@ -678,6 +682,10 @@ class StageWorker:
             with self._span(spans, CROSS_REGION_SPAN):
                 self._cross_reduce(iteration, replica, timeout)
         with self._span(spans, "step"):
+            rate = self.optimizer_spec.learning_rate(iteration, self.iterations)
+            if rate is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = rate
             self._model_code(iteration, "optimizer step", self.optimizer.step)
             self.optimizer.zero_grad(set_to_none=True)
             self._check_finite(iteration, [])

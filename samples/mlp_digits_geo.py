@@ -16,6 +16,7 @@ model averaging's costs 0.87x. With the default catalog (no residency, equal pri
 everything in one region is cheaper, and the planner says so.
 """
 
+import torch
 from mlp_digits import (  # noqa: F401 - the model file contract, re-exported
     TRAINING,
     _DigitsDataset,
@@ -30,6 +31,16 @@ from torch.utils.data import Dataset
 
 #: share of the train split held in each region
 SHARES = {"aws-us-east-1": (0.0, 0.7), "aws-eu-west-1": (0.7, 1.0)}
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, iterations: int) -> torch.optim.lr_scheduler.LRScheduler:
+    # The rate holds, then falls linearly to 0 over the last 30% of the iterations. At a constant rate
+    # the model a run ends with is a noisy iterate: synchronous SGD's test accuracy spread over
+    # 91.7-97.8% across 20 seeds, too wide to compare sync strategies within a point; decayed, it
+    # settles (in a plain PyTorch replay: standard deviation 1.3 -> 0.4 points, mean 95.2 -> 95.9%).
+    # Each region walks the schedule over its own share of the iterations.
+    decay = max(1, round(0.3 * iterations))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (iterations - i) / decay))
 
 
 def shard_of(shares: dict[str, tuple[float, float]], region: str, split: str) -> Dataset:

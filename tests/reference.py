@@ -12,26 +12,37 @@ import torch
 
 from cloudless.compiler.model_file import ModelFile, probe_optimizer
 from cloudless.ir.schedule import sample_indices
-from cloudless.ir.workflow import DataSource, Region, RunSettings, Workflow, round_ends
+from cloudless.ir.workflow import DataSource, OptimizerSpec, Region, RunSettings, Workflow, round_ends
 
 
 class PlainTrainer:
-    """One model and optimizer over samples held in memory; `step(i)` trains iteration i."""
+    """One model and optimizer over samples held in memory; `step(i)` trains iteration i, at the
+    learning rate the workflow's schedule gives iteration i of a region training `iterations`."""
 
-    def __init__(self, model_file: ModelFile, run: RunSettings, items: list[Any]) -> None:
+    def __init__(
+        self, model_file: ModelFile, run: RunSettings, items: list[Any], optimizer: OptimizerSpec, iterations: int
+    ) -> None:
         self.model_file, self.run = model_file, run
         self.model = model_file.build_model()
         # as the functions build it: the model file's torch.optim class and options (SGD without one)
         probe = probe_optimizer(model_file)
         self.optimizer = getattr(torch.optim, probe.class_name)(self.model.parameters(), **probe.options)
+        self.schedule, self.iterations = optimizer, iterations
         self.inputs = [torch.stack([item[0][j] for item in items]) for j in range(len(items[0][0]))]
         self.targets = torch.stack([torch.as_tensor(item[1]) for item in items])
         self.samples = len(items)
 
     def step(self, iteration: int) -> None:
         self.backward(iteration)
+        self.set_learning_rate(iteration)
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def set_learning_rate(self, iteration: int) -> None:
+        rate = self.schedule.learning_rate(iteration, self.iterations)
+        if rate is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = rate
 
     def backward(self, iteration: int, model: torch.nn.Module | None = None) -> None:
         """Accumulate iteration i's gradients (the mean loss of its global batch) into `model`'s
@@ -72,8 +83,10 @@ def plain_training(
 ) -> dict[str, torch.Tensor]:
     """Train `iterations` (default: the workflow's) with the region's data in memory; returns the
     parameters and buffers. `on_iteration(i, seconds)` hears each iteration's duration."""
-    trainer = PlainTrainer(model_file, workflow.run, region_items(model_file, workflow.region(region)))
-    for iteration in range(workflow.run.iterations if iterations is None else iterations):
+    count = workflow.run.iterations if iterations is None else iterations
+    items = region_items(model_file, workflow.region(region))
+    trainer = PlainTrainer(model_file, workflow.run, items, workflow.optimizer, count)
+    for iteration in range(count):
         began = time.perf_counter()
         trainer.step(iteration)
         if on_iteration is not None:
@@ -88,7 +101,10 @@ def plain_model_average(
     samples (round k of a region of n iterations ends after `round_ends(n, rounds)[k]`), then every
     region takes the weighted mean of all regions' models, in region order."""
     regions = workflow.regions
-    trainers = [PlainTrainer(model_file, workflow.run, region_items(model_file, region)) for region in regions]
+    trainers = [
+        PlainTrainer(model_file, workflow.run, region_items(model_file, r), workflow.optimizer, iterations[r.name])
+        for r in regions
+    ]
     ends = {region.name: (0, *round_ends(iterations[region.name], rounds)) for region in regions}
     for round_index in range(rounds):
         for region, trainer in zip(regions, trainers, strict=True):
@@ -115,7 +131,10 @@ def plain_sync(model_file: ModelFile, workflow: Workflow, iterations: int) -> di
     its own samples, their mean weighted by the regions' weights (equal without), in region order,
     and one optimizer step."""
     regions = workflow.regions
-    trainers = [PlainTrainer(model_file, workflow.run, region_items(model_file, region)) for region in regions]
+    trainers = [
+        PlainTrainer(model_file, workflow.run, region_items(model_file, r), workflow.optimizer, iterations)
+        for r in regions
+    ]
     model, optimizer = trainers[0].model, trainers[0].optimizer
     params = list(model.parameters())
     for iteration in range(iterations):
@@ -129,6 +148,7 @@ def plain_sync(model_file: ModelFile, workflow: Workflow, iterations: int) -> di
                 total.copy_(total + weight * grad)
         for total, p in zip(totals, params, strict=True):
             p.grad = total
+        trainers[0].set_learning_rate(iteration)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return trainers[0].state()

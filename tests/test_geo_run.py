@@ -255,12 +255,10 @@ def with_seed(seed: int) -> Callable[[dict[str, Any]], None]:
 @pytest.mark.slow
 def test_asgd_ga_and_model_averaging_reach_synchronous_sgds_accuracy(compile_cli, tmp_path: Path) -> None:
     """In every one of 5 seeded runs of the geo sample (its whole plan), ASGD-GA (bounded staleness,
-    each push scaled by its region's weight) and model averaging end close to synchronous
-    cross-region SGD's test accuracy (pushing the full update diverged: 55.8 to 93.1%). The issue's
-    bar is 1 point, not met reliably: ASGD-GA is timed by the machine and measured between -1.6 (a CI
-    run on a loaded machine, seed 2) and +1.7 points of `sync` (360 test samples: 1 point is 3.6 of
-    them). This asserts 3 points (model averaging: 2): no divergence, and a bound that a regression
-    towards the old rule's 4 to 40 points below would break."""
+    each push scaled by its region's weight) and model averaging reach within 1 point of synchronous
+    cross-region SGD's test accuracy (pushing the full update diverged: 55.8 to 93.1%). The sample's
+    learning-rate schedule lets the runs settle: at a constant rate `sync` alone spread over 6 points
+    of seeds, wider than the bar (360 test samples: 1 point is 3.6 of them)."""
     accuracy: dict[str, list[float]] = {}
     for sync in ("sync", "asgd-ga", "model-average"):
         build = tmp_path / sync / "build"
@@ -272,8 +270,8 @@ def test_asgd_ga_and_model_averaging_reach_synchronous_sgds_accuracy(compile_cli
     print("test accuracy per seed:", json.dumps(accuracy))
     for seed, baseline in enumerate(accuracy["sync"]):
         assert baseline > 0.9, f"seed {seed}: synchronous SGD reached only {baseline:.1%}"
-        for sync, points in (("asgd-ga", 0.03), ("model-average", 0.02)):
-            assert accuracy[sync][seed] >= baseline - points, f"seed {seed}: {sync} {accuracy[sync][seed]:.1%}"
+        for sync in ("asgd-ga", "model-average"):
+            assert accuracy[sync][seed] >= baseline - 0.01, f"seed {seed}: {sync} {accuracy[sync][seed]:.1%}"
 
 
 @pytest.mark.slow
