@@ -93,6 +93,12 @@ class ModelFile:
                 f"{display_path(self.path)}: build_model() returned a {type(model).__name__} with no trainable "
                 "parameters; there is nothing to train"
             )
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "use_cache", None) is True:
+                # A transformers model keeps its attention keys and values for generation unless told
+                # not to, and returns them as a cache object, no tensor; training never reads it.
+                config.use_cache = False
         inputs, targets = self.examples(batch_size)
         return model, inputs, targets
 
