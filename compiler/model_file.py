@@ -95,7 +95,7 @@ class ModelFile:
             )
         for module in model.modules():
             config = getattr(module, "config", None)
-            if getattr(config, "use_cache", None) is True:
+            if config is not None and getattr(config, "use_cache", None) is True:
                 # A transformers model keeps its attention keys and values for generation unless told
                 # not to, and returns them as a cache object, no tensor; training never reads it.
                 config.use_cache = False
