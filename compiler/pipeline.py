@@ -37,7 +37,7 @@ from cloudless.compiler.lower import (
     loss_source,
     lower_plan,
 )
-from cloudless.compiler.model_file import ModelFile, load_model_file
+from cloudless.compiler.model_file import ModelFile, load_model_file, probe_learning_rates
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.profile import loss_function, profile_blocks, reuse_profile
 from cloudless.compiler.simulate import Timeline, simulate
@@ -50,6 +50,8 @@ from cloudless.ir.graph import OpGraph
 from cloudless.ir.workflow import Schedule, Workflow
 
 DEFAULT_BATCH_SIZE = 2
+#: iterations a learning-rate schedule is first checked over when TRAINING gives none (epochs)
+EARLY_SCHEDULE_ITERATIONS = 16
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,9 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
         batch_size = options.batch_size or _default_batch_size(model_file)
         model, example_inputs, targets = model_file.instantiate(batch_size)
         flat_inputs = pytree.tree_leaves(example_inputs)
+        # A schedule the functions cannot follow is an error now, not after tracing, profiling and
+        # planning (lowering records it over the run's iterations, known only then with epochs).
+        probe_learning_rates(model_file, model_file.training.get("iterations") or EARLY_SCHEDULE_ITERATIONS)
     with preserved_state(model):
         model_file.check_inputs_fit(model, example_inputs, batch_size)
         with timed("trace"):

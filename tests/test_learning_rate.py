@@ -173,3 +173,16 @@ def test_check_finds_rates_that_do_not_match_the_run(model_file, compile_cli, tm
     assert code == 2
     expected = "11 rates; expected one per iteration of run/iterations (12)"
     assert f"workflow.yaml: key optimizer/learning_rates: {expected}" in err
+
+
+def test_a_bad_schedule_is_found_before_tracing(model_file, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front end refuses it when it loads the model file, not after tracing, profiling and planning."""
+    from cloudless.compiler import pipeline
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced before the schedule was checked")
+
+    monkeypatch.setattr(pipeline, "trace_model", never)
+    path = model_file(with_scheduler("torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)"))
+    with pytest.raises(ModelFileError, match="ReduceLROnPlateau"):
+        pipeline.run_front_end(pipeline.FrontEndOptions(model_path=path, profile_repeats=0))
