@@ -420,6 +420,7 @@ def _main(argv: Sequence[str] | None) -> int:
         check_regions([r.name for r in workflow.regions], changes, failures)
     except ValueError as exc:
         return fail(str(exc))
+    args.capacity_changes, args.region_failures = changes, failures  # parsed once, for _train
     if args.region_timeout and len(workflow.regions) == 1:
         return fail("--region-timeout needs a workflow of several regions")
     if (changes or failures) and args.resume:
@@ -503,8 +504,8 @@ def _train(
         fault_rate=args.inject_faults,
         fault_seed=args.fault_seed,
         region_timeout_s=args.region_timeout or protocol.DEFAULT_REGION_TIMEOUT_S,
-        capacity_changes=tuple(CapacityChange.parse(text) for text in args.capacity_change or ()),
-        region_failures=tuple(RegionFailure.parse(text) for text in args.fail_region or ()),
+        capacity_changes=args.capacity_changes,
+        region_failures=args.region_failures,
     )
     namespace = protocol.namespace(run_id, region)
     invoker: Invoker
