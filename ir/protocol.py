@@ -95,8 +95,8 @@ class Invocation:
     seconds), `timeout` (how long to wait for any one key) and `iterations`, the region's iterations
     in this run (a learning-rate schedule stretches over them). Several regions: `rounds`, its
     inter-region syncs over its iterations (round k ends after `workflow.round_ends(iterations,
-    rounds)[k]` iterations); default the workflow's. The coordinator's re-plan of a region (a
-    capacity change, a region that left) adds: `since` and
+    rounds)[k]` iterations); default the workflow's. The
+    coordinator's re-plan of a region (a capacity change, a region that left) adds: `since` and
     `first_round` (its iterations since..iterations-1 hold rounds first_round..rounds-1,
     `workflow.round_meets`), `replicas` (per stage, where capacity shrank), `weight` (its share of a
     round's samples) and `region_timeout` (how long a meet waits for another region before it goes on
