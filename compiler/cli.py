@@ -26,6 +26,7 @@ from cloudless.compiler.explain import summary_line
 from cloudless.compiler.pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
 from cloudless.compiler.plan import PlanOptions
 from cloudless.compiler.profile import profile_warnings
+from cloudless.compiler.solver import solver_log
 from cloudless.compiler.verify import TOLERANCE
 from cloudless.ir.arguments import OneLineParser
 from cloudless.ir.catalog import load_catalog, registry_problem
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="per micro-batch size; the plan then reports its proven gap (default 10)",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    parser.add_argument("--verbose", action="store_true", help="also print the MILP solvers' banner and log")
     return parser
 
 
@@ -318,6 +320,7 @@ def _main(argv: Sequence[str] | None) -> int:
         else:
             yield
 
+    token = solver_log.set(args.verbose)
     try:
         result = compile_model(options, step)
     except (CompileError, SchemaError, FolderError) as exc:
@@ -326,6 +329,8 @@ def _main(argv: Sequence[str] | None) -> int:
             exc = SchemaError(f"the generated build failed its check (a Cloudless bug, please report it): {exc}")
         Console(stderr=True, highlight=False, soft_wrap=True).print(f"cloudless-compile: error: {exc}", markup=False)
         return code
+    finally:
+        solver_log.reset(token)
     if args.stages is not None and (options.plan is not None or not args.verify):
         # after the compile: an error stays the one line on stderr
         console.print(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice, StageTerms
-from cloudless.compiler.solver import CandidateStatus, Goal, Program, solve_program
+from cloudless.compiler.solver import CandidateStatus, Goal, Program, new_highs, solve_program
 
 
 @dataclass
@@ -577,8 +577,7 @@ def price_configurations(stage: StageProgram, initial: list[int], stop_at: float
     for r in np.flatnonzero(row_group >= 0):
         private_rows[row_group[r]].append(int(r))
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = new_highs()
     h.setOptionValue("threads", 1)
     position = np.full(n_cols, -1)  # column -> its index in the restricted LP
     row_position = np.full(n_rows, -1)

@@ -21,11 +21,17 @@ plan's figures against the limits, and the same limits and objective set on a Pr
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cloudless.compiler.cost_model import Objective
+
+if TYPE_CHECKING:
+    import highspy
 
 SolveStatus = Literal["optimal", "infeasible", "time limit"]
 #: what one candidate of a level ends with (plan.json's "candidates")
@@ -145,6 +151,31 @@ class Outcome:
     solver: Backend
 
 
+#: The solvers' banner and log reach stdout only when this is set (cloudless-compile --verbose).
+solver_log: ContextVar[bool] = ContextVar("solver_log", default=False)
+
+
+def new_highs() -> highspy.Highs:
+    """A HiGHS instance, silent unless `solver_log` is set. HiGHS prints its banner from its C++
+    constructor straight to file descriptor 1 (once a process), before any option can be set: the
+    descriptor points at /dev/null while the instance is built."""
+    import highspy
+
+    if solver_log.get():
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def highs_available() -> bool:
     try:
         import highspy  # noqa: F401
@@ -168,8 +199,7 @@ def _solve_highs(program: Program, time_limit: float | None, cutoff: float | Non
     import numpy as np
 
     inf = highspy.kHighsInf
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = new_highs()
     h.setOptionValue("mip_rel_gap", GAP)
     h.setOptionValue("threads", 1)
     # Probing the binaries in presolve (rule bit 15) and restarting after the root take most of the
@@ -254,7 +284,7 @@ def _solve_cbc(program: Program, time_limit: float | None) -> Outcome:
                 lp += expr >= lo
             if not math.isinf(up):
                 lp += expr <= up
-    lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=GAP))
+    lp.solve(pulp.PULP_CBC_CMD(msg=solver_log.get(), timeLimit=time_limit, gapRel=GAP))
     if pulp.LpStatus[lp.status] == "Infeasible":
         return Outcome(None, math.inf, "infeasible", "CBC")
     if lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install Cloudless with its test tools.
-# torch is installed first and pinned, so that pip never resolves a CUDA build of it.
+# Create .venv (if missing) and install Cloudless with its test tools, every version pinned and hashed by
+# requirements/lock.txt (refresh it with scripts/lock.sh): running it again puts back any package that
+# was upgraded or downgraded in the venv. torch is the explicit CPU build (pip resolving plain `torch`
+# takes a CUDA build of several GB), installed after the locked packages so that its own dependencies
+# are the locked ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+pip=(.venv/bin/python -m pip --quiet)
+"${pip[@]}" install --require-hashes --no-deps -r requirements/lock.txt
+"${pip[@]}" install "torch==2.13.0"
+# Built with the locked setuptools, not one fetched for an isolated build. setuptools says, as a warning,
+# that an editable install of folders mapped to package names uses an import hook: known, and silenced.
+PYTHONWARNINGS="ignore:Editable installation.:Warning" \
+  "${pip[@]}" install --no-deps --no-build-isolation -e .
+"${pip[@]}" check >/dev/null || { "${pip[@]}" check; exit 1; }

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set everything up (system services included), then run the linter, the type checker and the fast
-# test suite; `--all` (what CI runs) adds the slow cases (the large sample models).
+# test suite (one or two cases of every layer, a couple of minutes); `--all` (what CI runs) adds the
+# tests marked slow: the large models, the long end-to-end and elastic runs, every parameter. The ten
+# slowest tests are listed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/system-deps.sh
@@ -9,7 +11,7 @@ bash scripts/setup.sh
 bash scripts/typecheck.sh
 if [ "${1:-}" = "--all" ]; then
   shift
-  .venv/bin/python -m pytest -q -n 2 "$@"
+  .venv/bin/python -m pytest -q -n 2 --durations=10 "$@"
 else
-  .venv/bin/python -m pytest -q -n 2 -m "not slow" "$@"
+  .venv/bin/python -m pytest -q -n 2 --durations=10 -m "not slow" "$@"
 fi

@@ -12,5 +12,5 @@ for layer in ir compiler codegen runtimes; do
   ln -s "$root/$layer" "$tree/cloudless/$layer"
 done
 cd "$tree"
-"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" \
+"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" \
   -p cloudless.ir -p cloudless.compiler -p cloudless.codegen -p cloudless.runtimes

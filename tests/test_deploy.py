@@ -214,6 +214,7 @@ def test_the_driver_trains_on_the_stack_and_a_second_run_trains_again(
     assert keys and all("/data/" in k or k.split("/")[1] == "data" for k in keys), keys[:5]
 
 
+@pytest.mark.slow
 def test_a_failed_execution_is_started_again_with_the_next_attempt(
     two_stages, expected_model, stack, tmp_path: Path
 ) -> None:

@@ -140,6 +140,7 @@ def two_replicas_in(region: str):
     return change
 
 
+@pytest.mark.slow
 def test_a_capacity_change_shrinks_the_region_and_moves_its_work(compile_cli, tmp_path: Path) -> None:
     build = tmp_path / "build"
     compile_geo(compile_cli, build, "model-average")
@@ -161,6 +162,7 @@ def test_a_capacity_change_shrinks_the_region_and_moves_its_work(compile_cli, tm
     assert metrics["test"]["accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_a_region_that_stops_answering_holds_the_others_up_no_longer_than_the_region_timeout(
     compile_cli, tmp_path: Path
 ) -> None:
@@ -185,6 +187,7 @@ def test_a_region_that_stops_answering_holds_the_others_up_no_longer_than_the_re
     assert metrics["test"]["accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_a_region_whose_capacity_cannot_hold_its_stages_leaves_at_once(compile_cli, tmp_path: Path) -> None:
     build = tmp_path / "build"
     compile_geo(compile_cli, build, "model-average")
@@ -199,6 +202,7 @@ def test_a_region_whose_capacity_cannot_hold_its_stages_leaves_at_once(compile_c
     assert max(e["dur"] / 1e6 for e in trace if e["ph"] == "X" and e["name"] == "model-average") < 60
 
 
+@pytest.mark.slow
 def test_asgd_ga_survives_a_failure_and_a_capacity_change_applying_each_push_once(compile_cli, tmp_path: Path) -> None:
     build = tmp_path / "build"
     workflow = compile_geo(compile_cli, build, "asgd-ga")
@@ -223,6 +227,7 @@ def test_asgd_ga_survives_a_failure_and_a_capacity_change_applying_each_push_onc
     assert metrics["test"]["accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_elastic_options_are_checked(compile_cli, tmp_path: Path, capsys) -> None:
     build = tmp_path / "build"
     compile_geo(compile_cli, build, "model-average")
@@ -260,6 +265,7 @@ def test_a_deployed_region_may_mark_only_a_peers_missing_contribution_and_depart
             ]
 
 
+@pytest.mark.slow
 def test_synchronous_sgd_goes_on_without_a_failed_region(compile_cli, tmp_path: Path) -> None:
     """Under `sync` every iteration is a meet: the survivor marks the failed region's gradient sums of
     one iteration, and from then on takes its own alone (weights normalised)."""

@@ -159,7 +159,7 @@ def imported_modules(source: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("name", ["hf_bert_tiny", "hf_gpt2_tiny"])
+@pytest.mark.parametrize("name", [pytest.param("hf_bert_tiny", marks=pytest.mark.slow), "hf_gpt2_tiny"])
 def test_transformers_models_go_through_export(name: str) -> None:
     result = verified(name, 4, num_blocks=10)
     assert result.front.graph.tracer == "export"

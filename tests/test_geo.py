@@ -87,7 +87,8 @@ def brute_force(problem: GeoProblem, objective: str, deadline=None, budget=None)
     return best
 
 
-@pytest.mark.parametrize("sync", [pytest.param("asgd-ga", marks=pytest.mark.slow), "model-average"])
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["asgd-ga", "model-average"])
 def test_geo_milp_matches_enumeration(sync: str) -> None:
     for seed in range(12):
         problem = random_geo_problem(seed, sync)

@@ -132,6 +132,7 @@ def check_costed(metrics: dict[str, Any], workflow: dict[str, Any]) -> None:
     assert cost["total_usd"] == pytest.approx(sum(e["usd"]["total"] for e in cost["regions"].values()), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_model_average_across_regions_matches_plain_pytorch(compile_cli, tmp_path: Path) -> None:
     build, out = tmp_path / "build", tmp_path / "run"
     workflow = compile_geo(compile_cli, build, "model-average")
@@ -184,7 +185,8 @@ def test_sync_across_regions_matches_plain_pytorch_and_every_region_holds_the_sa
     assert metrics["cost"]["wan"][f"{a}->{b}"]["gets"] >= iterations  # one read of the peer's sums each
 
 
-@pytest.mark.parametrize("faults", ["0", pytest.param("0.3", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("faults", ["0", "0.3"])
 def test_asgd_ga_applies_every_regions_every_round_once(compile_cli, tmp_path: Path, faults: str) -> None:
     build = tmp_path / "build"
     workflow = compile_geo(compile_cli, build, "asgd-ga")
@@ -304,6 +306,7 @@ def test_a_killed_run_of_several_regions_resumes_to_the_same_parameters(compile_
     assert all(torch.equal(whole[name], resumed[name]) for name in whole)
 
 
+@pytest.mark.slow
 def test_regions_keep_their_keys_in_their_own_redis_prefix(compile_cli, tmp_path: Path, redis_url: str) -> None:
     """One plain --storage URL for several regions: each region under its own prefix of it (Redis
     here), the functions reaching the other region's prefix as their peer's storage."""

@@ -89,6 +89,7 @@ def test_a_damaged_checkpoint_falls_back_and_ends_with_the_same_parameters(
     assert all(torch.equal(got[name], clean[name]) for name in clean), "not the clean run's parameters"
 
 
+@pytest.mark.slow
 def test_a_damaged_activation_fails_naming_its_key(pipeline, tmp_path: Path) -> None:
     result, build, workflow, _ = pipeline
     region = workflow.regions[0].name
@@ -109,6 +110,7 @@ def test_a_damaged_activation_fails_naming_its_key(pipeline, tmp_path: Path) -> 
         run_workers(build, workflow, storage, 0, 3, run="r", channel=Damaging, timeout=2)
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_with_one_line_and_valid_metrics(
     compile_cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -54,6 +54,7 @@ def local_run(build: Path, result: Any, workflow: Workflow, tmp_path: Path) -> d
     return load_file(out / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_openfaas_trains_through_the_synchronous_route_of_a_ce_gateway(two_stages, tmp_path: Path, monkeypatch) -> None:
     """Two runs through one CE-like gateway: cold handlers, then the same instances warm (as deployed
     functions stay between runs). Each replica holds exactly one call at a time, and each run trains
@@ -68,7 +69,6 @@ def test_openfaas_trains_through_the_synchronous_route_of_a_ce_gateway(two_stage
     token_file = tmp_path / "run.token"
     token_file.write_text(TOKEN + "\n")
     replicas = {f.name: f.replicas for f in workflow.regions[0].functions}
-    began = time.monotonic()
     with serve_gateway(
         handlers(build, workflow), {TOKEN_SECRET: TOKEN}, replicas=replicas, max_inflight=1, queue="ce"
     ) as gateway:
@@ -115,7 +115,6 @@ def test_openfaas_trains_through_the_synchronous_route_of_a_ce_gateway(two_stage
             assert all(0 < p["loss"] < 5 for p in metrics["progress"])
         # No instance ever ran two calls at once (the watchdog's max_inflight 1 held).
         assert all(w.most == 1 for ws in gateway.instances.values() for w in ws)
-    assert time.monotonic() - began < 90
 
 
 def test_the_ce_gateway_shape(tmp_path: Path) -> None:
@@ -190,7 +189,17 @@ def test_a_function_the_gateway_does_not_serve_fails_the_run(
     with serve_gateway({first.name: SimpleNamespace(handle=done)}, replicas={first.name: first.replicas}) as gateway:
         code = run_main(
             [
-                *(str(build), "--invoker", "openfaas", "--gateway", gateway.url, "--retries", "0"),
+                *(
+                    str(build),
+                    "--invoker",
+                    "openfaas",
+                    "--gateway",
+                    gateway.url,
+                    "--retries",
+                    "0",
+                    "--key-timeout",
+                    "600",
+                ),
                 *("--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q"),
             ]
         )
@@ -203,7 +212,7 @@ def test_a_function_the_gateway_does_not_serve_fails_the_run(
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["status"] == "failed" and f"{last.name} replica 0" in metrics["error"]
     assert not (tmp_path / "out" / "model.safetensors").exists()
-    assert time.monotonic() - began < 20
+    assert time.monotonic() - began < 300  # not the 600 s a wait for stage 1's keys would take
     assert {c.headers.get(TOKEN_HEADER) for c in gateway.calls} == {TOKEN}
     # The token is never printed nor written with the run's outputs.
     assert TOKEN not in err

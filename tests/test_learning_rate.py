@@ -126,6 +126,7 @@ def test_the_stretched_schedule_walks_every_rate_once_when_the_iterations_match(
     assert OptimizerSpec("SGD").learning_rate(3, 10) is None
 
 
+@pytest.mark.slow
 def test_a_run_trains_with_the_schedule_as_plain_pytorch_does(model_file, compile_cli, tmp_path: Path) -> None:
     """Compiled and run by cloudless-run over its whole length: the parameters of a plain loop that
     steps the model file's own scheduler after each optimizer step. `--check` holds the rates."""

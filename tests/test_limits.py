@@ -174,6 +174,7 @@ def test_a_model_too_big_for_the_stages_names_openfaas_ce_not_max_functions() ->
 # --- every plan is emitted -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_sam_build_of_more_than_40_workers_compiles_and_checks(compile_cli, tmp_path: Path) -> None:
     """The compile that used to die in codegen (an inline Map runs at most 40): the wide MLP's fastest plan
     with 48 replicas a stage, built for SAM only, runs its workers as a Distributed Map, and --check passes."""

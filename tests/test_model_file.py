@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,6 +218,21 @@ def test_summary_and_quiet(compile_cli, tmp_path: Path) -> None:
     code, stdout, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "--repeats", "0", "-q")
     assert code == 0 and stdout == "" and stderr == ""
     assert (tmp_path / "b" / "ir" / "graph.json").exists()
+
+
+@pytest.mark.slow
+def test_the_solvers_banner_and_log_print_only_with_verbose(tmp_path: Path) -> None:
+    """HiGHS prints its banner from C++ straight to the process's stdout: a fresh process tells."""
+    from .conftest import MODELS
+
+    compile_command = [sys.executable, "-m", "cloudless.compiler.cli", str(MODELS / "tricky.py"), "--repeats", "1"]
+    plain = subprocess.run([*compile_command, "-o", str(tmp_path / "a")], capture_output=True, text=True, check=True)
+    assert "plan  " in plain.stdout and "optimal" in plain.stdout
+    assert "HiGHS" not in plain.stdout.replace("HiGHS,", "") and "HiGHS" not in plain.stderr
+    verbose = subprocess.run(
+        [*compile_command, "-o", str(tmp_path / "b"), "--verbose"], capture_output=True, text=True, check=True
+    )
+    assert "Running HiGHS" in verbose.stdout
 
 
 def test_bad_option_values(compile_cli, tmp_path: Path) -> None:

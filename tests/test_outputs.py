@@ -329,6 +329,7 @@ def test_compile_refuses_a_stray_file_in_an_earlier_build_and_a_live_run(
     assert listing(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_recompile_keeps_the_runs_of_the_earlier_build(compile_cli: CompileCli, tmp_path: Path) -> None:
     build = tmp_path / "build"
     assert compile_cli(str(MLP), "-o", str(build), "-q", "--repeats", "1")[0] == 0

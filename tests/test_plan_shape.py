@@ -40,6 +40,7 @@ def wrapper(folder: Path, module: str, training: dict) -> Path:
 # --- the plan's micro-batch -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_export_model_is_verified_and_built_at_the_plans_micro_batch(compile_cli, tmp_path: Path) -> None:
     """Traced (and profiled) at 2, planned at 4: torch.export baked 2 into the reshapes, so the stages
     are traced again at 4; --verify checks the plan's split at 4 and the summary says so."""
@@ -124,10 +125,22 @@ def test_stages_with_a_plan_is_a_note_not_a_silent_override(compile_cli, tmp_pat
     [
         ({"global_batch_size": 8, "iterations": 5}, 5, "TRAINING['iterations']"),
         # 32 training samples (load_shard), 3 passes at 8 a step
-        ({"global_batch_size": 8, "epochs": 3}, 12, "TRAINING['epochs'] 3 of 32 samples at global batch 8"),
+        pytest.param(
+            {"global_batch_size": 8, "epochs": 3},
+            12,
+            "TRAINING['epochs'] 3 of 32 samples at global batch 8",
+            marks=pytest.mark.slow,
+        ),
         # ceil(32 / 12): the third iteration reaches into the next pass
-        ({"global_batch_size": 12, "micro_batch_sizes": [4], "epochs": 1}, 3, "TRAINING['epochs'] 1 of 32"),
-        ({"global_batch_size": 8}, 4, "default: one epoch of 32 samples at global batch 8"),
+        pytest.param(
+            {"global_batch_size": 12, "micro_batch_sizes": [4], "epochs": 1},
+            3,
+            "TRAINING['epochs'] 1 of 32",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"global_batch_size": 8}, 4, "default: one epoch of 32 samples at global batch 8", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_the_run_length_follows_training_and_the_summary_says_from_where(

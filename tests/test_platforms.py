@@ -529,6 +529,7 @@ def test_unknown_target_and_region_are_refused() -> None:
         render_region(make_workflow(), "aws-ap-south-1", {"sam"})
 
 
+@pytest.mark.slow
 def test_more_than_40_workers_run_as_a_distributed_map(tmp_path: Path) -> None:
     """Up to 40 workers an inline Map runs them at once; above, a Distributed Map (each worker a Standard child
     execution, the state machine allowed to start and follow them); above 10,000 nothing can."""
@@ -768,7 +769,9 @@ def test_credentials_are_refused(build: Path) -> None:
 # --- the state machine runs -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas", [(1, 2, 4), (1, 2, 38)], ids=["inline-map", "distributed-map"])
+@pytest.mark.parametrize(
+    "replicas", [(1, 2, 4), pytest.param((1, 2, 38), marks=pytest.mark.slow)], ids=["inline-map", "distributed-map"]
+)
 def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
     from moto import mock_aws

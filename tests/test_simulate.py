@@ -100,6 +100,7 @@ def test_pipelined_scatter_reduce_keeps_both_links_busy(replicas: int) -> None:
         assert timeline.busy(0, r, "download") == pytest.approx(bound, rel=0.01)
 
 
+@pytest.mark.slow
 def test_closed_form_agrees_with_the_simulator_on_random_plans() -> None:
     """Within 10% on every random plan, except 1F1B plans whose micro-batches in flight cannot cover
     a round trip: there the closed form is optimistic, and the evaluation says so."""
