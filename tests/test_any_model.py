@@ -26,10 +26,11 @@ MICRO_BATCH = 4
 GLOBAL_BATCH = 8
 ITERATIONS = 2
 
-#: the fast run keeps the awkward small model (the export path: tests/test_higher_order.py); CI runs them
-#: all (and LARGE, below)
+#: CI runs them all (and LARGE, below); the fast run trains pipelines with replicas in test_run.py and
+#: test_higher_order.py
 CASES = [
-    pytest.param(MODELS / "tricky.py", id="tricky"),  # tied weights across stages, BatchNorm, dict output
+    # tied weights across stages, BatchNorm, dict output
+    pytest.param(MODELS / "tricky.py", id="tricky", marks=pytest.mark.slow),
     pytest.param(MODELS / "loop.py", id="loop", marks=pytest.mark.slow),  # torch.export (fx cannot trace it)
     pytest.param(MODELS / "inplace.py", id="inplace", marks=pytest.mark.slow),  # in-place ops, BatchNorm buffers
     pytest.param(MODELS / "wide_mlp.py", id="wide_mlp", marks=pytest.mark.slow),

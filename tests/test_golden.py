@@ -94,9 +94,28 @@ def compile_case(compile_cli, case: str, output: Path) -> None:
     assert code == 0, stderr
 
 
+CREDENTIALS = re.compile(
+    rb"AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}|aws_secret_access_key\s*[=:]|aws_session_token\s*[=:]"
+    rb"|-----BEGIN [A-Z ]*PRIVATE KEY-----|password\s*[=:]\s*\S|secret_key\s*[=:]\s*\S",
+    re.IGNORECASE,
+)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_generated_tree_matches_golden(case: str, compile_cli, tmp_path: Path) -> None:
+def test_generated_tree_matches_golden_and_holds_no_credentials(
+    case: str, compile_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Credentials in the compiler's own environment must not leak into what it writes.
+    # Made up here, not committed as literals (a fake key still looks like a key to scanners).
+    key_id, secret = "AKIA" + "Q" * 16, "fake-" + "s" * 35
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     compile_case(compile_cli, case, tmp_path / "build")
+    for path in (tmp_path / "build").rglob("*"):
+        if path.is_file() and not path.name.endswith(".safetensors"):
+            data = path.read_bytes()
+            assert not CREDENTIALS.search(data), f"{path.relative_to(tmp_path)}: {CREDENTIALS.search(data)}"
+            assert key_id.encode() not in data and secret.encode() not in data
     got = tree(tmp_path / "build")
     if os.environ.get("UPDATE_GOLDENS") == "1":
         shutil.rmtree(GOLDEN / case, ignore_errors=True)
@@ -151,25 +170,3 @@ def test_check_command_passes_a_build_and_names_a_broken_key(compile_cli, tmp_pa
     code, _, stderr = compile_cli("--check", str(build))
     assert code == 2
     assert "regions/aws-us-east-1/stack.yaml" in stderr and "functions/mlp-digits-s0" in stderr and "langg" in stderr
-
-
-CREDENTIALS = re.compile(
-    rb"AKIA[0-9A-Z]{16}|ASIA[0-9A-Z]{16}|aws_secret_access_key\s*[=:]|aws_session_token\s*[=:]"
-    rb"|-----BEGIN [A-Z ]*PRIVATE KEY-----|password\s*[=:]\s*\S|secret_key\s*[=:]\s*\S",
-    re.IGNORECASE,
-)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_no_generated_file_holds_credentials(case: str, compile_cli, tmp_path: Path, monkeypatch) -> None:
-    # Credentials in the compiler's own environment must not leak into what it writes either.
-    # Made up here, not committed as literals (a fake key still looks like a key to scanners).
-    key_id, secret = "AKIA" + "Q" * 16, "fake-" + "s" * 35
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    compile_case(compile_cli, case, tmp_path / "build")
-    for path in (tmp_path / "build").rglob("*"):
-        if path.is_file() and not path.name.endswith(".safetensors"):
-            data = path.read_bytes()
-            assert not CREDENTIALS.search(data), f"{path.relative_to(tmp_path)}: {CREDENTIALS.search(data)}"
-            assert key_id.encode() not in data and secret.encode() not in data

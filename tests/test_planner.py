@@ -159,7 +159,7 @@ def test_pricing_bound_is_the_lp_relaxation() -> None:
         assert pricing.with_config[i] <= value * (1 + 1e-7)
 
 
-@pytest.mark.parametrize("objective", ["cost", "time", "cost-under-deadline", "time-under-budget"])
+@pytest.mark.parametrize("objective", ["cost", *slow("time", "cost-under-deadline", "time-under-budget")])
 def test_cbc_finds_the_optimum_highs_and_exhaustive_search_find(objective: str) -> None:
     """The adapter's CBC path (used when highspy is missing) solves the pipeline programs to the
     same optimum as HiGHS, in the same status vocabulary, and its plan is the exhaustive optimum."""
