@@ -81,7 +81,23 @@ REQUIREMENT_FILES = ("requirements.txt", "requirements-torch.txt", "requirements
 #: what a function runs, by package: the runtime modules (the controller and local runner stay out
 #: of the packages) and the ir modules they import
 VENDORED_MODULES = {
-    "runtimes": ("__init__", "data", "emulation", "secrets", "storage", "sync", "tensors", "worker"),
+    "runtimes": (
+        "__init__",
+        "checkpoints",
+        "data",
+        "emulation",
+        "failures",
+        "function_channel",
+        "pipeline_steps",
+        "region_sync",
+        "replica_sync",
+        "secrets",
+        "storage",
+        "sync",
+        "tensors",
+        "worker",
+        "worker_base",
+    ),
     "ir": ("__init__", "protocol", "schedule", "workflow"),
 }
 

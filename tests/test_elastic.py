@@ -24,7 +24,7 @@ from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.staging import trained_state
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.tensors import unpack
-from cloudless.runtimes.worker import weighted_mean
+from cloudless.runtimes.region_sync import weighted_mean
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import write_training_data
 from tests.test_geo_run import REGIONS, compile_geo, rewrite_workflow, run_geo
