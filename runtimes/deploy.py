@@ -37,8 +37,11 @@ from cloudless.ir.catalog import AWS_REGION_PREFIX
 from cloudless.ir.deployment import BUCKET_OUTPUT, STATE_MACHINE_OUTPUT, function_output, stack_name
 from cloudless.ir.workflow import Region, Workflow
 
-from .controller import Controller, Handle, Invocation, Invoker, RetryingChannel, RunError, RunSettings
+from .controller import Controller
 from .data import data_name
+from .invokers import Handle, Invocation, Invoker
+from .retrying_channel import RetryingChannel
+from .run_state import RunError, RunSettings
 from .staging import DataError, describe_staged, model_file_state, stage_data
 from .storage import Channel, open_channel
 

@@ -35,23 +35,14 @@ from cloudless.ir.folders import FolderError, check_output_folder, run_lock, wri
 from cloudless.ir.schema import SchemaError
 from cloudless.ir.workflow import Function, Workflow
 
-from .controller import (
-    Controller,
-    Invoker,
-    LambdaInvoker,
-    LocalProcessInvoker,
-    OpenFaaSInvoker,
-    Progress,
-    RegionRun,
-    RetryingChannel,
-    RunError,
-    RunSettings,
-    StorageError,
-)
+from .controller import Controller
 from .cost import data_moves, measured_cost
 from .data import data_name
 from .elastic import CapacityChange, RegionFailure, check_regions
 from .emulation import EmulatedChannel, Resources
+from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvoker
+from .retrying_channel import RetryingChannel, StorageError
+from .run_state import Progress, RegionRun, RunError, RunSettings
 from .staging import DataError, describe_staged, evaluate, model_file_state, stage_data, trained_state
 from .storage import Channel, open_channel
 from .tensors import unpack

@@ -18,13 +18,14 @@ import yaml
 from cloudless.ir import protocol
 from cloudless.ir.protocol import Invocation, global_key, global_owner, namespace
 from cloudless.ir.workflow import round_ends, round_meets
-from cloudless.runtimes.controller import Controller, RunSettings
+from cloudless.runtimes.controller import Controller
 from cloudless.runtimes.elastic import CapacityChange, RegionFailure, fit_replicas, share_iterations, slowdown
+from cloudless.runtimes.region_sync import weighted_mean
 from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.run_state import RunSettings
 from cloudless.runtimes.staging import trained_state
 from cloudless.runtimes.storage import DirectoryChannel
 from cloudless.runtimes.tensors import unpack
-from cloudless.runtimes.region_sync import weighted_mean
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import write_training_data
 from tests.test_geo_run import REGIONS, compile_geo, rewrite_workflow, run_geo

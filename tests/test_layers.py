@@ -27,7 +27,9 @@ VENDORED_IR = {f"cloudless.ir.{name}" for name in VENDORED_MODULES["ir"] if name
 def imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import in a file, relative imports resolved within its package."""
     found = []
-    package = ["cloudless", path.parent.name]
+    # the package's folders under the repository (codegen/checks -> cloudless.codegen.checks)
+    layer = [p for p in path.parents if p.parent == ROOT]
+    package = ["cloudless", *(path.parent.relative_to(ROOT).parts if layer else (path.parent.name,))]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.extend((node.lineno, alias.name) for alias in node.names)
@@ -42,7 +44,7 @@ def imports(path: Path) -> list[tuple[int, str]]:
 
 
 def layer_files(layer: str) -> list[Path]:
-    return sorted((ROOT / layer).glob("*.py"))
+    return sorted((ROOT / layer).rglob("*.py"))  # sub-packages too (codegen/checks/)
 
 
 @pytest.mark.parametrize("layer", LAYERS)
