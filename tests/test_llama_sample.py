@@ -114,14 +114,10 @@ def test_pipelined_build_trains_to_the_loss_target(compile_cli, tmp_path: Path) 
     catalog = write_local_catalog(tmp_path / "local.yaml")
     code, stdout, stderr = compile_cli(str(SAMPLE), "-o", str(build), "--verify", "-c", str(catalog), *PIPELINE_OPTIONS)
     assert code == 0, stderr
-    assert "traced with torch.export" in stdout
     plan = load_plan(build / "plan.json")
     assert len(plan.stages) == 2, stdout
     match = re.search(r"verified +2 stages.*largest gradient error (\S+)", stdout)
     assert match and float(match.group(1)) <= 1e-4, stdout
-    # the rotary embedding's no_grad region is in the generated code, as a grad-mode region
-    stage_code = "".join(p.read_text() for p in sorted(build.glob("regions/*/functions/*/stage.py")))
-    assert "with torch.set_grad_enabled(False):" in stage_code
 
     out = tmp_path / "run"
     assert run_main([str(build), "--out", str(out), "-q"]) == 0
