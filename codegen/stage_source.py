@@ -22,7 +22,7 @@ import builtins
 import importlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import fx
@@ -50,6 +50,11 @@ SUPPORTED_HIGHER_ORDER_OPS = frozenset(REGION_OPS) | CALL_OPS
 _RESERVED_CLASSES = {"Stage", "NoneType", "INPUTS", "OUTPUTS", "TENSORS"}
 
 
+#: a stage's tensor: a parameter it trains, a parameter the model froze (requires_grad=False: never
+#: trained, synced or checkpointed), or a buffer
+TensorKind = Literal["parameter", "frozen", "buffer"]
+
+
 @dataclass(frozen=True)
 class StageHeader:
     """What the generated file says about itself."""
@@ -61,8 +66,8 @@ class StageHeader:
     last_block: int
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    #: name -> (shape, dtype, trainable)
-    tensors: dict[str, tuple[tuple[int, ...], str, bool]]
+    #: name -> (shape, dtype, kind)
+    tensors: dict[str, tuple[tuple[int, ...], str, TensorKind]]
     #: the docstring's first line, when the module is not a pipeline stage (the loss, for example)
     title: str = ""
     #: small constant tensors written into the source (a module without a weights file: the loss)
@@ -107,8 +112,8 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
     preamble = _preamble(renderer.text(body), renderer.globals)
     forward = _indent(body)
     tensors = "\n".join(
-        f"    {name!r}: ({tuple(shape)!r}, {dtype!r}, {trainable!r}),"
-        for name, (shape, dtype, trainable) in header.tensors.items()
+        f"    {name!r}: ({tuple(shape)!r}, {dtype!r}, {kind!r}),"
+        for name, (shape, dtype, kind) in header.tensors.items()
     )
     title = header.title or (
         f"Stage {header.index} of {header.count} of {header.model}: blocks {header.first_block}-{header.last_block}."
@@ -124,7 +129,7 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         "",
         f"INPUTS = {header.inputs!r}",
         f"OUTPUTS = {header.outputs!r}",
-        "# name: (shape, dtype, trainable)",
+        "# name: (shape, dtype, kind): a trained parameter, a frozen one (requires_grad=False) or a buffer",
         "TENSORS = {",
         *([tensors] if tensors else []),
         "}",
@@ -134,8 +139,8 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         "class Stage(torch.nn.Module):",
         "    def __init__(self) -> None:",
         "        super().__init__()",
-        "        for name, (shape, dtype, trainable) in TENSORS.items():",
-        "            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), trainable)",
+        "        for name, (shape, dtype, kind) in TENSORS.items():",
+        "            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), kind)",
         *[
             # not state: load_state_dict of the (empty) weights leaves them as written
             f"        self.register_buffer({name!r}, torch.tensor({value.tolist()!r}, dtype=torch.{_dtype(value)})"
@@ -147,15 +152,15 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         forward.rstrip(),
         "",
         "",
-        "def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, trainable: bool) -> None:",
+        "def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str) -> None:",
         '    *path, leaf = name.split(".")',
         "    owner = root",
         "    for part in path:",
         "        if part not in owner._modules:",
         "            owner.add_module(part, torch.nn.Module())",
         "        owner = owner._modules[part]",
-        "    if trainable:",
-        "        owner.register_parameter(leaf, torch.nn.Parameter(tensor))",
+        "    if kind != 'buffer':",
+        "        owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=kind == 'parameter'))",
         "    else:",
         "        owner.register_buffer(leaf, tensor)",
         "",

@@ -73,6 +73,8 @@ class StageCode:
     outputs: tuple[str, ...]
     #: names of the trainable tensors in `state`
     trainable: tuple[str, ...] = ()
+    #: names of the frozen parameters in `state` (requires_grad=False in the model)
+    frozen: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class StageInterface:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     parameters: tuple[str, ...]
+    frozen: tuple[str, ...] = ()
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -269,6 +272,7 @@ def lower_plan(
                 inputs=stage.inputs,
                 outputs=stage.outputs,
                 shared_parameters=tuple(sorted(set(stage.parameters) & shared)),
+                frozen_parameters=stage.frozen,
             )
             for stage, choice in zip(stages, training.plan.stages, strict=True)
         )

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cloudless.codegen.platforms import TARGETS
-from cloudless.codegen.stage_source import StageHeader, render_stage_source
+from cloudless.codegen.stage_source import StageHeader, TensorKind, render_stage_source
 from cloudless.codegen.validate import check_build
 from cloudless.compiler.annotate import annotate, fetch_attr
 from cloudless.compiler.build import build_files, write_build
@@ -270,7 +270,7 @@ def lower(
     with preserved_state(front.model), torch.no_grad():
         flat_outputs = list(program.module(*pytree.tree_leaves(front.example_inputs)))
     loss = loss_source(model_file, program.out_spec, flat_outputs, front.example_targets)
-    interfaces = [StageInterface(s.index, s.inputs, s.outputs, s.trainable) for s in stages]
+    interfaces = [StageInterface(s.index, s.inputs, s.outputs, s.trainable, s.frozen) for s in stages]
     workflow = lower_plan(
         trainings,
         model_file,
@@ -338,8 +338,9 @@ def generate_stages(
         for name in _stage_tensor_names(inlined.module):
             tensor = fetch_attr(inlined.module, name)
             info = graph.parameters.get(name)
-            trainable = info.trainable if info else isinstance(tensor, nn.Parameter)
-            tensors[name] = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), trainable)
+            trainable = info.trainable if info else isinstance(tensor, nn.Parameter) and tensor.requires_grad
+            kind: TensorKind = "parameter" if trainable else "frozen" if isinstance(tensor, nn.Parameter) else "buffer"
+            tensors[name] = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), kind)
             state[name] = tensor.detach()  # loading a stage copies it; no clone needed
         header = StageHeader(
             model=graph.model,
@@ -355,9 +356,19 @@ def generate_stages(
             source = render_stage_source(inlined.module.graph, header)
         except ValueError as exc:  # a program the stage code cannot hold: the model's, not a crash
             raise CompileError(f"{graph.model}: stage {part.index} (blocks {first}-{last}): {exc}") from exc
-        trainable_names = tuple(name for name, (_, _, trainable) in tensors.items() if trainable)
+        of_kind = {k: tuple(n for n, (_, _, kind) in tensors.items() if kind == k) for k in ("parameter", "frozen")}
         stages.append(
-            StageCode(part.index, first, last, source, state, tuple(part.inputs), tuple(part.outputs), trainable_names)
+            StageCode(
+                part.index,
+                first,
+                last,
+                source,
+                state,
+                tuple(part.inputs),
+                tuple(part.outputs),
+                of_kind["parameter"],
+                of_kind["frozen"],
+            )
         )
     return tuple(stages)
 

@@ -55,7 +55,8 @@ class TracedProgram:
     out_spec: pytree.TreeSpec
     tracer: TracerName
     fx_error: str = ""
-    #: id(tensor held by `module`) -> (the user model's name for it, trainable). torch.export may
+    #: id(tensor held by `module`) -> (the user model's name for it, trainable: a parameter the model does
+    #: not freeze). torch.export may
     #: register a tied weight under its second name; everything downstream uses the model's first.
     tensor_names: dict[int, tuple[str, bool]] = field(default_factory=dict)
     #: every key of the user model's state_dict -> the name its tensor has downstream (a tied
@@ -206,7 +207,7 @@ def _model_names(module: torch.fx.GraphModule, model: nn.Module) -> dict[int, tu
     key = _memory
     by_memory: dict[tuple[Any, ...], tuple[str, bool]] = {}
     for name, p in model.named_parameters():
-        by_memory.setdefault(key(p), (name, True))
+        by_memory.setdefault(key(p), (name, p.requires_grad))  # a frozen parameter is not trained
     for name, b in model.named_buffers():
         by_memory.setdefault(key(b), (name, False))
     names: dict[int, tuple[str, bool]] = {}
@@ -216,7 +217,7 @@ def _model_names(module: torch.fx.GraphModule, model: nn.Module) -> dict[int, tu
     ]:
         if id(t) not in names:
             found = by_memory.get(key(t)) if t.numel() else None
-            names[id(t)] = found or (name, isinstance(t, nn.Parameter))
+            names[id(t)] = found or (name, isinstance(t, nn.Parameter) and t.requires_grad)
     for node in module.graph.nodes:  # lifted constants are attributes, not buffers
         if node.op == "get_attr":
             value = module

@@ -123,8 +123,12 @@ class Function:
     outputs: tuple[str, ...]
     #: parameters other stages also hold; their gradients are summed
     shared_parameters: tuple[str, ...]
+    #: parameters the model froze (requires_grad=False as build_model() returns them): never trained,
+    #: synced or checkpointed; they stay as the package's weights hold them
+    frozen_parameters: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
+        frozen = {"frozen_parameters": list(self.frozen_parameters)} if self.frozen_parameters else {}
         return {
             "name": self.name,
             "stage": self.stage,
@@ -138,6 +142,7 @@ class Function:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "shared_parameters": list(self.shared_parameters),
+            **frozen,
         }
 
     @classmethod
@@ -156,6 +161,7 @@ class Function:
             inputs=tuple(data["inputs"]),
             outputs=tuple(data["outputs"]),
             shared_parameters=tuple(data["shared_parameters"]),
+            frozen_parameters=tuple(data.get("frozen_parameters", ())),
         )
 
 

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from cloudless.ir import protocol
@@ -28,9 +29,11 @@ class Checkpoints(WorkerBase):
 
     # -- state -------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        values: dict[str, Any] = {f"{protocol.MODULE_PREFIX}{k}": v for k, v in self.module.state_dict().items()}
+        values: dict[str, Any] = {
+            f"{protocol.MODULE_PREFIX}{k}": v for k, v in self.module.state_dict().items() if k not in self.frozen
+        }
         names = {id(p): n for n, p in self.module.named_parameters()}
-        for param, state in self.optimizer.state.items():
+        for param, state in (self.optimizer.state if self.optimizer else {}).items():
             for key, value in state.items():
                 values[f"{protocol.OPTIMIZER_PREFIX}{names[id(param)]}/{key}"] = value
         if self.inter_region == "asgd-ga":
@@ -65,14 +68,19 @@ class Checkpoints(WorkerBase):
     def load_state(self, iteration: int, timeout: float) -> None:
         if iteration == 0:
             self.module.load_state_dict(load_file(self.package / "weights.safetensors"), strict=True)
-            self.optimizer.state.clear()
-            self.base_version = 0
-            return
-        values = unpack(self.channel.get(self.state_key(iteration), timeout))
-        self.module.load_state_dict(protocol.module_values(values), strict=True)
-        params = dict(self.module.named_parameters())
-        self.optimizer.state.clear()
+            values: dict[str, torch.Tensor] = {}
+        else:
+            values = unpack(self.channel.get(self.state_key(iteration), timeout))
+            frozen: dict[str, torch.Tensor] = {}
+            if self.frozen:  # not in checkpoints: as the package holds them
+                with safe_open(self.package / "weights.safetensors", "pt") as weights:
+                    frozen = {name: weights.get_tensor(name) for name in sorted(self.frozen)}
+            self.module.load_state_dict({**frozen, **protocol.module_values(values)}, strict=True)
         self.base_version = int(values[protocol.BASE_VERSION]) if protocol.BASE_VERSION in values else 0
+        if self.optimizer is None:
+            return
+        self.optimizer.state.clear()
+        params = dict(self.module.named_parameters())
         for key, value in values.items():
             if key.startswith(protocol.OPTIMIZER_PREFIX):
                 name, field = key.removeprefix(protocol.OPTIMIZER_PREFIX).rsplit("/", 1)

@@ -380,7 +380,7 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
     if failure is not None:
         metrics["error"] = str(failure)
     else:
-        state = final_model(lambda region: channels[region], workflow, run_id, totals)  # each region's bucket
+        state = final_model(build, lambda region: channels[region], workflow, run_id, totals)  # each region's bucket
         keyed, _ = model_file_state(build, state)
         save_file(keyed, str(out / "model.safetensors"))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True, allow_nan=False) + "\n")

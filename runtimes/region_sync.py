@@ -61,7 +61,7 @@ class RegionSync(WorkerBase):
 
     def _model(self) -> dict[str, torch.Tensor]:
         """What regions share: parameters and floating-point buffers (optimizer state stays local)."""
-        return {k: v for k, v in self.module.state_dict().items() if v.is_floating_point()}
+        return {k: v for k, v in self.module.state_dict().items() if v.is_floating_point() and k not in self.frozen}
 
     def _adopt(self, values: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -76,8 +76,10 @@ class RegionSync(WorkerBase):
         share of the iteration's samples (`Region.weight`), in region order, so that every region computes the same
         bits and takes the same optimizer step; it leaves the result for its replicas. Floating-point
         buffers are averaged alike."""
-        params = [p for _, p in self.module.named_parameters()]
+        params = [p for _, p in self.trained_parameters()]
         buffers = [b for _, b in self.module.named_buffers() if b.is_floating_point()]
+        if not params and not buffers:  # a stage of frozen parameters only: nothing its regions share
+            return
         result_key = protocol.cross_key(self.namespace, iteration, self.stage, "result")
         if replica != 0:
             total = unpack(self.channel.get(result_key, timeout))["flat"]

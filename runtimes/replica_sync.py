@@ -18,9 +18,9 @@ class ReplicaSync(WorkerBase):
     def _synchronise(self, iteration: int, replica: int, timeout: float) -> None:
         """Sum gradients over the stage's replicas (and average float buffers), then tied parameters'
         gradients over the stages that hold them."""
-        params = list(self.module.named_parameters())
+        params = self.trained_parameters()
         buffers = [(n, b) for n, b in self.module.named_buffers() if b.is_floating_point()]
-        if self.replicas > 1:
+        if self.replicas > 1 and (params or buffers):  # a stage of frozen parameters only syncs nothing
             flat = torch.cat(
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in params]
                 + [b.reshape(-1) / self.replicas for _, b in buffers]

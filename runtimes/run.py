@@ -43,7 +43,15 @@ from .emulation import EmulatedChannel, Resources
 from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvoker
 from .retrying_channel import RetryingChannel, StorageError
 from .run_state import Progress, RegionRun, RunError, RunSettings
-from .staging import DataError, describe_staged, evaluate, model_file_state, stage_data, trained_state
+from .staging import (
+    DataError,
+    describe_staged,
+    evaluate,
+    frozen_weights,
+    model_file_state,
+    stage_data,
+    trained_state,
+)
 from .storage import Channel, open_channel
 from .tensors import unpack
 
@@ -336,18 +344,24 @@ def region_location(base: str, region: str) -> str:
 
 
 def final_model(
-    channel: Channel | Callable[[str], Channel], workflow: Workflow, run_id: str, iterations: dict[str, int]
+    build: Path,
+    channel: Channel | Callable[[str], Channel],
+    workflow: Workflow,
+    run_id: str,
+    iterations: dict[str, int],
 ) -> dict[str, torch.Tensor]:
     """The trained model (original names). Several regions: after model averaging or synchronous
     SGD every region holds the same model; under ASGD-GA each stage's newest global version is the
-    model, and the region that wrote it last holds it. `channel`: the storage, or per region its own."""
+    model, and the region that wrote it last holds it. `channel`: the storage, or per region its own.
+    Frozen parameters are the packages' own (`build`)."""
     storage_of = channel if callable(channel) else lambda region: channel
     regions = [region for region in workflow.regions if region.name in iterations]  # those that stayed
     stages = regions[0].stages
+    state = frozen_weights(build, regions[0])
     if len(workflow.regions) == 1 or workflow.sync.inter_region != "asgd-ga":
         name = regions[0].name
-        return trained_state(storage_of(name), protocol.namespace(run_id, name), stages, iterations[name])
-    state: dict[str, torch.Tensor] = {}
+        state.update(trained_state(storage_of(name), protocol.namespace(run_id, name), stages, iterations[name]))
+        return state
     for s in range(stages):
         newest: tuple[int, dict[str, torch.Tensor]] | None = None
         for entry in regions:
@@ -572,7 +586,7 @@ def _train(
     test = None
     stayed = {name: at for name, at in controller.ends.items() if not controller.plans[name].left} or totals
     if failure is None:
-        state = final_model(controller.storage, workflow, run_id, stayed)
+        state = final_model(build, controller.storage, workflow, run_id, stayed)
         keyed, unused = model_file_state(build, state)
         save_file(keyed, str(out / "model.safetensors"))
         if unused and not args.quiet:

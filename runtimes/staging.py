@@ -18,12 +18,13 @@ from types import ModuleType
 from typing import Any, TypedDict
 
 import torch
+from safetensors import safe_open
 from torch.utils import _pytree as pytree
 
 from cloudless.ir import protocol
 from cloudless.ir.protocol import DATA_META, data_key
 from cloudless.ir.schedule import SHARD_SAMPLES
-from cloudless.ir.workflow import DataSource, Workflow
+from cloudless.ir.workflow import DataSource, Region, Workflow
 
 from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
 from .storage import Channel
@@ -152,6 +153,17 @@ def trained_state(channel: Channel, namespace: str, stages: int, iteration: int)
         values = unpack(channel.get(protocol.state_key(namespace, s, iteration), timeout=60))
         state.update(protocol.module_values(values))
     return state
+
+
+def frozen_weights(build: Path, region: Region) -> dict[str, torch.Tensor]:
+    """The region's frozen parameters (`Function.frozen_parameters`) as its packages hold them: never
+    trained, so in no checkpoint."""
+    frozen: dict[str, torch.Tensor] = {}
+    for function in region.functions:
+        if function.frozen_parameters:
+            with safe_open(build / function.package / "weights.safetensors", "pt") as weights:
+                frozen.update({name: weights.get_tensor(name) for name in function.frozen_parameters})
+    return frozen
 
 
 def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -144,14 +144,19 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
             name: [f.stage for f in functions if name in f.shared_parameters]
             for name in self.function.shared_parameters
         }
+        self.frozen = frozenset(self.function.frozen_parameters)
         stage_module = load_module(self.package / "stage.py", f"cloudless_stage_{self.stage}")
         self.inputs, self.outputs = list(stage_module.INPUTS), list(stage_module.OUTPUTS)
         self.module = stage_module.Stage()
         self.loss = None
         if self.last:
             self.loss = load_module(self.package / f"{workflow.data.loss}.py", "cloudless_loss").Stage()
-        self.optimizer = getattr(torch.optim, self.optimizer_spec.class_name)(
-            list(self.module.parameters()), **self.optimizer_spec.options
+        trained = [p for _, p in self.trained_parameters()]
+        # a stage of frozen parameters only (a frozen backbone's) has nothing to step
+        self.optimizer = (
+            getattr(torch.optim, self.optimizer_spec.class_name)(trained, **self.optimizer_spec.options)
+            if trained
+            else None
         )
         self._reader = None
         self._batch = (-1, [])  # (iteration, its samples in order)
@@ -376,12 +381,14 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
             with self._span(spans, CROSS_REGION_SPAN):
                 self._cross_reduce(iteration, replica, timeout)
         with self._span(spans, "step"):
-            rate = self.optimizer_spec.learning_rate(iteration, self.iterations)
-            if rate is not None:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = rate
-            self._model_code(iteration, "optimizer step", self.optimizer.step)
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer = self.optimizer
+            if optimizer is not None:
+                rate = self.optimizer_spec.learning_rate(iteration, self.iterations)
+                if rate is not None:
+                    for group in optimizer.param_groups:
+                        group["lr"] = rate
+                self._model_code(iteration, "optimizer step", optimizer.step)
+                optimizer.zero_grad(set_to_none=True)
             self._check_finite(iteration, [])
         if iteration + 1 in self.meets:
             assert self.inter_region is not None

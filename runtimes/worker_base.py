@@ -43,10 +43,12 @@ class WorkerBase:
     outputs: list[str]
     module: torch.nn.Module
     loss: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: the stage trains no parameter
     optimizer_spec: OptimizerSpec
     #: tied parameters of this stage -> the stages holding them
     holders: dict[str, list[int]]
+    #: parameters the model froze: as the package's weights hold them, never trained, synced or checkpointed
+    frozen: frozenset[str]
     # -- the run's settings ------------------------------------------------------------------------------
     seed: int
     global_batch: int
@@ -86,6 +88,10 @@ class WorkerBase:
     _reports: list[Future[None]]
     _link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None
     _ready: tuple[str, int, int] | None
+
+    def trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters the stage trains: not those the model froze (`Function.frozen_parameters`)."""
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.frozen]
 
     def _background(self) -> ThreadPoolExecutor:
         """Two threads for control requests off the critical path (reports, deletes, stop lookups)."""

@@ -463,7 +463,11 @@ def test_control_flow_sub_graphs_render_as_submodules() -> None:
         ("x",),
         ("out",),
         {
-            k: (tuple(v.shape), str(v.dtype).removeprefix("torch."), isinstance(v, nn.Parameter))
+            k: (
+                tuple(v.shape),
+                str(v.dtype).removeprefix("torch."),
+                "parameter" if isinstance(v, nn.Parameter) else "buffer",
+            )
             for k, v in tensors.items()
         },
     )

@@ -6,10 +6,12 @@ from __future__ import annotations
 import ast
 import json
 import math
+import typing
 from typing import Any
 
 from cloudless.codegen.checks.base import EDITED, MISSING, BuildContext, fail, function_key_of, shorten
 from cloudless.codegen.package import VENDORED_MODULES
+from cloudless.codegen.stage_source import TensorKind
 from cloudless.ir.workflow import Function, Region, Workflow
 
 #: safetensors dtype -> (the torch dtype name a generated stage's TENSORS gives, bytes per element)
@@ -64,10 +66,15 @@ def _first_difference(ours: Any, theirs: Any, where: str = "") -> tuple[str, Any
     return None if ours == theirs else (where or "(top level)", ours, theirs)
 
 
+#: a stage.py TENSORS entry: (shape, dtype, kind)
+StageTensor = tuple[tuple[int, ...], str, TensorKind]
+TENSOR_KINDS = typing.get_args(TensorKind)
+
+
 def check_packages(context: BuildContext, document: dict[str, Any], workflow: Workflow) -> None:
     """Each function's package holds what its worker loads, as workflow.yaml describes it."""
     for r, region in enumerate(workflow.regions):
-        tensors: dict[int, dict[str, tuple[tuple[int, ...], str, bool]]] = {}
+        tensors: dict[int, dict[str, StageTensor]] = {}
         for function in region.functions:
             last = function.stage == region.stages - 1
             _check_package_files(context, workflow, function, last)
@@ -166,9 +173,10 @@ def _names(value: Any) -> tuple[str, ...] | None:
 
 def _check_stage_module(
     context: BuildContext, document: dict[str, Any], r: int, function: Function
-) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+) -> dict[str, StageTensor]:
     """stage.py's INPUTS and OUTPUTS are the function's (the worker takes and sends those); its TENSORS
-    (name: (shape, dtype, trainable)), which Stage() installs, are returned."""
+    (name: (shape, dtype, kind)), which Stage() installs, are returned: its frozen parameters are the
+    function's `frozen_parameters` (the worker neither trains, syncs nor checkpoints them)."""
     file = f"{function.package}/stage.py"
     constants = _module_constants(context, file, ("INPUTS", "OUTPUTS", "TENSORS"))
     key = function_key_of(document, r, function.name)
@@ -193,17 +201,31 @@ def _check_stage_module(
         and isinstance(entry[0], tuple)
         and all(isinstance(n, int) and n >= 0 for n in entry[0])
         and isinstance(entry[1], str)
-        and isinstance(entry[2], bool)
+        and entry[2] in TENSOR_KINDS
         for name, entry in tensors.items()
     )
     if not well_formed:
-        fail(file, "TENSORS", f"not {{name: (shape, dtype, trainable)}}{context.note(file)}")
+        kinds = " or ".join(repr(k) for k in TENSOR_KINDS)
+        fail(file, "TENSORS", f"not {{name: (shape, dtype, kind)}} with kind {kinds}{context.note(file)}")
+    frozen = tuple(name for name, (_, _, kind) in tensors.items() if kind == "frozen")
+    if frozen != function.frozen_parameters:
+        workflow_key = f"{key}/frozen_parameters"
+        if context.culprit(file, "workflow.yaml") == file:
+            fail(
+                file,
+                "TENSORS",
+                f"frozen {list(frozen)}, but workflow.yaml has {list(function.frozen_parameters)} at "
+                f"{workflow_key}{context.note(file)}",
+            )
+        fail(
+            "workflow.yaml",
+            workflow_key,
+            f"{list(function.frozen_parameters)}, but stage.py's frozen TENSORS are {list(frozen)}{EDITED}",
+        )
     return tensors
 
 
-def _check_weights(
-    context: BuildContext, function: Function, tensors: dict[str, tuple[tuple[int, ...], str, bool]]
-) -> None:
+def _check_weights(context: BuildContext, function: Function, tensors: dict[str, StageTensor]) -> None:
     """weights.safetensors is whole (its header, and data to the last tensor's end) and holds exactly the
     tensors stage.py's TENSORS declares, with their shapes and dtypes: the worker loads it with
     load_state_dict(strict=True) into Stage(), which installs TENSORS. Only the header is read."""
@@ -287,14 +309,14 @@ def _check_shared(
     document: dict[str, Any],
     r: int,
     region: Region,
-    tensors: dict[int, dict[str, tuple[tuple[int, ...], str, bool]]],
+    tensors: dict[int, dict[str, StageTensor]],
 ) -> None:
     """A tied parameter is a trainable tensor of every stage that lists it, and every stage holding it lists
     it: the stages that list it sum their gradients, and one left out would train its copy apart."""
     shared = {name for function in region.functions for name in function.shared_parameters}
     for function in region.functions:
         key = f"{function_key_of(document, r, function.name)}/shared_parameters"
-        held = {name for name, (_, _, trainable) in tensors[function.stage].items() if trainable}
+        held = {name for name, (_, _, kind) in tensors[function.stage].items() if kind == "parameter"}
         for name in function.shared_parameters:
             if name not in held:
                 fail(

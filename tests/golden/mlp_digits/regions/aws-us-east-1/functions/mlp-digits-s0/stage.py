@@ -7,22 +7,22 @@ import torch
 
 INPUTS = ('input_1',)
 OUTPUTS = ('linear_2',)
-# name: (shape, dtype, trainable)
+# name: (shape, dtype, kind): a trained parameter, a frozen one (requires_grad=False) or a buffer
 TENSORS = {
-    '0.weight': ((128, 64), 'float32', True),
-    '0.bias': ((128,), 'float32', True),
-    '2.weight': ((64, 128), 'float32', True),
-    '2.bias': ((64,), 'float32', True),
-    '4.weight': ((10, 64), 'float32', True),
-    '4.bias': ((10,), 'float32', True),
+    '0.weight': ((128, 64), 'float32', 'parameter'),
+    '0.bias': ((128,), 'float32', 'parameter'),
+    '2.weight': ((64, 128), 'float32', 'parameter'),
+    '2.bias': ((64,), 'float32', 'parameter'),
+    '4.weight': ((10, 64), 'float32', 'parameter'),
+    '4.bias': ((10,), 'float32', 'parameter'),
 }
 
 
 class Stage(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        for name, (shape, dtype, trainable) in TENSORS.items():
-            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), trainable)
+        for name, (shape, dtype, kind) in TENSORS.items():
+            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), kind)
 
     def forward(self, input_1):
         _0_weight = getattr(self, "0").weight
@@ -39,14 +39,14 @@ class Stage(torch.nn.Module):
         return (linear_2,)
 
 
-def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, trainable: bool) -> None:
+def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str) -> None:
     *path, leaf = name.split(".")
     owner = root
     for part in path:
         if part not in owner._modules:
             owner.add_module(part, torch.nn.Module())
         owner = owner._modules[part]
-    if trainable:
-        owner.register_parameter(leaf, torch.nn.Parameter(tensor))
+    if kind != 'buffer':
+        owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=kind == 'parameter'))
     else:
         owner.register_buffer(leaf, tensor)

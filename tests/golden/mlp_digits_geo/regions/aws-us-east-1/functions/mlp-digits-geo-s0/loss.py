@@ -7,7 +7,7 @@ import torch
 
 INPUTS = ('output_0', 'target_0')
 OUTPUTS = ('loss',)
-# name: (shape, dtype, trainable)
+# name: (shape, dtype, kind): a trained parameter, a frozen one (requires_grad=False) or a buffer
 TENSORS = {
 }
 
@@ -15,22 +15,22 @@ TENSORS = {
 class Stage(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        for name, (shape, dtype, trainable) in TENSORS.items():
-            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), trainable)
+        for name, (shape, dtype, kind) in TENSORS.items():
+            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), kind)
 
     def forward(self, output_0, target_0):
         cross_entropy = torch.nn.functional.cross_entropy(output_0, target_0, weight = None, size_average = None, ignore_index = -100, reduce = None, reduction = 'mean', label_smoothing = 0.0);  output_0 = target_0 = None
         return (cross_entropy,)
 
 
-def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, trainable: bool) -> None:
+def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str) -> None:
     *path, leaf = name.split(".")
     owner = root
     for part in path:
         if part not in owner._modules:
             owner.add_module(part, torch.nn.Module())
         owner = owner._modules[part]
-    if trainable:
-        owner.register_parameter(leaf, torch.nn.Parameter(tensor))
+    if kind != 'buffer':
+        owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=kind == 'parameter'))
     else:
         owner.register_buffer(leaf, tensor)

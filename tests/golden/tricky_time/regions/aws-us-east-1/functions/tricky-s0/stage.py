@@ -7,28 +7,28 @@ import torch
 
 INPUTS = ('tokens', 'scale')
 OUTPUTS = ('linear_4', 'add')
-# name: (shape, dtype, trainable)
+# name: (shape, dtype, kind): a trained parameter, a frozen one (requires_grad=False) or a buffer
 TENSORS = {
-    'embed.weight': ((50, 16), 'float32', True),
-    'proj.weight': ((16, 16), 'float32', True),
-    'proj.bias': ((16,), 'float32', True),
-    'norm.weight': ((16,), 'float32', True),
-    'norm.bias': ((16,), 'float32', True),
-    'norm.running_mean': ((16,), 'float32', False),
-    'norm.running_var': ((16,), 'float32', False),
-    'norm.num_batches_tracked': ((), 'int64', False),
-    'mix.0.weight': ((32, 16), 'float32', True),
-    'mix.0.bias': ((32,), 'float32', True),
-    'mix.2.weight': ((16, 32), 'float32', True),
-    'mix.2.bias': ((16,), 'float32', True),
+    'embed.weight': ((50, 16), 'float32', 'parameter'),
+    'proj.weight': ((16, 16), 'float32', 'parameter'),
+    'proj.bias': ((16,), 'float32', 'parameter'),
+    'norm.weight': ((16,), 'float32', 'parameter'),
+    'norm.bias': ((16,), 'float32', 'parameter'),
+    'norm.running_mean': ((16,), 'float32', 'buffer'),
+    'norm.running_var': ((16,), 'float32', 'buffer'),
+    'norm.num_batches_tracked': ((), 'int64', 'buffer'),
+    'mix.0.weight': ((32, 16), 'float32', 'parameter'),
+    'mix.0.bias': ((32,), 'float32', 'parameter'),
+    'mix.2.weight': ((16, 32), 'float32', 'parameter'),
+    'mix.2.bias': ((16,), 'float32', 'parameter'),
 }
 
 
 class Stage(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        for name, (shape, dtype, trainable) in TENSORS.items():
-            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), trainable)
+        for name, (shape, dtype, kind) in TENSORS.items():
+            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), kind)
 
     def forward(self, tokens, scale):
         embed_weight = self.embed.weight
@@ -60,14 +60,14 @@ class Stage(torch.nn.Module):
         return (linear_4, add)
 
 
-def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, trainable: bool) -> None:
+def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str) -> None:
     *path, leaf = name.split(".")
     owner = root
     for part in path:
         if part not in owner._modules:
             owner.add_module(part, torch.nn.Module())
         owner = owner._modules[part]
-    if trainable:
-        owner.register_parameter(leaf, torch.nn.Parameter(tensor))
+    if kind != 'buffer':
+        owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=kind == 'parameter'))
     else:
         owner.register_buffer(leaf, tensor)

@@ -7,24 +7,24 @@ import torch
 
 INPUTS = ('relu_2',)
 OUTPUTS = ('linear_6',)
-# name: (shape, dtype, trainable)
+# name: (shape, dtype, kind): a trained parameter, a frozen one (requires_grad=False) or a buffer
 TENSORS = {
-    '6.weight': ((1024, 1024), 'float32', True),
-    '6.bias': ((1024,), 'float32', True),
-    '8.weight': ((1024, 1024), 'float32', True),
-    '8.bias': ((1024,), 'float32', True),
-    '10.weight': ((1024, 1024), 'float32', True),
-    '10.bias': ((1024,), 'float32', True),
-    '12.weight': ((10, 1024), 'float32', True),
-    '12.bias': ((10,), 'float32', True),
+    '6.weight': ((1024, 1024), 'float32', 'parameter'),
+    '6.bias': ((1024,), 'float32', 'parameter'),
+    '8.weight': ((1024, 1024), 'float32', 'parameter'),
+    '8.bias': ((1024,), 'float32', 'parameter'),
+    '10.weight': ((1024, 1024), 'float32', 'parameter'),
+    '10.bias': ((1024,), 'float32', 'parameter'),
+    '12.weight': ((10, 1024), 'float32', 'parameter'),
+    '12.bias': ((10,), 'float32', 'parameter'),
 }
 
 
 class Stage(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        for name, (shape, dtype, trainable) in TENSORS.items():
-            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), trainable)
+        for name, (shape, dtype, kind) in TENSORS.items():
+            _install(self, name, torch.empty(shape, dtype=getattr(torch, dtype)), kind)
 
     def forward(self, relu_2):
         _6_weight = getattr(self, "6").weight
@@ -45,14 +45,14 @@ class Stage(torch.nn.Module):
         return (linear_6,)
 
 
-def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, trainable: bool) -> None:
+def _install(root: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str) -> None:
     *path, leaf = name.split(".")
     owner = root
     for part in path:
         if part not in owner._modules:
             owner.add_module(part, torch.nn.Module())
         owner = owner._modules[part]
-    if trainable:
-        owner.register_parameter(leaf, torch.nn.Parameter(tensor))
+    if kind != 'buffer':
+        owner.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=kind == 'parameter'))
     else:
         owner.register_buffer(leaf, tensor)

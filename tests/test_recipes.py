@@ -1,0 +1,147 @@
+"""Fine-tuning recipes train as a plain PyTorch loop trains them, in a pipeline with replicas.
+
+Frozen parameters (requires_grad=False as build_model() returns them) stay exactly as built: no
+gradient, no optimizer state, no weight decay, no replica sync, no checkpoint of them."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cloudless.codegen.validate import BuildCheckError, check_build
+from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
+from cloudless.ir import protocol
+from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.worker import StageWorker
+from tests.runtime_cases import reference_training, write_packages, write_training_data
+
+FROZEN_BACKBONE = """
+    import torch
+    from torch import nn
+
+    TRAINING = {"global_batch_size": 8, "micro_batch_sizes": [2], "iterations": 3}
+
+
+    def build_model() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+        )
+        for param in model[:3].parameters():  # a frozen backbone, as a fine-tuning recipe freezes one
+            param.requires_grad_(False)
+        return model
+
+
+    def example_inputs(batch_size: int):
+        return (torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(0)),)
+
+
+    def example_targets(batch_size: int):
+        return torch.randint(0, 4, (batch_size,), generator=torch.Generator().manual_seed(1))
+
+
+    def make_optimizer(params):
+        # weight decay moves any parameter the optimizer holds and steps with a gradient, even a zero one
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, count: int) -> None:
+            self.inputs, self.targets = example_inputs(count), example_targets(count)
+
+        def __len__(self) -> int:
+            return len(self.targets)
+
+        def __getitem__(self, i: int):
+            return (self.inputs[0][i],), self.targets[i]
+
+
+    def load_shard(region: str, split: str) -> Rows:
+        return Rows(32 if split == "train" else 8)
+"""
+
+FROZEN_NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory: pytest.TempPathFactory) -> FrontEnd:
+    path = tmp_path_factory.mktemp("frozen") / "model.py"
+    path.write_text(textwrap.dedent(FROZEN_BACKBONE))
+    return run_front_end(FrontEndOptions(path, profile_repeats=0))
+
+
+def test_frozen_parameters_are_planned_as_weights_only(frozen: FrontEnd) -> None:
+    """The planner's memory and sync terms count trainable parameters only."""
+    trainable = sum(p.numel() * 4 for n, p in frozen.model_file.build_model().named_parameters() if p.requires_grad)
+    assert frozen.graph.param_bytes == trainable
+    assert {n for n, p in frozen.graph.parameters.items() if not p.trainable} == set(FROZEN_NAMES)
+    assert sum(b.param_bytes for b in frozen.chain.blocks) == trainable
+
+
+@pytest.mark.slow
+def test_a_frozen_backbone_trains_in_a_replicated_pipeline_as_plain_pytorch(frozen: FrontEnd, tmp_path: Path) -> None:
+    last = len(frozen.chain.blocks) - 1
+    cut = next(b.index for b in frozen.chain.blocks if "3.weight" in {*b.params} or b.index == last // 2)
+    build = tmp_path / "build"
+    workflow = write_packages(
+        frozen, build, [(0, cut, 2), (cut + 1, last, 2)], micro_batch=2, global_batch=8, iterations=3
+    )
+    functions = workflow.regions[0].functions
+    held = {name for f in functions for name in f.frozen_parameters}
+    assert held == set(FROZEN_NAMES) and all(f.replicas == 2 for f in functions)
+    stage_source = (build / functions[0].package / "stage.py").read_text()
+    assert "'0.weight': ((16, 8), 'float32', 'frozen')" in stage_source
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(frozen.model_file.path), "-q"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "done" and len(metrics["progress"]) == 3
+    params = load_file(out / "model.safetensors")
+    expected = reference_training(frozen, workflow, workflow.regions[0].name)
+    assert set(params) == set(expected)
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    built = frozen.model_file.build_model().state_dict()
+    for name in FROZEN_NAMES:  # exactly as built: not a rounding's difference
+        assert torch.equal(params[name], built[name]), name
+    assert not torch.equal(params["6.weight"], built["6.weight"])  # the head trained
+
+
+def test_no_checkpoint_or_optimizer_state_holds_a_frozen_parameter(frozen: FrontEnd, tmp_path: Path) -> None:
+    build = tmp_path / "build"
+    last = len(frozen.chain.blocks) - 1
+    workflow = write_packages(frozen, build, [(0, last, 1)], micro_batch=2, global_batch=8, iterations=2)
+    function = workflow.regions[0].functions[0]
+    storage = DirectoryChannel(tmp_path / "storage")
+    write_training_data(frozen, storage, workflow.regions[0].name)
+    worker = StageWorker(build / function.package, storage)
+    assert [name for name, _ in worker.trained_parameters()] == ["4.weight", "4.bias", "6.weight", "6.bias"]
+    result = worker.run(0, 2, 0, timeout=30)
+    assert result.status == "done"
+    state = worker._state()
+    assert not any(name.endswith(f"/{frozen_name}") for name in state for frozen_name in FROZEN_NAMES), sorted(state)
+    assert any(key.startswith(protocol.OPTIMIZER_PREFIX + "6.weight/") for key in state)
+    # a worker resuming from that checkpoint gets the frozen weights from its package
+    resumed = StageWorker(build / function.package, storage)
+    resumed.load_state(2, timeout=5)
+    for name, value in worker.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[name], value), name
+
+
+def test_check_finds_a_frozen_flag_that_does_not_match_the_workflow(
+    frozen: FrontEnd, compile_cli, tmp_path: Path
+) -> None:
+    build = tmp_path / "build"
+    code, _, stderr = compile_cli(str(frozen.model_file.path), "-o", str(build), "--repeats", "1", "-q")
+    assert code == 0, stderr
+    check_build(build)
+    (stage,) = build.glob("regions/*/functions/*-s0/stage.py")
+    assert "'0.weight': ((16, 8), 'float32', 'frozen')" in stage.read_text()
+    stage.write_text(stage.read_text().replace("((16, 8), 'float32', 'frozen')", "((16, 8), 'float32', 'parameter')"))
+    with pytest.raises(BuildCheckError, match=r"stage\.py: key TENSORS: frozen \['0\.bias', '2\.weight', '2\.bias'\]"):
+        check_build(build)
