@@ -55,17 +55,63 @@ def load_model_module(path: Path) -> ModuleType:
     return module
 
 
+def _leaf_specs(example: Any) -> list[tuple[str, tuple[int, ...]] | type]:
+    """Per leaf of a batch from example_inputs / example_targets: a tensor's dtype and shape without
+    the batch dimension (what one sample of the data must have), else the leaf's type."""
+    return [
+        (str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape[1:]))
+        if isinstance(leaf, torch.Tensor)
+        else type(leaf)
+        for leaf in pytree.tree_leaves(example)
+    ]
+
+
+def _mismatch(what: str, leaves: list[Any], expected: list[tuple[str, tuple[int, ...]] | type]) -> str | None:
+    """How one sample's `leaves` differ from what the example batch says, or None."""
+    if len(leaves) != len(expected):
+        return f"{len(leaves)} {what} tensors, but the example gives {len(expected)}"
+    for index, (leaf, spec) in enumerate(zip(leaves, expected, strict=True)):
+        if isinstance(spec, tuple):
+            if not isinstance(leaf, torch.Tensor):
+                return f"{what} {index} is a {type(leaf).__name__}, but the example's is a tensor"
+            found = (str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape))
+            if found != spec:
+                return (
+                    f"{what} {index} is {found[0]} of shape {list(found[1])}, but the example's is {spec[0]} of shape "
+                    f"{list(spec[1])} (without the batch dimension)"
+                )
+        elif not isinstance(leaf, spec):
+            return f"{what} {index} is a {type(leaf).__name__}, but the example's is a {spec.__name__}"
+    return None
+
+
 def _samples(module: ModuleType, path: Path, region: str, split: str, first: int = 0, count: int | None = None) -> Any:
+    """load_shard(region, split)'s samples first..first+count-1 as (flat inputs, flat targets), each
+    checked against what example_inputs and example_targets give (one sample of the batch): data that
+    does not fit the compiled stages is an error here, naming the sample, not at a function's first step."""
     try:
         dataset = module.load_shard(region, split)
         stop = len(dataset) if count is None else first + count
         if stop > len(dataset):
             raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(dataset)}")
-        for i in range(first, stop):
-            inputs, target = dataset[i]
-            yield pytree.tree_leaves(inputs), pytree.tree_leaves(target)
+        make_inputs, make_targets = getattr(module, "example_inputs", None), getattr(module, "example_targets", None)
+        expected_inputs = _leaf_specs(make_inputs(1)) if make_inputs is not None else None
+        expected_targets = _leaf_specs(make_targets(1)) if make_targets is not None else None
     except Exception as exc:  # noqa: BLE001 - reported with the file and the call
         raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
+    for i in range(first, stop):
+        try:
+            inputs, target = dataset[i]
+        except Exception as exc:  # noqa: BLE001 - reported with the file and the call
+            what = f"load_shard({region!r}, {split!r})[{i}] failed: {type(exc).__name__}: {exc}"
+            raise DataError(f"{path}: {what}") from exc
+        sample = pytree.tree_leaves(inputs), pytree.tree_leaves(target)
+        wrong = _mismatch("input", sample[0], expected_inputs) if expected_inputs is not None else None
+        if wrong is None and expected_targets is not None:
+            wrong = _mismatch("target", sample[1], expected_targets)
+        if wrong is not None:
+            raise DataError(f"{path}: load_shard({region!r}, {split!r})[{i}]: {wrong}")
+        yield sample
 
 
 class StagedData(TypedDict):

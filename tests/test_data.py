@@ -14,7 +14,7 @@ import torch
 from cloudless.ir.protocol import DATA_META, data_key, shard_name
 from cloudless.ir.schedule import epoch_permutation, sample_indices
 from cloudless.runtimes.data import SplitChangedError, SplitReader, write_split
-from cloudless.runtimes.staging import StagedData, describe_staged, stage_data
+from cloudless.runtimes.staging import DataError, StagedData, describe_staged, stage_data
 from cloudless.runtimes.storage import DirectoryChannel
 
 
@@ -235,3 +235,31 @@ def test_the_banner_shows_samples_fingerprints_and_what_was_done(tmp_path: Path,
     banner = describe_staged(again)
     assert re.fullmatch(r"data: train 13 samples \(sha256:[0-9a-f]{12}, restaged\), no test split \(.*\)", banner)
     assert "\n" not in banner and len(banner) < 200
+
+
+EXAMPLES = """
+def example_inputs(batch_size):
+    return (torch.zeros(batch_size, {features}),)
+
+
+def example_targets(batch_size):
+    return torch.zeros(batch_size, dtype=torch.{target_dtype})
+"""
+
+
+def test_staged_samples_are_checked_against_the_examples(tmp_path: Path, versions: Callable[..., Path]) -> None:
+    """A sample that does not fit example_inputs / example_targets (one sample of their batch) is one
+    error naming the split, the sample and the difference, before anything is written."""
+    fits = versions(extra=EXAMPLES.format(features=3, target_dtype="int64"))
+    assert stage(tmp_path / "fits", fits)[1]["train"] == 13
+    shape = "but the example's is float32 of shape"
+    for features, dtype, message in (
+        (4, "int64", f"input 0 is float32 of shape [3], {shape} [4] (without the batch dimension)"),
+        (3, "float32", f"target 0 is int64 of shape [], {shape} [] (without the batch dimension)"),
+    ):
+        model = versions(extra=EXAMPLES.format(features=features, target_dtype=dtype))
+        channel = RecordingChannel(tmp_path / f"{features}-{dtype}")
+        with pytest.raises(DataError) as caught:
+            stage_data(channel, "r", model, shard_samples=SHARD)
+        assert str(caught.value) == f"{model}: load_shard('r', 'train')[0]: {message}"
+        assert channel.writes == []

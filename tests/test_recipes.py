@@ -145,3 +145,26 @@ def test_check_finds_a_frozen_flag_that_does_not_match_the_workflow(
     stage.write_text(stage.read_text().replace("((16, 8), 'float32', 'frozen')", "((16, 8), 'float32', 'parameter')"))
     with pytest.raises(BuildCheckError, match=r"stage\.py: key TENSORS: frozen \['0\.bias', '2\.weight', '2\.bias'\]"):
         check_build(build)
+
+
+def test_data_that_does_not_fit_the_examples_stops_the_run_before_any_function(
+    frozen: FrontEnd, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's case: a load_shard item wider than example_inputs used to fail inside a function at
+    iteration 0 with torch's matmul message."""
+    build = tmp_path / "build"
+    last = len(frozen.chain.blocks) - 1
+    write_packages(frozen, build, [(0, last, 1)], micro_batch=2, global_batch=8, iterations=1)
+    wide = tmp_path / "wide.py"
+    wide.write_text(
+        frozen.model_file.path.read_text().replace(
+            "return (self.inputs[0][i],), self.targets[i]", "return (torch.zeros(9),), self.targets[i]"
+        )
+    )
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(wide), "-q"]) == 2
+    assert capsys.readouterr().err == (
+        f"cloudless-run: {wide}: load_shard('aws-us-east-1', 'train')[0]: input 0 is float32 of shape [9], but the "
+        "example's is float32 of shape [8] (without the batch dimension)\n"
+    )
+    assert not (out / "logs").exists()  # no function started
