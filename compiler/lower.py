@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.cost_model import Plan, checkpoint_interval
 from cloudless.compiler.errors import CompileError
-from cloudless.compiler.model_file import ModelFile, probe_learning_rates, probe_optimizer
+from cloudless.compiler.model_file import ModelFile, probe_learning_rates, probe_optimizer, probe_parameter_groups
 from cloudless.compiler.trace import trace_model
 from cloudless.ir import catalog
 from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES
@@ -106,10 +106,14 @@ def slug(text: str, limit: int = 40) -> str:
     return label[:limit].rstrip("-")
 
 
-def describe_optimizer(model_file: ModelFile, iterations: int) -> OptimizerSpec:
+def describe_optimizer(model_file: ModelFile, iterations: int, model: nn.Module) -> OptimizerSpec:
     """The model file's optimizer as the workflow names it: a torch.optim class and its options,
-    and its scheduler's learning rate at each of the run's `iterations`."""
+    and its scheduler's learning rate at each of the run's `iterations`; with several parameter
+    groups, each group's parameters (of `model`, by name), options and rates."""
     probe = probe_optimizer(model_file)
+    groups = probe_parameter_groups(model_file, model, iterations)
+    if groups:
+        return OptimizerSpec(probe.class_name, probe.options, None, groups)
     return OptimizerSpec(probe.class_name, probe.options, probe_learning_rates(model_file, iterations))
 
 

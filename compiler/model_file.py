@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cloudless.compiler.errors import ModelFileError, describe, display_path, frame_location, user_frame
+from cloudless.ir.workflow import ParameterGroup
 
 TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "global_batch_size": int,
@@ -240,11 +241,48 @@ def _type_name(expected: type | tuple[type, ...]) -> str:
     return expected.__name__
 
 
+#: make_optimizer's first argument, when so named, is the model's (name, parameter) pairs (as
+#: `model.named_parameters()` gives them), for groups chosen by name; otherwise its parameters
+NAMED_PARAMETERS = "named_parameters"
+
+
+def takes_named_parameters(model_file: ModelFile) -> bool:
+    """Whether make_optimizer's first argument is named `named_parameters` (see NAMED_PARAMETERS)."""
+    if model_file.make_optimizer is None:
+        return False
+    try:
+        first = next(iter(inspect.signature(model_file.make_optimizer).parameters), None)
+    except (TypeError, ValueError):
+        return False
+    return first == NAMED_PARAMETERS
+
+
+def make_model_optimizer(model_file: ModelFile, named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    """The model file's optimizer over the parameters `named` (the default SGD when it makes none),
+    called as a plain PyTorch loop calls it: with the parameters, or with (name, parameter) pairs."""
+    if model_file.make_optimizer is None:
+        lr = float(model_file.training.get("learning_rate", DEFAULT_LEARNING_RATE))
+        return torch.optim.SGD([p for _, p in named], lr=lr)
+    argument = named if takes_named_parameters(model_file) else [p for _, p in named]
+    return model_file.call("make_optimizer", argument)
+
+
 def _optimizer_of(model_file: ModelFile, probe: nn.Parameter) -> torch.optim.Optimizer:
     """The model file's optimizer over `probe` (the default SGD when it makes none)."""
-    if model_file.make_optimizer is None:
-        return torch.optim.SGD([probe], lr=float(model_file.training.get("learning_rate", DEFAULT_LEARNING_RATE)))
-    return model_file.call("make_optimizer", [probe])
+    return make_model_optimizer(model_file, [("probe", probe)])
+
+
+def _option_value(model_file: ModelFile, key: str, value: Any) -> Any:
+    """An optimizer option as workflow.yaml writes it (a one-element tensor as its number, a tuple as a list)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, tuple):
+        value = list(value)
+    if value is None or isinstance(value, bool | int | float | str | list):
+        return value
+    raise ModelFileError(
+        f"{model_file.name}: make_optimizer's option {key}={value!r} cannot be written to workflow.yaml"
+    )
 
 
 def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
@@ -261,10 +299,10 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
             f"{model_file.name}: make_optimizer returned {cls.__module__}.{cls.__qualname__}; the functions "
             "rebuild the optimizer from its torch.optim class and options, so return a torch.optim optimizer"
         )
-    if len(optimizer.param_groups) != 1:
-        raise ModelFileError(f"{model_file.name}: make_optimizer made {len(optimizer.param_groups)} parameter groups")
     options: dict[str, Any] = {}
-    group = optimizer.param_groups[0]
+    # One group: its options are the constructor's (a group dict may set them); several: each group's own
+    # are its `ParameterGroup.options` (probe_parameter_groups), beside the constructor's defaults.
+    group = optimizer.param_groups[0] if len(optimizer.param_groups) == 1 else optimizer.defaults
     # Only what the constructor takes: the functions call cls(params, **options), and some classes
     # keep defaults their constructor does not accept (AdamW's `decoupled_weight_decay`).
     signature = inspect.signature(cls.__init__).parameters
@@ -272,17 +310,7 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     for key in sorted(optimizer.defaults):
         if not takes_any and key not in signature:
             continue
-        value = group.get(key, optimizer.defaults[key])
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, tuple):
-            value = list(value)
-        if value is None or isinstance(value, bool | int | float | str | list):
-            options[key] = value
-        else:
-            raise ModelFileError(
-                f"{model_file.name}: make_optimizer's option {key}={value!r} cannot be written to workflow.yaml"
-            )
+        options[key] = _option_value(model_file, key, group.get(key, optimizer.defaults[key]))
     probe.grad = torch.ones_like(probe)
     try:
         optimizer.step()
@@ -297,15 +325,23 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
 def probe_learning_rates(model_file: ModelFile, iterations: int) -> tuple[float, ...] | None:
     """Each iteration's learning rate under the model file's `make_scheduler(optimizer, iterations)`,
     stepped once after each optimizer step as a PyTorch loop does: the functions set it from this
-    list, so they never run the model file's code. None without a scheduler."""
+    list, so they never run the model file's code. None without a scheduler. (Several parameter
+    groups: `probe_parameter_groups` records each group's.)"""
     if model_file.make_scheduler is None:
         return None
-    probe = nn.Parameter(torch.zeros(1))
-    optimizer = _optimizer_of(model_file, probe)
-    group = optimizer.param_groups[0]
+    rates = scheduled_rates(model_file, _optimizer_of(model_file, nn.Parameter(torch.zeros(1))), iterations)
+    return tuple(rate[0] for rate in rates)
+
+
+def scheduled_rates(model_file: ModelFile, optimizer: torch.optim.Optimizer, iterations: int) -> list[list[float]]:
+    """Per iteration, each parameter group's learning rate under `make_scheduler(optimizer, iterations)`
+    stepped as a PyTorch loop steps it; refused with one error where the functions cannot follow it."""
     # The functions follow the learning rate alone: a scheduler that moves another option (OneCycleLR's
     # momentum) would train differently there, so it is refused rather than half followed.
-    others = {key: repr(group[key]) for key in optimizer.defaults if key != "lr" and key in group}
+    others = [
+        {key: repr(group[key]) for key in optimizer.defaults if key != "lr" and key in group}
+        for group in optimizer.param_groups
+    ]
     scheduler = model_file.call("make_scheduler", optimizer, iterations)
     cls = type(scheduler)
     wanted = "return a torch.optim.lr_scheduler scheduler of the optimizer it is given"
@@ -319,23 +355,33 @@ def probe_learning_rates(model_file: ModelFile, iterations: int) -> tuple[float,
         )
     if scheduler.optimizer is not optimizer:
         raise ModelFileError(f"{model_file.name}: make_scheduler's scheduler drives another optimizer; {wanted}")
-    rates: list[float] = []
+    rates: list[list[float]] = []
     for iteration in range(iterations):
-        moved = sorted(key for key, value in others.items() if repr(group.get(key)) != value)
+        moved = sorted(
+            {
+                key
+                for group, kept in zip(optimizer.param_groups, others, strict=True)
+                for key, value in kept.items()
+                if repr(group.get(key)) != value
+            }
+        )
         if moved:
             raise ModelFileError(
                 f"{model_file.name}: make_scheduler's {cls.__name__} changes the optimizer's {', '.join(moved)} "
                 f"at iteration {iteration}, not only its learning rate; the functions follow the learning rate "
                 "alone: keep the others fixed (OneCycleLR: cycle_momentum=False)"
             )
-        rate = optimizer.param_groups[0]["lr"]
-        rate = float(rate.item() if isinstance(rate, torch.Tensor) else rate)
-        if not (math.isfinite(rate) and rate >= 0):
-            raise ModelFileError(
-                f"{model_file.name}: make_scheduler's learning rate at iteration {iteration} is {rate}; "
-                "expected a finite number >= 0"
-            )
-        rates.append(rate)
+        now = []
+        for group in optimizer.param_groups:
+            rate = group["lr"]
+            rate = float(rate.item() if isinstance(rate, torch.Tensor) else rate)
+            if not (math.isfinite(rate) and rate >= 0):
+                raise ModelFileError(
+                    f"{model_file.name}: make_scheduler's learning rate at iteration {iteration} is {rate}; "
+                    "expected a finite number >= 0"
+                )
+            now.append(rate)
+        rates.append(now)
         if iteration + 1 == iterations:
             break  # a step past the run's end is not the loop's (OneCycleLR refuses it)
         optimizer.step()  # no gradient: nothing changes, but the scheduler sees the step it expects
@@ -344,4 +390,50 @@ def probe_learning_rates(model_file: ModelFile, iterations: int) -> tuple[float,
         except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
             what = f"step {iteration + 1} of make_scheduler's {cls.__name__} raised {describe(exc)}"
             raise model_file.error_at(exc, what) from exc
-    return tuple(rates)
+    return rates
+
+
+def probe_parameter_groups(model_file: ModelFile, model: nn.Module, iterations: int) -> tuple[ParameterGroup, ...]:
+    """make_optimizer's parameter groups over the model's own parameters, by the model's names: each
+    group's parameters, the options it sets beside the constructor's (`probe_optimizer`), and with a
+    schedule its rate at each iteration. One group holding every trained parameter: () (the constructor's
+    options say it all). A trained parameter in no group would not train in a PyTorch loop either, but
+    still cost a function its gradient and sync: refused, with the fix."""
+    # Stand-ins on the meta device, with the parameters' names, shapes, dtypes and flags (what a recipe
+    # selects by): probing, and stepping a scheduler, touches neither the model nor memory.
+    named = [
+        (n, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
+        for n, p in model.named_parameters()
+    ]
+    optimizer = make_model_optimizer(model_file, named)
+    if len(optimizer.param_groups) == 1:
+        return ()
+    name_of = {id(p): n for n, p in named}
+    grouped = {name_of.get(id(p), "") for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in named if p.requires_grad and n not in grouped]
+    if missing:
+        raise ModelFileError(
+            f"{model_file.name}: make_optimizer's parameter groups leave out {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}: put every trained parameter in a group, or freeze it "
+            "(requires_grad_(False))"
+        )
+    if "" in grouped:
+        raise ModelFileError(f"{model_file.name}: make_optimizer's parameter groups hold a tensor not of the model")
+    # the groups' own options as make_optimizer set them, before a scheduler moves their rates
+    options = [
+        {
+            key: _option_value(model_file, key, group[key])
+            for key in sorted(optimizer.defaults)
+            if key != "params" and key in group and repr(group[key]) != repr(optimizer.defaults[key])
+        }
+        for group in optimizer.param_groups
+    ]
+    rates = scheduled_rates(model_file, optimizer, iterations) if model_file.make_scheduler is not None else None
+    return tuple(
+        ParameterGroup(
+            tuple(name_of[id(p)] for p in group["params"]),
+            options[index],
+            tuple(r[index] for r in rates) if rates is not None else None,
+        )
+        for index, group in enumerate(optimizer.param_groups)
+    )

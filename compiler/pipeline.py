@@ -280,7 +280,7 @@ def lower(
         schedule=schedule,
         input_names=program.input_names,
         target_count=len(pytree.tree_leaves(front.example_targets)),
-        optimizer=describe_optimizer(model_file, iterations),
+        optimizer=describe_optimizer(model_file, iterations, front.model),
         inter_region=inter_region,
     )
     return Lowered(stages, loss, workflow)

@@ -273,34 +273,68 @@ class RunSettings:
         return cls(**{key: data[key] for key in cls.__dataclass_fields__})
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """A torch.optim class name and its constructor's keyword arguments; with a learning-rate
-    schedule, the rate of each of the run's iterations (`learning_rate`)."""
+def _rates(data: Any) -> tuple[float, ...] | None:
+    return tuple(float(r) for r in data) if data is not None else None
 
-    class_name: str
+
+def _stretched(rates: tuple[float, ...] | None, iteration: int, iterations: int) -> float | None:
+    """The rate at `iteration` of a region that trains `iterations` in this run: the schedule
+    stretched over them (every region of several walks the whole schedule over its own share, as a
+    run with other iterations than planned does); None without a schedule."""
+    if not rates:
+        return None
+    return rates[min(len(rates) - 1, iteration * len(rates) // max(1, iterations))]
+
+
+@dataclass(frozen=True)
+class ParameterGroup:
+    """One of make_optimizer's parameter groups: its parameters (by the model's names), the options it
+    sets beside the constructor's, and with a schedule its rate at each of the run's iterations."""
+
+    parameters: tuple[str, ...]
     options: Mapping[str, Any] = field(default_factory=dict)
     learning_rates: tuple[float, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        document: dict[str, Any] = {"class": self.class_name, "options": dict(self.options)}
+        document: dict[str, Any] = {"parameters": list(self.parameters), "options": dict(self.options)}
         if self.learning_rates is not None:
             document["learning_rates"] = list(self.learning_rates)
         return document
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> OptimizerSpec:
-        rates = data.get("learning_rates")
-        return cls(data["class"], dict(data["options"]), tuple(float(r) for r in rates) if rates is not None else None)
+    def from_json(cls, data: Mapping[str, Any]) -> ParameterGroup:
+        return cls(tuple(data["parameters"]), dict(data["options"]), _rates(data.get("learning_rates")))
 
-    def learning_rate(self, iteration: int, iterations: int) -> float | None:
-        """The rate at `iteration` of a region that trains `iterations` in this run: the schedule
-        stretched over them (every region of several walks the whole schedule over its own share,
-        as a run with other iterations than planned does); None without a schedule."""
-        rates = self.learning_rates
-        if not rates:
-            return None
-        return rates[min(len(rates) - 1, iteration * len(rates) // max(1, iterations))]
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A torch.optim class name and its constructor's keyword arguments; with a learning-rate
+    schedule, the rate of each of the run's iterations (`learning_rate`). With several parameter
+    groups, `groups` holds each one's parameters, options and rates (and `learning_rates` is None)."""
+
+    class_name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    learning_rates: tuple[float, ...] | None = None
+    groups: tuple[ParameterGroup, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {"class": self.class_name, "options": dict(self.options)}
+        if self.learning_rates is not None:
+            document["learning_rates"] = list(self.learning_rates)
+        if self.groups:
+            document["groups"] = [group.to_json() for group in self.groups]
+        return document
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> OptimizerSpec:
+        groups = tuple(ParameterGroup.from_json(g) for g in data.get("groups", ()))
+        return cls(data["class"], dict(data["options"]), _rates(data.get("learning_rates")), groups)
+
+    def learning_rate(self, iteration: int, iterations: int, group: int = 0) -> float | None:
+        """The rate of parameter group `group` at `iteration` of a region that trains `iterations` in this
+        run (`_stretched`); None without a schedule."""
+        rates = self.groups[group].learning_rates if self.groups else self.learning_rates
+        return _stretched(rates, iteration, iterations)
 
 
 @dataclass(frozen=True)

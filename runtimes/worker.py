@@ -151,13 +151,7 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
         self.loss = None
         if self.last:
             self.loss = load_module(self.package / f"{workflow.data.loss}.py", "cloudless_loss").Stage()
-        trained = [p for _, p in self.trained_parameters()]
-        # a stage of frozen parameters only (a frozen backbone's) has nothing to step
-        self.optimizer = (
-            getattr(torch.optim, self.optimizer_spec.class_name)(trained, **self.optimizer_spec.options)
-            if trained
-            else None
-        )
+        self.optimizer, self.optimizer_groups = self._make_optimizer()
         self._reader = None
         self._batch = (-1, [])  # (iteration, its samples in order)
         self._pool = None  # control requests off the critical path
@@ -166,6 +160,23 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
         self._ready = None  # (namespace, replica, iteration) memory is before
         self.namespace = protocol.namespace("", self.region)  # keys of one run: "<run>/<region>"
         self.replica = 0
+
+    def _make_optimizer(self) -> tuple[torch.optim.Optimizer | None, list[int]]:
+        """The workflow's optimizer over the parameters this stage trains, in make_optimizer's parameter
+        groups (those holding any of them), and each torch group's index among the workflow's groups.
+        None for a stage of frozen parameters only (a frozen backbone's): it has nothing to step."""
+        spec = self.optimizer_spec
+        cls = getattr(torch.optim, spec.class_name)
+        trained = dict(self.trained_parameters())
+        if not spec.groups:
+            return (cls(list(trained.values()), **spec.options), [0]) if trained else (None, [])
+        groups, indices = [], []
+        for index, group in enumerate(spec.groups):
+            params = [trained[name] for name in group.parameters if name in trained]
+            if params:
+                groups.append({"params": params, **group.options})
+                indices.append(index)
+        return (cls(groups, **spec.options), indices) if groups else (None, [])
 
     # -- the time limit --------------------------------------------------------------------------
     # Every function of the region must end an invocation at the same iteration, or one would wait
@@ -383,9 +394,9 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
         with self._span(spans, "step"):
             optimizer = self.optimizer
             if optimizer is not None:
-                rate = self.optimizer_spec.learning_rate(iteration, self.iterations)
-                if rate is not None:
-                    for group in optimizer.param_groups:
+                for group, index in zip(optimizer.param_groups, self.optimizer_groups, strict=True):
+                    rate = self.optimizer_spec.learning_rate(iteration, self.iterations, index)
+                    if rate is not None:
                         group["lr"] = rate
                 self._model_code(iteration, "optimizer step", optimizer.step)
                 optimizer.zero_grad(set_to_none=True)

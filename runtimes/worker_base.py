@@ -44,6 +44,7 @@ class WorkerBase:
     module: torch.nn.Module
     loss: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None  # None: the stage trains no parameter
+    optimizer_groups: list[int]  # per torch parameter group, its index among the workflow's groups
     optimizer_spec: OptimizerSpec
     #: tied parameters of this stage -> the stages holding them
     holders: dict[str, list[int]]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cloudless.compiler.model_file import ModelFile, probe_optimizer
+from cloudless.compiler.model_file import ModelFile, make_model_optimizer
 from cloudless.ir.schedule import sample_indices
 from cloudless.ir.workflow import DataSource, OptimizerSpec, Region, RunSettings, Workflow, round_ends
 
@@ -24,9 +24,8 @@ class PlainTrainer:
     ) -> None:
         self.model_file, self.run = model_file, run
         self.model = model_file.build_model()
-        # as the functions build it: the model file's torch.optim class and options (SGD without one)
-        probe = probe_optimizer(model_file)
-        self.optimizer = getattr(torch.optim, probe.class_name)(self.model.parameters(), **probe.options)
+        # as a plain loop builds it: the model file's make_optimizer over the model (SGD without one)
+        self.optimizer = make_model_optimizer(model_file, list(self.model.named_parameters()))
         self.schedule, self.iterations = optimizer, iterations
         self.inputs = [torch.stack([item[0][j] for item in items]) for j in range(len(items[0][0]))]
         self.targets = torch.stack([torch.as_tensor(item[1]) for item in items])
@@ -39,9 +38,9 @@ class PlainTrainer:
         self.optimizer.zero_grad()
 
     def set_learning_rate(self, iteration: int) -> None:
-        rate = self.schedule.learning_rate(iteration, self.iterations)
-        if rate is not None:
-            for group in self.optimizer.param_groups:
+        for index, group in enumerate(self.optimizer.param_groups):
+            rate = self.schedule.learning_rate(iteration, self.iterations, index if self.schedule.groups else 0)
+            if rate is not None:
                 group["lr"] = rate
 
     def backward(self, iteration: int, model: torch.nn.Module | None = None) -> None:

@@ -168,3 +168,82 @@ def test_data_that_does_not_fit_the_examples_stops_the_run_before_any_function(
         "example's is float32 of shape [8] (without the batch dimension)\n"
     )
     assert not (out / "logs").exists()  # no function started
+
+
+# --- parameter groups ------------------------------------------------------------------------------
+
+GROUPS = (
+    """
+    import torch
+    from torch import nn
+
+    TRAINING = {"global_batch_size": 8, "micro_batch_sizes": [2], "iterations": 4}
+
+
+    def build_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+        )
+
+
+    def make_optimizer(named_parameters):
+        # the transformers recipe: no weight decay on biases and norms; here also a slower head
+        decay = [p for n, p in named_parameters if p.ndim >= 2 and n != "5.weight"]
+        no_decay = [p for n, p in named_parameters if p.ndim < 2]
+        head = [p for n, p in named_parameters if n == "5.weight"]
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}, {"params": head, "lr": 0.003}]
+        return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+
+
+    def make_scheduler(optimizer, iterations):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 3))  # warm-up
+"""
+    + FROZEN_BACKBONE[FROZEN_BACKBONE.index("    def example_inputs") : FROZEN_BACKBONE.index("    def make_optimizer")]
+    + (FROZEN_BACKBONE[FROZEN_BACKBONE.index("    class Rows") :])
+)
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory: pytest.TempPathFactory) -> FrontEnd:
+    path = tmp_path_factory.mktemp("groups") / "model.py"
+    path.write_text(textwrap.dedent(GROUPS))
+    return run_front_end(FrontEndOptions(path, profile_repeats=0))
+
+
+def test_parameter_groups_are_recorded_by_name_with_each_groups_schedule(grouped: FrontEnd, tmp_path: Path) -> None:
+    last = len(grouped.chain.blocks) - 1
+    workflow = write_packages(grouped, tmp_path / "build", [(0, last, 1)], micro_batch=2, global_batch=8, iterations=4)
+    spec = workflow.optimizer
+    assert spec.class_name == "AdamW" and spec.options["lr"] == 0.01 and spec.options["weight_decay"] == 0.1
+    assert [g.parameters for g in spec.groups] == [
+        ("0.weight", "3.weight"),
+        ("0.bias", "1.weight", "1.bias", "3.bias", "5.bias"),
+        ("5.weight",),
+    ]
+    assert [dict(g.options) for g in spec.groups] == [{}, {"weight_decay": 0.0}, {"lr": 0.003}]
+    # each group's rates are what the model file's scheduler gives a plain loop's optimizer
+    model = grouped.model_file.build_model()
+    optimizer = grouped.model_file.make_optimizer(list(model.named_parameters()))
+    scheduler = grouped.model_file.make_scheduler(optimizer, 4)
+    for iteration in range(4):
+        for index, group in enumerate(optimizer.param_groups):
+            assert spec.learning_rate(iteration, 4, index) == pytest.approx(group["lr"], rel=1e-12)
+        optimizer.step()
+        scheduler.step()
+
+
+@pytest.mark.slow
+def test_parameter_groups_train_in_a_replicated_pipeline_as_plain_pytorch(grouped: FrontEnd, tmp_path: Path) -> None:
+    last = len(grouped.chain.blocks) - 1
+    build = tmp_path / "build"
+    workflow = write_packages(
+        grouped, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=2, global_batch=8, iterations=4
+    )
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(grouped.model_file.path), "-q"]) == 0
+    params = load_file(out / "model.safetensors")
+    expected = reference_training(grouped, workflow, workflow.regions[0].name)
+    assert set(params) == set(expected)
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -256,3 +256,21 @@ def _check_optimizer(context: BuildContext, document: dict[str, Any], workflow: 
             "optimizer/learning_rates",
             f"{len(rates)} rates; expected one per iteration of run/iterations ({workflow.run.iterations})",
         )
+    seen: dict[str, int] = {}
+    for index, group in enumerate(spec.groups):
+        key = f"optimizer/groups/{index}"
+        try:
+            optimizer([{"params": [torch.nn.Parameter(torch.zeros(1))], **group.options}], **spec.options)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            fail("workflow.yaml", f"{key}/options", f"torch.optim.{spec.class_name} refuses them: {exc}")
+        for name in group.parameters:
+            if name in seen:
+                fail("workflow.yaml", f"{key}/parameters", f"{name!r} is also in group {seen[name]}")
+            seen[name] = index
+        if group.learning_rates is not None and len(group.learning_rates) != workflow.run.iterations:
+            fail(
+                "workflow.yaml",
+                f"{key}/learning_rates",
+                f"{len(group.learning_rates)} rates; expected one per iteration of run/iterations "
+                f"({workflow.run.iterations})",
+            )

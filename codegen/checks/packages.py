@@ -84,6 +84,22 @@ def check_packages(context: BuildContext, document: dict[str, Any], workflow: Wo
             if last:
                 _check_loss(context, workflow, function)
         _check_shared(context, document, r, region, tensors)
+        _check_groups(workflow, tensors)
+
+
+def _check_groups(workflow: Workflow, tensors: dict[int, dict[str, StageTensor]]) -> None:
+    """With parameter groups, every parameter a stage trains is in one (a worker steps only those)."""
+    if not workflow.optimizer.groups:
+        return
+    grouped = {name for group in workflow.optimizer.groups for name in group.parameters}
+    for stage, held in sorted(tensors.items()):
+        for name, (_, _, kind) in held.items():
+            if kind == "parameter" and name not in grouped:
+                fail(
+                    "workflow.yaml",
+                    "optimizer/groups",
+                    f"stage {stage} trains {name!r}, which no parameter group holds",
+                )
 
 
 def _check_package_files(context: BuildContext, workflow: Workflow, function: Function, last: bool) -> None:
