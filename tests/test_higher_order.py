@@ -90,6 +90,23 @@ AUTOCAST = (
 """
 )
 
+#: activation checkpointing (torch.utils.checkpoint) around a layer, and a grad-enabled region inside
+#: a stop-gradient one
+CHECKPOINTED = (
+    _THREE_LAYERS
+    + """
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            g = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.b(t)), h, use_reentrant=False)
+            with torch.no_grad():
+                with torch.enable_grad():
+                    gate = torch.sigmoid(self.b(h))
+                scale = self.a.weight.norm()
+            return self.c(g * gate / scale)
+"""
+)
+
 #: a region inside a region: the sub-graph holds a sub-graph of its own
 NESTED = (
     _THREE_LAYERS
@@ -340,6 +357,14 @@ def test_autocast_region_verifies_through_export(tmp_path: Path) -> None:
     region_stage(
         result, "with torch.autocast(device_type='cpu', dtype=torch.bfloat16, enabled=True, cache_enabled=False):"
     )
+
+
+def test_checkpointing_and_an_enable_grad_region_keep_the_models_gradients(tmp_path: Path) -> None:
+    """torch.export traces a checkpointed layer as the layer (recomputation is a memory choice, not the
+    gradient's); the enable_grad region inside no_grad still gives b its gradient through `gate`."""
+    result = verified(write_model(tmp_path, CHECKPOINTED), 3, num_blocks=8)
+    assert result.front.graph.tracer == "export"
+    assert result.verify is not None and result.verify.max_error <= 1e-6 and result.verify.compared_gradients == 6
 
 
 def test_nested_regions_render_nested_sub_graphs(tmp_path: Path) -> None:
