@@ -312,6 +312,7 @@ def lower_plan(
             schedule=schedule,
             checkpoint_every=every,
             seed=seed,
+            max_grad_norm=float(clip) if (clip := model_file.training.get("max_grad_norm")) is not None else None,
         ),
         optimizer=optimizer,
         sync=SyncSettings(

@@ -29,6 +29,7 @@ TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "iterations": int,
     "epochs": int,
     "learning_rate": (int, float),
+    "max_grad_norm": (int, float),
 }
 
 
@@ -226,6 +227,8 @@ def _check_training(training: Any, shown: str) -> None:
             )
         if key in ("iterations", "epochs", "global_batch_size") and typing.cast(int, value) < 1:
             raise ModelFileError(f"{shown}: TRAINING[{key!r}] is {value}; expected at least 1")
+        if key == "max_grad_norm" and not (math.isfinite(typing.cast(float, value)) and typing.cast(float, value) > 0):
+            raise ModelFileError(f"{shown}: TRAINING['max_grad_norm'] is {value}; expected a positive number")
         if key == "micro_batch_sizes" and not all(isinstance(v, int) and v > 0 for v in typing.cast(list, value)):
             raise ModelFileError(f"{shown}: TRAINING['micro_batch_sizes'] must be a list of positive ints")
     if "iterations" in training and "epochs" in training:

@@ -412,6 +412,12 @@ def reduced_piece_key(sync: str, chunk: int, piece: int) -> str:
     return f"{sync}/r{chunk}/p{piece}"
 
 
+def grad_norm_key(ns: str, iteration: int, stage: int) -> str:
+    """The sum of squares of a stage's gradients (its replicas' reduced sum; a tied parameter's at the
+    first stage holding it), read by every stage to clip to the model's global norm."""
+    return f"{ns}/it{iteration}/norm/s{stage}"
+
+
 def shared_gradient_key(ns: str, iteration: int, stage: int) -> str:
     """A stage's gradients of the parameters it shares (tied) with other stages."""
     return f"{ns}/it{iteration}/shared/s{stage}"

@@ -255,8 +255,12 @@ class RunSettings:
     schedule: Schedule
     checkpoint_every: int
     seed: int
+    #: TRAINING["max_grad_norm"]: every iteration's gradients are clipped to this global norm, over
+    #: every trained parameter of every stage, as torch.nn.utils.clip_grad_norm_ clips a whole model's
+    max_grad_norm: float | None = None
 
     def to_json(self) -> dict[str, Any]:
+        clip = {"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}
         return {
             "name": self.name,
             "iterations": self.iterations,
@@ -266,11 +270,12 @@ class RunSettings:
             "schedule": self.schedule,
             "checkpoint_every": self.checkpoint_every,
             "seed": self.seed,
+            **clip,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RunSettings:
-        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+        return cls(**{key: data[key] for key in cls.__dataclass_fields__ if key in data})
 
 
 def _rates(data: Any) -> tuple[float, ...] | None:

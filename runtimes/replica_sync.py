@@ -3,12 +3,16 @@ and among the stages holding a tied parameter (the sum of their gradients)."""
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import torch
 
 from cloudless.ir import protocol
+from cloudless.ir.protocol import AbortRecord
 
+from .failures import Diverged
 from .sync import scatter_reduce
 from .tensors import pack, unpack
 from .worker_base import WorkerBase
@@ -66,3 +70,38 @@ class ReplicaSync(WorkerBase):
                         part = partners[s][name]
                     total_grad = part.clone() if total_grad is None else total_grad + part
                 by_name[name].grad = total_grad
+
+    def _clip_to_global_norm(self, iteration: int, replica: int, timeout: float, max_norm: float) -> None:
+        """Scale the stage's gradients as torch.nn.utils.clip_grad_norm_(every trained parameter of the
+        model, max_norm) would: by max_norm / (norm + 1e-6) when that is below 1, `norm` the 2-norm over
+        every stage's gradients (after the replicas' reduce and the tied sum; a tied parameter counted
+        once, at the first stage holding it). Replica 0 of each stage writes its sum of squares; every
+        function reads all of them. A norm that is not finite stops the run as divergence does."""
+        counted = [
+            p.grad
+            for name, p in self.trained_parameters()
+            if p.grad is not None and (name not in self.holders or self.stage == min(self.holders[name]))
+        ]
+        # per tensor, as clip_grad_norm_ takes its norms, then their squares summed in float64
+        own = math.fsum(float(torch.linalg.vector_norm(g, 2)) ** 2 for g in counted)
+        if replica == 0:
+            self.channel.put(protocol.grad_norm_key(self.namespace, iteration, self.stage), json.dumps(own).encode())
+        squares = [
+            own
+            if s == self.stage
+            else float(json.loads(self.channel.get(protocol.grad_norm_key(self.namespace, iteration, s), timeout)))
+            for s in range(self.stages)
+        ]
+        norm = math.sqrt(math.fsum(squares))
+        if not math.isfinite(norm):
+            message = (
+                f"iteration {iteration}: the gradients' global norm is {norm} on stage {self.stage} "
+                f"({self.function.name}, replica {replica}): training diverged; lower the learning rate or "
+                "check the data"
+            )
+            raise Diverged(AbortRecord("diverged", message, iteration, self.stage, self.function.name))
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for _, p in self.trained_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)

@@ -391,6 +391,10 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
         if self.inter_region == "sync":
             with self._span(spans, CROSS_REGION_SPAN):
                 self._cross_reduce(iteration, replica, timeout)
+        max_norm = self.workflow.run.max_grad_norm
+        if max_norm is not None:
+            with self._span(spans, "clip"):
+                self._clip_to_global_norm(iteration, replica, timeout, max_norm)
         with self._span(spans, "step"):
             optimizer = self.optimizer
             if optimizer is not None:

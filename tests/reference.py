@@ -33,6 +33,8 @@ class PlainTrainer:
 
     def step(self, iteration: int) -> None:
         self.backward(iteration)
+        if self.run.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.run.max_grad_norm)
         self.set_learning_rate(iteration)
         self.optimizer.step()
         self.optimizer.zero_grad()

@@ -5,6 +5,7 @@ gradient, no optimizer state, no weight decay, no replica sync, no checkpoint of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -14,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from cloudless.codegen.validate import BuildCheckError, check_build
+from cloudless.compiler.errors import ModelFileError
+from cloudless.compiler.model_file import load_model_file
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
 from cloudless.ir import protocol
 from cloudless.runtimes.run import main as run_main
@@ -247,3 +250,50 @@ def test_parameter_groups_train_in_a_replicated_pipeline_as_plain_pytorch(groupe
     assert set(params) == set(expected)
     for name, value in params.items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --- gradient clipping ---------------------------------------------------------------------------
+
+#: the frozen backbone's model with every layer trained, a rate high enough that clipping bites, and
+#: the head's weight tied to nothing: clipping over all stages
+CLIPPED = FROZEN_BACKBONE.replace(
+    """        for param in model[:3].parameters():  # a frozen backbone, as a fine-tuning recipe freezes one
+            param.requires_grad_(False)
+""",
+    "",
+).replace('"iterations": 3}', '"iterations": 3, "max_grad_norm": 0.05}')
+
+
+@pytest.mark.slow
+def test_clipping_to_the_global_norm_trains_in_a_replicated_pipeline_as_plain_pytorch(tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(CLIPPED))
+    assert "max_grad_norm" in path.read_text() and "requires_grad_" not in path.read_text()
+    front = run_front_end(FrontEndOptions(path, profile_repeats=0))
+    last = len(front.chain.blocks) - 1
+    build = tmp_path / "build"
+    workflow = write_packages(
+        front, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=2, global_batch=8, iterations=3
+    )
+    assert workflow.run.max_grad_norm == 0.05
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(path), "-q"]) == 0
+    params = load_file(out / "model.safetensors")
+    expected = reference_training(front, workflow, workflow.regions[0].name)
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    # clipping bit: the same run without it ends elsewhere
+    unclipped = dataclasses.replace(workflow, run=dataclasses.replace(workflow.run, max_grad_norm=None))
+    free = reference_training(front, unclipped, workflow.regions[0].name)
+    assert any(not torch.allclose(free[name], expected[name], atol=1e-4) for name in expected)
+
+
+@pytest.mark.parametrize("value", ["0", "-1.0", "float('nan')", "'1'"])
+def test_a_max_grad_norm_that_is_no_positive_number_is_one_error(value: str, tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(CLIPPED).replace('"max_grad_norm": 0.05', f'"max_grad_norm": {value}'))
+    with pytest.raises(
+        ModelFileError,
+        match=r"model\.py: TRAINING\['max_grad_norm'\] is .*; expected (a positive number|int or float)$",
+    ):
+        load_model_file(path)
