@@ -211,11 +211,54 @@ class RegionSync(WorkerBase):
         return protocol.global_key(self._peer_namespace(self.server), self.stage, version, part)
 
     def _global(self, version: int, timeout: float) -> dict[str, torch.Tensor]:
-        if version == 0:  # every region starts from the package's weights
-            initial = load_file(self.package / "weights.safetensors")
-            return {k: v for k, v in initial.items() if k in self._model()}
+        """Version `version` of the stage's global model. A version claimed by a region that left the run
+        before writing it (killed between its claim and its write) is never written: the version before
+        it stands for it, else every later push would wait for it."""
+        while version > 0:
+            data = self._written_version(version, timeout)
+            if data is not None:
+                return unpack(data)
+            version -= 1
+        # every region starts from the package's weights
+        initial = load_file(self.package / "weights.safetensors")
+        return {k: v for k, v in initial.items() if k in self._model()}
+
+    def _written_version(self, version: int, timeout: float) -> bytes | None:
+        """The bytes of a global version, waited for; None when its owner left the run without them."""
         assert self.server is not None
-        return unpack(self._peer_get(self.server, self._global_key(version, "model"), timeout))
+        server = self._storage_of(self.server)
+        key = self._global_key(version, "model")
+        began = time.monotonic()
+        checked = began
+        wait = server.poll_s
+        while True:
+            data = server.try_get(key)
+            if data is not None:
+                return data
+            now = time.monotonic()
+            if now - checked >= 1.0:
+                checked = now
+                self.channel.check_abort()
+                owner = (server.try_get(self._global_key(version, "owner")) or b"").decode(errors="replace")
+                region = owner.rsplit("/round", 1)[0]
+                if (
+                    region in self._storage_names()
+                    and region != self.region
+                    and (
+                        region in self.departed
+                        or self._storage_of(region).exists(protocol.left_key(self._peer_namespace(region)))
+                    )
+                ):
+                    self.departed.add(region)
+                    return None
+            if now >= began + timeout:
+                raise KeyTimeout(f"{server.describe(key)} did not appear within {timeout:g} s")
+            time.sleep(wait)
+            wait = min(wait * 2, server.max_poll_s)
+
+    def _storage_names(self) -> set[str]:
+        """The regions whose storage this function reaches: its own, and every peer's across the WAN."""
+        return {self.region, *self.wan}
 
     def push_update(
         self, previous: dict[str, torch.Tensor], base: dict[str, torch.Tensor], staleness: int
