@@ -249,13 +249,16 @@ def _check_optimizer(context: BuildContext, document: dict[str, Any], workflow: 
         optimizer([torch.nn.Parameter(torch.zeros(1))], **spec.options)
     except (TypeError, ValueError, RuntimeError) as exc:
         fail("workflow.yaml", "optimizer/options", f"torch.optim.{spec.class_name} refuses them: {exc}")
-    rates = spec.learning_rates
-    if rates is not None and len(rates) != workflow.run.iterations:
-        fail(
-            "workflow.yaml",
-            "optimizer/learning_rates",
-            f"{len(rates)} rates; expected one per iteration of run/iterations ({workflow.run.iterations})",
-        )
+
+    def check_rates(key: str, rates: tuple[float, ...] | None) -> None:
+        if rates is not None and len(rates) != workflow.run.iterations:
+            fail(
+                "workflow.yaml",
+                key,
+                f"{len(rates)} rates; expected one per iteration of run/iterations ({workflow.run.iterations})",
+            )
+
+    check_rates("optimizer/learning_rates", spec.learning_rates)
     seen: dict[str, int] = {}
     for index, group in enumerate(spec.groups):
         key = f"optimizer/groups/{index}"
@@ -267,10 +270,4 @@ def _check_optimizer(context: BuildContext, document: dict[str, Any], workflow: 
             if name in seen:
                 fail("workflow.yaml", f"{key}/parameters", f"{name!r} is also in group {seen[name]}")
             seen[name] = index
-        if group.learning_rates is not None and len(group.learning_rates) != workflow.run.iterations:
-            fail(
-                "workflow.yaml",
-                f"{key}/learning_rates",
-                f"{len(group.learning_rates)} rates; expected one per iteration of run/iterations "
-                f"({workflow.run.iterations})",
-            )
+        check_rates(f"{key}/learning_rates", group.learning_rates)
