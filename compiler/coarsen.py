@@ -13,8 +13,11 @@ window around its balanced position, where the fewest bytes cross.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from cloudless.ir import Block, BlockChain, OpGraph, OpNode
 
@@ -66,7 +69,24 @@ def _def_use(graph: OpGraph, positions: list[OpNode]) -> tuple[dict[str, int], d
     return define, last_use
 
 
-def liveness(graph: OpGraph) -> Liveness:
+def sent_bytes(node: OpNode, narrow: bool) -> int:
+    """The bytes of `node`'s value as a stage sends it: as traced, or, with `narrow` (bf16-mixed
+    precision), each floating tensor in bfloat16 (2 bytes per element: those autocast makes bf16
+    and the float32 ones rounded to it on the way)."""
+    if not narrow or not node.outputs:
+        return node.output_bytes
+    total = 0
+    for meta in node.outputs:
+        dtype = getattr(torch, meta.dtype, None)
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            itemsize = min(itemsize, 2)
+        total += math.prod(meta.shape) * itemsize
+    return total
+
+
+def liveness(graph: OpGraph, narrow: bool = False) -> Liveness:
+    """Values live across each cut and their bytes as sent (`narrow`: floating ones in bf16)."""
     positions = compute_positions(graph)
     by_name = {n.name: n for n in graph.nodes}
     define, last_use = _def_use(graph, positions)
@@ -79,8 +99,9 @@ def liveness(graph: OpGraph) -> Liveness:
         if stop <= start:
             continue
         node = by_name[name]
-        delta[start + 1] += node.output_bytes
-        delta[stop + 1] -= node.output_bytes
+        size = sent_bytes(node, narrow)
+        delta[start + 1] += size
+        delta[stop + 1] -= size
         if node.value != "tensor":
             bad[start + 1] += 1
             bad[stop + 1] -= 1
@@ -97,8 +118,9 @@ def liveness(graph: OpGraph) -> Liveness:
         invalid += bad[p + 1]
         crossing.append(running)
         valid.append(invalid == 0 and p < n - 1)
+    # the first stage reads the model's inputs from the staged data, as stored: never narrowed
     input_bytes = sum(by_name[v].output_bytes for v in graph.inputs if last_use.get(v, -1) >= 0)
-    output_bytes = sum(by_name[v].output_bytes for v in graph.outputs if v in by_name)
+    output_bytes = sum(sent_bytes(by_name[v], narrow) for v in graph.outputs if v in by_name)
     return Liveness(positions, crossing, valid, input_bytes, output_bytes)
 
 
@@ -146,9 +168,10 @@ def choose_cuts(live: Liveness, num_blocks: int) -> list[int]:
     return cuts
 
 
-def coarsen(graph: OpGraph, num_blocks: int = DEFAULT_BLOCKS) -> BlockChain:
-    """The block chain (times still zero: profiling fills them in)."""
-    live = liveness(graph)
+def coarsen(graph: OpGraph, num_blocks: int = DEFAULT_BLOCKS, narrow: bool = False) -> BlockChain:
+    """The block chain (times still zero: profiling fills them in); its blocks' input and output
+    bytes are those sent across the cuts (`narrow`: bf16-mixed, floating values in bf16)."""
+    live = liveness(graph, narrow)
     if not live.positions:
         raise ValueError("the traced graph has no operations")
     cuts = choose_cuts(live, max(1, num_blocks))

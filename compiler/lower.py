@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -115,6 +115,15 @@ def describe_optimizer(model_file: ModelFile, iterations: int, model: nn.Module)
     if groups:
         return OptimizerSpec(probe.class_name, probe.options, None, groups)
     return OptimizerSpec(probe.class_name, probe.options, probe_learning_rates(model_file, iterations))
+
+
+def adapter_format(model: nn.Module) -> Literal["peft"] | None:
+    """ "peft" when the model is a peft model (`get_peft_model(...)`), whose adapter the run saves
+    with peft's own `save_pretrained`; recognised by its attributes, so peft is imported only by
+    model files that use it."""
+    if isinstance(getattr(model, "peft_config", None), dict) and callable(getattr(model, "save_pretrained", None)):
+        return "peft"
+    return None
 
 
 def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: list[Any], targets: Any) -> str:
@@ -232,6 +241,7 @@ def lower_plan(
     optimizer: OptimizerSpec,
     inter_region: InterRegion | None = None,
     seed: int = 0,
+    adapter: Literal["peft"] | None = None,
 ) -> Workflow:
     """The workflow: each region trains its plan (the regions share the partition and micro-batch
     size) for its iterations of `global_batch`; `iterations` is the whole training's."""
@@ -313,6 +323,7 @@ def lower_plan(
             checkpoint_every=every,
             seed=seed,
             max_grad_norm=float(clip) if (clip := model_file.training.get("max_grad_norm")) is not None else None,
+            precision=model_file.training.get("precision", "32-true"),
         ),
         optimizer=optimizer,
         sync=SyncSettings(
@@ -332,6 +343,7 @@ def lower_plan(
             inputs=tuple(input_names),
             targets=target_count,
             loss=LOSS_MODULE,
+            adapter=adapter,
         ),
         regions=tuple(regions),
         steps=tuple(steps),

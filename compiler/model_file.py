@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cloudless.compiler.errors import ModelFileError, describe, display_path, frame_location, user_frame
-from cloudless.ir.workflow import ParameterGroup
+from cloudless.ir.workflow import PRECISIONS, ParameterGroup
 
 TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "global_batch_size": int,
@@ -30,6 +30,7 @@ TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "epochs": int,
     "learning_rate": (int, float),
     "max_grad_norm": (int, float),
+    "precision": str,
 }
 
 
@@ -229,6 +230,10 @@ def _check_training(training: Any, shown: str) -> None:
             raise ModelFileError(f"{shown}: TRAINING[{key!r}] is {value}; expected at least 1")
         if key == "max_grad_norm" and not (math.isfinite(typing.cast(float, value)) and typing.cast(float, value) > 0):
             raise ModelFileError(f"{shown}: TRAINING['max_grad_norm'] is {value}; expected a positive number")
+        if key == "precision" and value not in PRECISIONS:
+            raise ModelFileError(
+                f"{shown}: TRAINING['precision'] is {value!r}; expected one of {', '.join(map(repr, PRECISIONS))}"
+            )
         if key == "micro_batch_sizes" and not all(isinstance(v, int) and v > 0 for v in typing.cast(list, value)):
             raise ModelFileError(f"{shown}: TRAINING['micro_batch_sizes'] must be a list of positive ints")
     if "iterations" in training and "epochs" in training:

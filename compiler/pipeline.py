@@ -33,6 +33,7 @@ from cloudless.compiler.lower import (
     RegionTraining,
     StageCode,
     StageInterface,
+    adapter_format,
     describe_optimizer,
     loss_source,
     lower_plan,
@@ -207,14 +208,18 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
         with timed("annotate"):
             graph = annotate(program, flat_inputs, model_file.name, batch_size)
         with timed("coarsen"):
-            chain = coarsen(graph, options.num_blocks)
+            # under bf16-mixed, activations cross stages in bf16: the cuts' bytes as they are sent
+            bf16_mixed = model_file.training.get("precision") == "bf16-mixed"
+            chain = coarsen(graph, options.num_blocks, bf16_mixed)
         loss_of = loss_function(program.out_spec, model_file.loss_fn, targets)
         _check_loss(model_file, program, flat_inputs, loss_of)
         if options.profile_from is not None:
             chain = reuse_profile(chain, options.profile_from)
         elif options.profile_repeats > 0:
             with timed("profile"):
-                chain = profile_blocks(program, graph, chain, flat_inputs, loss_of, options.profile_repeats)
+                chain = profile_blocks(
+                    program, graph, chain, flat_inputs, loss_of, options.profile_repeats, bf16_mixed=bf16_mixed
+                )
     return FrontEnd(model_file, model, program, graph, chain, example_inputs, targets)
 
 
@@ -282,6 +287,7 @@ def lower(
         target_count=len(pytree.tree_leaves(front.example_targets)),
         optimizer=describe_optimizer(model_file, iterations, front.model),
         inter_region=inter_region,
+        adapter=adapter_format(front.model),
     )
     return Lowered(stages, loss, workflow)
 

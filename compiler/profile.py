@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -47,6 +47,8 @@ from cloudless.compiler.split import partition
 from cloudless.compiler.trace import TracedProgram
 from cloudless.ir import BlockChain, MachineInfo, OpGraph
 from cloudless.ir.blocks import ProfileStability
+
+_R = TypeVar("_R")
 
 #: timed runs even when fewer are asked for: agreement needs two
 MIN_RUNS = 2
@@ -184,9 +186,14 @@ def measure_runs(
     loss_of: Callable[[tuple[Any, ...]], torch.Tensor],
     repeats: int = 3,
     on_run: Callable[[], None] | None = None,
+    bf16_mixed: bool = False,
 ) -> ProfileRuns:
-    """Run the chain of one-block stages until stable (`repeat_until_stable`); every timing kept."""
+    """Run the chain of one-block stages until stable (`repeat_until_stable`); every timing kept.
+    `bf16_mixed`: each block's forward and the loss under CPU autocast to bfloat16, as the
+    functions run them under TRAINING["precision"] = "bf16-mixed"."""
     parts = partition(program, graph, block_cuts(chain, [(b.index, b.index) for b in chain.blocks]))
+    stages = [_autocast(p.module, bf16_mixed) for p in parts]
+    loss_of = _autocast(loss_of, bf16_mixed)
     signatures = [(p.inputs, p.outputs) for p in parts]
     inputs = dict(zip(program.input_names, flat_inputs, strict=True))
     seed = 0
@@ -197,7 +204,7 @@ def measure_runs(
             p.grad = None
         torch.manual_seed(seed)
         seed += 1
-        result = run_chain([p.module for p in parts], signatures, inputs, loss_of)
+        result = run_chain(stages, signatures, inputs, loss_of)
         times = (list(result.forward_s), list(result.backward_s))
         del result  # its activations and gradients, before the next run allocates its own
         if on_run:
@@ -212,6 +219,17 @@ def measure_runs(
             p.grad = None
 
 
+def _autocast(call: Callable[..., _R], bf16_mixed: bool) -> Callable[..., _R]:
+    """`call` run under CPU autocast to bfloat16 when `bf16_mixed` (its backward is not: as a
+    training loop's `with torch.autocast(...)` holds the forward and the loss only)."""
+
+    def run(*args: Any) -> _R:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_mixed):
+            return call(*args)
+
+    return run
+
+
 def profile_blocks(
     program: TracedProgram,
     graph: OpGraph,
@@ -220,10 +238,11 @@ def profile_blocks(
     loss_of: Callable[[tuple[Any, ...]], torch.Tensor],
     repeats: int = 3,
     on_run: Callable[[], None] | None = None,
+    bf16_mixed: bool = False,
 ) -> BlockChain:
     """The chain with measured forward_s/backward_s per block (the fastest run of each), the machine
     info and how stable the measurements were filled in."""
-    runs = measure_runs(program, graph, chain, flat_inputs, loss_of, repeats, on_run)
+    runs = measure_runs(program, graph, chain, flat_inputs, loss_of, repeats, on_run, bf16_mixed)
     return apply_runs(chain, runs, repeats)
 
 

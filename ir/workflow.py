@@ -17,6 +17,11 @@ from typing import Any, Literal
 API_VERSION = "cloudless/v1"
 
 Schedule = Literal["gpipe", "1f1b"]
+#: TRAINING["precision"]: "32-true" trains in float32; "bf16-mixed" runs forward and loss under CPU
+#: autocast to bfloat16 (float32 weights and optimizer state) and sends activations and their
+#: gradients between stages as bfloat16
+Precision = Literal["32-true", "bf16-mixed"]
+PRECISIONS: tuple[Precision, ...] = ("32-true", "bf16-mixed")
 StepKind = Literal[
     "compute", "scatter-reduce", "cross-region-reduce", "optimizer-step", "checkpoint", "asgd-ga-push", "model-average"
 ]
@@ -258,9 +263,12 @@ class RunSettings:
     #: TRAINING["max_grad_norm"]: every iteration's gradients are clipped to this global norm, over
     #: every trained parameter of every stage, as torch.nn.utils.clip_grad_norm_ clips a whole model's
     max_grad_norm: float | None = None
+    precision: Precision = "32-true"
 
     def to_json(self) -> dict[str, Any]:
+        # each emitted only when set: builds without them stay byte for byte as they were
         clip = {"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}
+        mixed = {"precision": self.precision} if self.precision != "32-true" else {}
         return {
             "name": self.name,
             "iterations": self.iterations,
@@ -271,6 +279,7 @@ class RunSettings:
             "checkpoint_every": self.checkpoint_every,
             "seed": self.seed,
             **clip,
+            **mixed,
         }
 
     @classmethod
@@ -406,13 +415,23 @@ class DataSpec:
     targets: int
     #: module, in the last stage's package, computing the loss
     loss: str
+    #: "peft": build_model() returns a peft model, whose adapter the run also saves as peft does
+    adapter: Literal["peft"] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"model_file": self.model_file, "inputs": list(self.inputs), "targets": self.targets, "loss": self.loss}
+        data: dict[str, Any] = {
+            "model_file": self.model_file,
+            "inputs": list(self.inputs),
+            "targets": self.targets,
+            "loss": self.loss,
+        }
+        if self.adapter is not None:  # emitted only when there is one: builds without stay as they were
+            data["adapter"] = self.adapter
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> DataSpec:
-        return cls(data["model_file"], tuple(data["inputs"]), int(data["targets"]), data["loss"])
+        return cls(data["model_file"], tuple(data["inputs"]), int(data["targets"]), data["loss"], data.get("adapter"))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from cloudless.ir import protocol
 from cloudless.ir.schedule import sample_indices
 
 from .data import SplitReader
-from .tensors import pack, unpack
+from .tensors import autocast, pack, unpack, wire_dtype
 from .worker_base import WorkerBase
 
 
@@ -66,17 +66,29 @@ class PipelineSteps(WorkerBase):
         torch.default_generator.manual_seed(
             (((self.seed * 1_000_003 + iteration) * 1_000_003 + self.stage) * 1_000_003 + m) % 2**63
         )
-        outputs = tuple(self._model_code(iteration, "forward", lambda: self.module(*[taken[n] for n in self.inputs])))
+        precision = self.workflow.run.precision
+
+        def forward() -> Any:
+            with autocast(precision):
+                return self.module(*[taken[n] for n in self.inputs])
+
+        outputs = tuple(self._model_code(iteration, "forward", forward))
         if self.last:
             loss = self.loss
             assert loss is not None
             indices = self._indices(iteration, m)
             assert self._reader is not None
             targets = self._reader.gather(indices, "target")
-            (losses[m],) = self._model_code(iteration, "loss", lambda: loss(*outputs, *targets))
+
+            def compute_loss() -> Any:
+                with autocast(precision):
+                    return loss(*outputs, *targets)
+
+            (losses[m],) = self._model_code(iteration, "loss", compute_loss)
         else:
             key = protocol.activation_key(self.namespace, iteration, self.stage, m)
-            sending.append(uplink.submit(self.channel.put, key, pack(dict(zip(self.outputs, outputs, strict=True)))))
+            sent = pack(dict(zip(self.outputs, outputs, strict=True)), wire_dtype(precision))
+            sending.append(uplink.submit(self.channel.put, key, sent))
         return taken, outputs
 
     def _backward(
@@ -114,4 +126,4 @@ class PipelineSteps(WorkerBase):
                 if isinstance(value, torch.Tensor) and value.grad is not None
             }
             key = protocol.gradient_key(self.namespace, iteration, self.stage, m)
-            sending.append(uplink.submit(self.channel.put, key, pack(sent)))
+            sending.append(uplink.submit(self.channel.put, key, pack(sent, wire_dtype(self.workflow.run.precision))))

@@ -49,6 +49,7 @@ from .staging import (
     evaluate,
     frozen_weights,
     model_file_state,
+    save_peft_adapter,
     stage_data,
     trained_state,
 )
@@ -592,6 +593,11 @@ def _train(
         if unused and not args.quiet:
             shown_keys = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
             print(f"note: model.safetensors leaves out {shown_keys}: the model's forward never uses them", flush=True)
+        if workflow.data.adapter == "peft":
+            try:
+                save_peft_adapter(model, keyed, out / "adapter")
+            except DataError as exc:
+                failure = RunError(f"the model trained, but its adapter was not saved: {exc}")
         test = evaluate(build, workflow, region, channel, state)
     record = records.get(region, RegionRun())
     metrics = summarise(record, workflow, settings, seconds, test)
@@ -659,7 +665,8 @@ def _train(
         if "accuracy" in test:
             figures += f", accuracy {test['accuracy']:.1%}"
         print(f"{figures} on {test['samples']} samples")
-    print(f"wrote {out}/: metrics.json, trace.json, model.safetensors, logs/{settings.run_id}/")
+    adapter = " adapter/," if workflow.data.adapter is not None else ""
+    print(f"wrote {out}/: metrics.json, trace.json, model.safetensors,{adapter} logs/{settings.run_id}/")
     return 0
 
 

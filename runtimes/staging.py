@@ -28,7 +28,7 @@ from cloudless.ir.workflow import DataSource, Region, Workflow
 
 from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
 from .storage import Channel
-from .tensors import unpack
+from .tensors import autocast, unpack
 from .worker import load_module
 
 
@@ -225,6 +225,21 @@ def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[
     return keyed, sorted(key for key, source in names.items() if source not in state)
 
 
+def save_peft_adapter(model_path: Path, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Save the trained adapter of the model file's peft model as peft saves one
+    (`adapter_model.safetensors`, `adapter_config.json`: `PeftModel.from_pretrained` loads it). The
+    model is built on the meta device, so the base model's weights are never allocated; the trained
+    tensors replace its parameters, every adapter parameter must be among them."""
+    module = load_model_module(model_path)
+    with torch.device("meta"):
+        model = module.build_model()
+    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
+    untrained = [name for name, parameter in model.named_parameters() if name in missing and parameter.requires_grad]
+    if untrained:
+        raise DataError(f"{model_path}: the run trained no value for the adapter's {', '.join(untrained[:3])}")
+    model.save_pretrained(str(folder))
+
+
 @torch.no_grad()
 def evaluate(
     build: Path, workflow: Workflow, region: str, channel: Channel, state: dict[str, torch.Tensor]
@@ -248,11 +263,12 @@ def evaluate(
         indices = list(range(first, first + size))
         values = dict(zip(workflow.data.inputs, reader.gather(indices, "input"), strict=True))
         outputs: tuple[Any, ...] = ()
-        for stage, inputs, names in stages:
-            outputs = tuple(stage(*[values[n] for n in inputs]))
-            values.update(zip(names, outputs, strict=True))
         targets = reader.gather(indices, "target")
-        (loss,) = loss_module(*outputs, *targets)
+        with autocast(workflow.run.precision):  # the precision the model trained in
+            for stage, inputs, names in stages:
+                outputs = tuple(stage(*[values[n] for n in inputs]))
+                values.update(zip(names, outputs, strict=True))
+            (loss,) = loss_module(*outputs, *targets)
         total_loss += float(loss)
         batches += 1
         if len(outputs) == 1 and len(targets) == 1 and outputs[0].dim() == 2 and not targets[0].is_floating_point():

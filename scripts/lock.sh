@@ -10,6 +10,6 @@ tools=$(mktemp -d)
 trap 'rm -rf "$tools"' EXIT
 "$PYTHON" -m venv "$tools"
 "$tools/bin/python" -m pip install --quiet "pip==25.3" "pip-tools==7.6.2"
-"$tools/bin/pip-compile" --quiet pyproject.toml requirements/tools.in --extra test --extra samples \
+CUSTOM_COMPILE_COMMAND="bash scripts/lock.sh" "$tools/bin/pip-compile" --quiet pyproject.toml requirements/tools.in --extra test --extra samples \
   --generate-hashes --strip-extras --unsafe-package torch --no-emit-index-url --no-emit-find-links \
-  --custom-compile-command "bash scripts/lock.sh" --output-file requirements/lock.txt
+  --output-file requirements/lock.txt

@@ -51,8 +51,9 @@ class PlainTrainer:
         run, model = self.run, model or self.model
         for m in range(run.micro_batches):
             idx = sample_indices(iteration, m, run.micro_batch, run.global_batch, self.samples, run.seed)
-            output = model(*[x[idx] for x in self.inputs])
-            loss = self.model_file.loss_fn(output, self.targets[idx]) / run.micro_batches
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.precision == "bf16-mixed"):
+                output = model(*[x[idx] for x in self.inputs])
+                loss = self.model_file.loss_fn(output, self.targets[idx]) / run.micro_batches
             loss.backward()
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -19,8 +19,10 @@ from cloudless.compiler.errors import ModelFileError
 from cloudless.compiler.model_file import load_model_file
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
 from cloudless.ir import protocol
+from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.tensors import pack, unpack
 from cloudless.runtimes.worker import StageWorker
 from tests.runtime_cases import reference_training, write_packages, write_training_data
 
@@ -297,3 +299,226 @@ def test_a_max_grad_norm_that_is_no_positive_number_is_one_error(value: str, tmp
         match=r"model\.py: TRAINING\['max_grad_norm'\] is .*; expected (a positive number|int or float)$",
     ):
         load_model_file(path)
+
+
+# --- peft / LoRA ---------------------------------------------------------------------------------
+
+LORA = """
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    TRAINING = {"global_batch_size": 8, "micro_batch_sizes": [2], "iterations": 3}
+
+
+    def build_model() -> nn.Module:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+        )
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return get_peft_model(transformers.LlamaForCausalLM(config), lora)
+
+
+    def example_inputs(batch_size: int):
+        return (torch.randint(0, 64, (batch_size, 16), generator=torch.Generator().manual_seed(0)),)
+
+
+    def example_targets(batch_size: int):
+        return torch.randint(0, 64, (batch_size, 16), generator=torch.Generator().manual_seed(1))
+
+
+    def loss_fn(output, target):
+        return nn.functional.cross_entropy(output.logits.reshape(-1, 64), target.reshape(-1))
+
+
+    def make_optimizer(params):
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, count: int) -> None:
+            self.inputs, self.targets = example_inputs(count), example_targets(count)
+
+        def __len__(self) -> int:
+            return len(self.targets)
+
+        def __getitem__(self, i: int):
+            return (self.inputs[0][i],), self.targets[i]
+
+
+    def load_shard(region: str, split: str) -> Rows:
+        return Rows(32 if split == "train" else 8)
+"""
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> FrontEnd:
+    path = tmp_path_factory.mktemp("lora") / "model.py"
+    path.write_text(textwrap.dedent(LORA))
+    return run_front_end(FrontEndOptions(path, profile_repeats=0))
+
+
+def test_a_peft_model_plans_its_adapters_as_the_only_trained_parameters(lora: FrontEnd) -> None:
+    model = lora.model_file.build_model()
+    adapters = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters)
+    # kilobytes to sync and hold optimizer state for, not the base model
+    assert lora.graph.param_bytes == sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) < 10_000
+    assert {n for n, p in lora.graph.parameters.items() if p.trainable} == adapters
+
+
+@pytest.mark.slow
+def test_a_peft_model_trains_its_adapters_in_a_replicated_pipeline_and_saves_them_as_peft(
+    lora: FrontEnd, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+
+    last = len(lora.chain.blocks) - 1
+    build = tmp_path / "build"
+    workflow = write_packages(
+        lora, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=2, global_batch=8, iterations=3
+    )
+    assert workflow.data.adapter == "peft"
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(lora.model_file.path), "-q"]) == 0
+    params = load_file(out / "model.safetensors")
+    expected = reference_training(lora, workflow, workflow.regions[0].name)
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    built = lora.model_file.build_model()
+    assert not built.load_state_dict(params, strict=True).missing_keys
+    trained = {name for name, p in built.named_parameters() if p.requires_grad}
+    before = lora.model_file.build_model().state_dict()
+    for name, value in params.items():  # the base model exactly as built, every adapter moved
+        assert torch.equal(value, before[name]) == (name not in trained), name
+    # the adapter as peft saves one, loaded by peft onto a fresh base model
+    assert {p.name for p in (out / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    base = lora.model_file.build_model().unload()  # the base model without the adapter's layers
+    loaded = PeftModel.from_pretrained(base, out / "adapter")
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, params[name], rtol=0, atol=0, msg=name)
+
+
+# --- bf16 mixed precision --------------------------------------------------------------------------
+
+#: blocks on a residual stream; under autocast the stream is bf16 (each block's linear gives bf16) or,
+#: with FLOAT32_STREAM, float32 (kept so, as mixed-precision transformers keep theirs): then the stage
+#: boundary carries a float32 activation that travels as bf16 and is given back as float32
+MIXED = """
+    import torch
+    from torch import nn
+
+    TRAINING = {"global_batch_size": 8, "micro_batch_sizes": [2], "iterations": 3, "precision": "bf16-mixed"}
+    FLOAT32_STREAM = False
+
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.norm(torch.tanh(self.linear(h)))
+
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+            self.blocks = nn.Sequential(*[Block() for _ in range(4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            return self.head(self.blocks(h.float() if FLOAT32_STREAM else h))
+
+
+    def build_model() -> nn.Module:
+        torch.manual_seed(0)
+        return Net()
+""" + FROZEN_BACKBONE[FROZEN_BACKBONE.index("    def example_inputs") :].replace(
+    # SGD: an update in proportion to its gradient, so bf16's rounding shows in proportion too (Adam's
+    # steps are lr-sized whatever the gradient: a near-zero one that rounds across 0 moves by 2 lr)
+    "torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)",
+    "torch.optim.SGD(params, lr=0.1, momentum=0.9)",
+)
+
+
+def one_thread_reference(front: FrontEnd, workflow: Workflow) -> dict[str, torch.Tensor]:
+    """The plain loop with one torch thread, as each function computes: bf16 results depend on how
+    a reduction is split among threads (by a bf16 rounding: 1e-3 on this model), float32's hardly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return reference_training(front, workflow, workflow.regions[0].name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("stream", ["bf16", pytest.param("float32", marks=pytest.mark.slow)])
+def test_bf16_mixed_trains_in_a_replicated_pipeline_as_a_bf16_plain_loop(stream: str, tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(MIXED).replace("FLOAT32_STREAM = False", f"FLOAT32_STREAM = {stream == 'float32'}"))
+    front = run_front_end(FrontEndOptions(path, profile_repeats=0))
+    last = len(front.chain.blocks) - 1
+    build = tmp_path / "build"
+    workflow = write_packages(
+        front, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=2, global_batch=8, iterations=3
+    )
+    assert workflow.run.precision == "bf16-mixed"
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(path), "-q", "--keep-storage"]) == 0
+    params = load_file(out / "model.safetensors")
+    assert all(value.dtype == torch.float32 for value in params.values())  # float32 master weights
+    expected = one_thread_reference(front, workflow)
+    in_float32 = one_thread_reference(
+        front, dataclasses.replace(workflow, run=dataclasses.replace(workflow.run, precision="32-true"))
+    )
+    # a bf16 activation crosses as it is: the plain loop's numbers; a float32 one is rounded to bf16
+    # on the way, which the plain loop does not do: within bf16's precision of it
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if stream == "bf16" else {"rtol": 1.6e-2, "atol": 5e-3}
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], **tolerance, msg=name)
+    assert any(not torch.allclose(in_float32[n], expected[n], atol=1e-4) for n in params)  # bf16 did matter
+    # what crossed the boundary: bf16 on the wire, given back in the stage's own dtype
+    (run_id,) = [p.name for p in (out / "storage").iterdir() if p.name.startswith("run-")]
+    namespace = protocol.namespace(run_id, workflow.regions[0].name)
+    storage = DirectoryChannel(out / "storage")
+    for key in (protocol.activation_key(namespace, 2, 0, 0), protocol.gradient_key(namespace, 2, 1, 0)):
+        sent = storage.get(key)
+        header = json.loads(sent[8 : 8 + int.from_bytes(sent[:8], "little")].decode())
+        assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}, key
+        given = {v.dtype for v in unpack(sent).values() if isinstance(v, torch.Tensor)}
+        assert given == {torch.float32 if stream == "float32" else torch.bfloat16}, key
+
+
+def test_values_sent_narrow_come_back_in_their_own_dtype_and_others_untouched() -> None:
+    values = {
+        "stream": torch.linspace(-1, 1, 1000, dtype=torch.float32) / 3,
+        "already": torch.tensor([0.5, 3.0], dtype=torch.bfloat16),
+        "ids": torch.tensor([1, 2]),
+        "flag": True,
+    }
+    narrow = pack(values, torch.bfloat16)
+    assert len(pack(values)) - len(narrow) > 1900  # 2 of its 4 bytes per value
+    back = unpack(narrow)
+    assert back["stream"].dtype == torch.float32 and back["already"].dtype == torch.bfloat16
+    assert torch.equal(back["stream"], values["stream"].to(torch.bfloat16).float())  # rounded once
+    assert torch.equal(back["ids"], values["ids"]) and back["flag"] is True
+    assert torch.equal(unpack(pack(values))["stream"], values["stream"])  # not narrowed: exact
+
+
+def test_bf16_mixed_plans_with_the_bytes_a_stage_sends(tmp_path: Path) -> None:
+    """Under bf16-mixed the cuts carry every floating activation in bf16: half a float32 model's
+    bytes; the first stage's input is the staged data, read as stored."""
+    fronts = {}
+    for stream in ("32-true", "bf16-mixed"):
+        path = tmp_path / f"{stream}.py"
+        text = textwrap.dedent(MIXED).replace("FLOAT32_STREAM = False", "FLOAT32_STREAM = True")
+        path.write_text(text.replace('"bf16-mixed"', repr(stream)))
+        fronts[stream] = run_front_end(FrontEndOptions(path, profile_repeats=0))
+    full, mixed = fronts["32-true"].chain.blocks, fronts["bf16-mixed"].chain.blocks
+    assert [b.output_bytes for b in mixed[:-1]] == [b.output_bytes // 2 for b in full[:-1]]
+    assert mixed[0].input_bytes == full[0].input_bytes > 0
