@@ -52,6 +52,7 @@ from .staging import (
     save_peft_adapter,
     stage_data,
     trained_state,
+    untouched_tensors,
 )
 from .storage import Channel, open_channel
 from .tensors import unpack
@@ -589,10 +590,9 @@ def _train(
     if failure is None:
         state = final_model(build, controller.storage, workflow, run_id, stayed)
         keyed, unused = model_file_state(build, state)
-        save_file(keyed, str(out / "model.safetensors"))
-        if unused and not args.quiet:
-            shown_keys = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
-            print(f"note: model.safetensors leaves out {shown_keys}: the model's forward never uses them", flush=True)
+        if unused:  # never trained: as build_model() builds them, so that the file loads strictly
+            keyed |= untouched_tensors(model, unused)
+        save_file(dict(sorted(keyed.items())), str(out / "model.safetensors"))
         if workflow.data.adapter == "peft":
             try:
                 save_peft_adapter(model, keyed, out / "adapter")

@@ -225,6 +225,14 @@ def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[
     return keyed, sorted(key for key, source in names.items() if source not in state)
 
 
+def untouched_tensors(model_path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The state `names` of the model file's model as build_model() builds it: tensors no stage
+    holds (the forward never uses them, so training never changes them; a peft `modules_to_save`
+    keeps such an original copy), for a model.safetensors that loads strictly."""
+    state = load_model_module(model_path).build_model().state_dict()
+    return {name: state[name].detach().clone().contiguous() for name in names}
+
+
 def save_peft_adapter(model_path: Path, state: dict[str, torch.Tensor], folder: Path) -> None:
     """Save the trained adapter of the model file's peft model as peft saves one
     (`adapter_model.safetensors`, `adapter_config.json`: `PeftModel.from_pretrained` loads it). The

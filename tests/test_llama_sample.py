@@ -127,3 +127,38 @@ def test_pipelined_build_trains_to_the_loss_target(compile_cli, tmp_path: Path) 
     losses = [p["loss"] for p in metrics["progress"]]
     assert abs(losses[0] - math.log(sample.VOCAB_SIZE)) < 0.1  # it started from nothing: a uniform guess
     assert metrics["test"]["loss"] <= sample.LOSS_TARGET, metrics["test"]
+
+
+@pytest.mark.slow
+def test_the_lora_recipe_trains_its_adapter_in_a_pipeline_to_its_loss_target(compile_cli, tmp_path: Path) -> None:
+    """samples/llama_lora.py: LoRA, parameter groups, warm-up + cosine, clipping and bf16 at once."""
+    from peft import PeftModel
+
+    sample_path = SAMPLES / "llama_lora.py"
+    build = tmp_path / "build"
+    catalog = write_local_catalog(tmp_path / "local.yaml")
+    code, stdout, stderr = compile_cli(
+        str(sample_path), "-o", str(build), "--verify", "-c", str(catalog), *PIPELINE_OPTIONS
+    )
+    assert code == 0, stderr
+    assert len(load_plan(build / "plan.json").stages) == 2, stdout
+    out = tmp_path / "run"
+    assert run_main([str(build), "--out", str(out), "-q"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    spec = importlib.util.spec_from_file_location("llama_lora_sample", sample_path)
+    assert spec is not None and spec.loader is not None
+    lora = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lora)
+    losses = [p["loss"] for p in metrics["progress"]]
+    assert metrics["status"] == "done" and len(losses) == lora.TRAINING["iterations"]
+    assert metrics["test"]["loss"] <= lora.LOSS_TARGET < losses[0], metrics["test"]
+    # the whole model loads strictly; the adapter as peft saved it, onto a fresh base model
+    from safetensors.torch import load_file
+
+    trained = load_file(out / "model.safetensors")
+    model = lora.build_model()
+    model.load_state_dict(trained, strict=True)
+    loaded = PeftModel.from_pretrained(lora.build_model().unload(), out / "adapter")
+    for name, value in loaded.state_dict().items():
+        if "lora_" in name or "modules_to_save" in name:
+            assert torch.equal(value, trained[name]), name

@@ -21,6 +21,7 @@ CASES = {
     "gpt2": ("fx", 123_751_680),
     "bert_large": ("export", 335_174_458),
     "llama_text": ("export", 656_512),
+    "llama_lora": ("export", 131_072),  # the trained ones: adapters, embedding, head
     "mlp_digits_geo": ("fx", 17_226),
 }
 
