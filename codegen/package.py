@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save
 
 from cloudless.codegen.images import LAMBDA_BASE_IMAGE, PYTHON_VERSION
+from cloudless.codegen.libraries import imported_registrations, library_pins
 from cloudless.ir.workflow import Function, Workflow
 
 #: PyTorch's index of CPU builds, and its page of torch's files: torch comes from there only (PyPI's torch
@@ -76,8 +77,22 @@ PYPI_PINS = (
     # redis needs async-timeout only before Python 3.11.3: not on the images' Python
     Pin("redis", "8.1.0", ("a4fe1aac3d3b3cc791d4b3d5931c5a956045dc951ee74d1c913ee3ac4d2ee9fb",)),
 )
-#: a package's requirement files, by the template each is rendered from
+#: a package's requirement files, by the template each is rendered from (and, when the stage calls a
+#: library's ops, requirements-libraries.txt: the Lambda image's third pip step)
 REQUIREMENT_FILES = ("requirements.txt", "requirements-torch.txt", "requirements-pypi.txt")
+#: the PEP 508 marker values of the images' Python, for the library's requirements that apply there
+IMAGE_MARKERS = {
+    "python_version": PYTHON_VERSION,
+    "python_full_version": f"{PYTHON_VERSION}.0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "os_name": "posix",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
+#: what the images install anyway: torch (its own step, with its dependencies) and the pinned packages
+_INSTALLED_OTHERWISE = frozenset({"torch", *(pin.name for pin in PYPI_PINS)})
 #: what a function runs, by package: the runtime modules (the controller and local runner stay out
 #: of the packages) and the ir modules they import
 VENDORED_MODULES = {
@@ -154,12 +169,17 @@ def render_function_package(
         "pypi_index": PYPI_INDEX,
         "pins": PYPI_PINS,
     }
+    # the libraries whose ops the stage (or its loss) calls: their registering modules' packages
+    registering = sorted({m for code in (stage_source, loss_source or "") for m in imported_registrations(code)})
+    libraries = library_pins(registering, IMAGE_MARKERS, _INSTALLED_OTHERWISE) if registering else ()
+    context["libraries"] = libraries
     env = _environment()
     root = function.package
+    requirement_files = REQUIREMENT_FILES + (("requirements-libraries.txt",) if libraries else ())
     files: dict[str, bytes] = {
         f"{root}/handler.py": env.get_template("handler.py.j2").render(context).encode(),
         f"{root}/Dockerfile": env.get_template("Dockerfile.j2").render(context).encode(),
-        **{f"{root}/{name}": env.get_template(f"{name}.j2").render(context).encode() for name in REQUIREMENT_FILES},
+        **{f"{root}/{name}": env.get_template(f"{name}.j2").render(context).encode() for name in requirement_files},
         f"{root}/stage.py": stage_source.encode(),
         f"{root}/weights.safetensors": weights_bytes(weights),
         f"{root}/function.json": (

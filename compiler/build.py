@@ -27,7 +27,7 @@ from cloudless.compiler.explain import alternatives_ir, explain
 from cloudless.compiler.lower import Lowered
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
 from cloudless.compiler.simulate import Timeline
-from cloudless.compiler.verify import check_stage_loads
+from cloudless.compiler.verify import check_library_ops_resolve, check_stage_loads
 from cloudless.ir.blocks import BlockChain
 from cloudless.ir.catalog import load_catalog
 from cloudless.ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
@@ -130,6 +130,9 @@ def check_modules_load(lowered: Lowered, graph: OpGraph | None = None) -> None:
         label = f"stage {stage.index} of {count} (blocks {stage.first_block}-{stage.last_block})"
         check_stage_loads(stage.source, stage.state, label, inputs)
     check_stage_loads(lowered.loss_source, {}, "the loss module")
+    check_library_ops_resolve(
+        [(f"stage {s.index} of {count}", s.source) for s in lowered.stages] + [("the loss module", lowered.loss_source)]
+    )
 
 
 def _meta_inputs(graph: OpGraph, names: Sequence[str]) -> list[Any] | None:

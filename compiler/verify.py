@@ -17,6 +17,10 @@ a compile error of one line, never a function's failure at run time.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -27,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from cloudless.codegen.libraries import library_ops
 from cloudless.compiler.chain import run_chain
 from cloudless.compiler.errors import CompileError, VerificationError, describe
 
@@ -109,6 +114,42 @@ def check_stage_loads(
         raise CompileError(f"{label}: the generated module's forward fails: {_where(exc, name, source)}") from exc
     except Exception:  # noqa: BLE001, S110 - the meta device's limits, not the code's
         pass
+
+
+#: run in a fresh interpreter: each generated module (a JSON list of [label, source]) is executed as its
+#: function executes it, then every library op it calls is looked up; the first that fails is printed
+_FRESH_CHECK = """
+import json, re, sys
+for label, source in json.load(sys.stdin):
+    try:
+        exec(compile(source, "<" + label + ">", "exec"), {"__name__": "stage"})
+        import torch
+        for namespace, name in re.findall(r"\\btorch\\.ops\\.([A-Za-z_]\\w*)\\.([A-Za-z_]\\w*)", source):
+            getattr(getattr(torch.ops, namespace), name)
+    except Exception as exc:
+        print(label + ": " + type(exc).__name__ + ": " + " ".join(str(exc).split()))
+        sys.exit(1)
+"""
+
+
+def check_library_ops_resolve(modules: Sequence[tuple[str, str]]) -> None:
+    """When a generated module calls a library's op (torch.ops outside torch's own namespaces): load
+    every module in a fresh interpreter, as a function does, and look each op up there, where only
+    what the module imports is imported (this process has the model's libraries loaded: a stage that
+    forgot one would pass here and fail in its function). CompileError naming the module and the op."""
+    if not any(library_ops(source) for _, source in modules):
+        return
+    result = subprocess.run(
+        [sys.executable, "-c", _FRESH_CHECK],
+        input=json.dumps([list(m) for m in modules]),
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    if result.returncode != 0:
+        detail = ((result.stdout.strip() or result.stderr.strip()).splitlines() or ["no output"])[-1]
+        raise CompileError(f"the generated code fails in a fresh interpreter, as in its function: {detail}")
 
 
 def _where(exc: BaseException, name: str, source: str) -> str:

@@ -10,6 +10,13 @@ import typing
 from typing import Any
 
 from cloudless.codegen.checks.base import EDITED, MISSING, BuildContext, fail, function_key_of, shorten
+from cloudless.codegen.libraries import (
+    LibraryOpError,
+    canonical_name,
+    distribution_of,
+    imported_registrations,
+    unregistered_ops,
+)
 from cloudless.codegen.package import VENDORED_MODULES
 from cloudless.codegen.stage_source import TensorKind
 from cloudless.ir.workflow import Function, Region, Workflow
@@ -83,8 +90,42 @@ def check_packages(context: BuildContext, document: dict[str, Any], workflow: Wo
             _check_weights(context, function, tensors[function.stage])
             if last:
                 _check_loss(context, workflow, function)
+            _check_library_ops(context, workflow, function, last)
         _check_shared(context, document, r, region, tensors)
         _check_groups(workflow, tensors)
+
+
+def _check_library_ops(context: BuildContext, workflow: Workflow, function: Function, last: bool) -> None:
+    """Every op the stage (and the loss) calls resolves in the function: torch's own, or a library's
+    that a module the code imports registers, from a package requirements.txt installs."""
+    installed = {
+        canonical_name(line.split("==")[0])
+        for line in (context.root / function.package / "requirements.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    for name in ("stage.py", *([f"{workflow.data.loss}.py"] if last else [])):
+        file = f"{function.package}/{name}"
+        source = (context.root / file).read_text()
+        unregistered = unregistered_ops(source)
+        if unregistered:
+            fail(
+                file,
+                "(imports)",
+                f"calls {', '.join(unregistered)}, which nothing the file imports registers: the function would fail "
+                f"at its first forward{context.note(file)}",
+            )
+        for module in imported_registrations(source):
+            try:
+                distribution = distribution_of(module)
+            except LibraryOpError:
+                distribution = module.split(".")[0]
+            if canonical_name(distribution) not in installed:
+                fail(
+                    f"{function.package}/requirements.txt",
+                    distribution,
+                    f"missing: {file} imports {module} (it registers the ops the stage calls), which this "
+                    f"package does not install{context.note(file)}",
+                )
 
 
 def _check_groups(workflow: Workflow, tensors: dict[int, dict[str, StageTensor]]) -> None:
