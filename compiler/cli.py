@@ -118,9 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--verify",
-        action="store_true",
-        help=f"chain the generated stages and compare loss, outputs and gradients with the "
-        f"unsplit model (tolerance {TOLERANCE:g} relative)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"chain the generated stages and compare loss, outputs and gradients with the unsplit model "
+        f"(tolerance {TOLERANCE:g} relative); on by default when planning (a tenth of a compile or less on the "
+        "samples): --no-verify skips it",
     )
     parser.add_argument(
         "--stages",
@@ -296,6 +298,9 @@ def _main(argv: Sequence[str] | None) -> int:
         targets=targets,
         registry=args.registry,
     )
+    planning = args.repeats > 0 or args.profile is not None
+    # verified unless --no-verify when a plan is made; without one (front end only), with --verify
+    verify = args.verify if args.verify is not None else planning
     options = CompileOptions(
         FrontEndOptions(
             model_path=args.model,
@@ -306,8 +311,8 @@ def _main(argv: Sequence[str] | None) -> int:
             profile_repeats=max(args.repeats, 0),
             profile_from=args.profile,
         ),
-        plan=plan_options if args.repeats > 0 or args.profile else None,
-        verify_stages=(args.stages or DEFAULT_VERIFY_STAGES) if args.verify else 0,
+        plan=plan_options if planning else None,
+        verify_stages=(args.stages or DEFAULT_VERIFY_STAGES) if verify else 0,
         targets=targets,
         output=args.output,
     )
@@ -331,7 +336,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return code
     finally:
         solver_log.reset(token)
-    if args.stages is not None and (options.plan is not None or not args.verify):
+    if args.stages is not None and (options.plan is not None or not verify):
         # after the compile: an error stays the one line on stderr
         console.print(
             f"cloudless-compile: note: --stages {args.stages} is ignored: it sets the split --verify checks when "

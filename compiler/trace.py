@@ -380,6 +380,13 @@ def _trace_failure(model_path: Path, fx_exc: BaseException | None, export_exc: B
             "return tensors, or tuples, lists, dicts and dataclasses of them, from forward; a transformers "
             "model returns its cache object unless its config says use_cache=False"
         )
+    if export_exc is not None and "data-dependent" in str(export_exc):
+        # a loop or shape that follows tensor values has no graph at all: a leaf module would fail the same way
+        fixes = (
+            "replace the branch on a tensor's value with torch.where(...) or torch.cond(...); code whose loop count "
+            "or shapes follow tensor values (a mixture of experts' loop over the experts hit) has no graph: use "
+            "the library's vectorised form (transformers: leave experts_implementation at its default)"
+        )
     if isinstance(fx_exc, RegionNotTraceable) and export_exc is None:
         fixes = "trace with --tracer auto or --tracer export, which keep the region"
     return TraceFailure(f"{where}: cannot trace the model{line} ({'; '.join(reasons)}). Fix: {fixes}")

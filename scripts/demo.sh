@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/cloudless-compile samples/mlp_digits.py -o build/mlp_digits --verify "$@"
+.venv/bin/cloudless-compile samples/mlp_digits.py -o build/mlp_digits "$@"
 .venv/bin/cloudless-run build/mlp_digits
