@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stages",
         type=int,
-        help="with --verify and no plan (--repeats 0): stages to split into (default 4); with a plan, "
-        "--verify checks the plan's split at its micro-batch",
+        help="plan exactly N pipeline stages (the MILP still chooses the cuts, tiers and replicas; --max-stages "
+        "bounds the count instead); without a plan (--repeats 0), the stages --verify splits into (default 4)",
     )
     planning = parser.add_argument_group("planning (see docs/cost_model.md)")
     planning.add_argument("-c", "--catalog", type=Path, help="region catalog YAML (default: the built-in catalog)")
@@ -290,6 +290,7 @@ def _main(argv: Sequence[str] | None) -> int:
         max_functions=args.max_functions,
         schedule=args.schedule,
         max_stages=args.max_stages,
+        stages=args.stages,
         replicas=replicas,
         time_limit=args.solver_time_limit,
         regions=regions,
@@ -336,11 +337,11 @@ def _main(argv: Sequence[str] | None) -> int:
         return code
     finally:
         solver_log.reset(token)
-    if args.stages is not None and (options.plan is not None or not verify):
+    if args.stages is not None and options.plan is None and not verify:
         # after the compile: an error stays the one line on stderr
         console.print(
-            f"cloudless-compile: note: --stages {args.stages} is ignored: it sets the split --verify checks when "
-            "no plan is made (--repeats 0); with a plan, --verify checks the plan's split",
+            f"cloudless-compile: note: --stages {args.stages} is ignored: without a plan (--repeats 0) it sets the "
+            "split --verify checks, and this compile does not verify",
             markup=False,
         )
     print_summary(out, result, args.output, requested_blocks=args.blocks)
@@ -376,7 +377,8 @@ def print_plan(out: Console, result: Compiled) -> None:
     gap = _gap_text(solution.gap)
     out.print(
         f"  plan        {plan.region.name}, objective {result.plan_options.objective}, {problem.schedule}, "
-        f"micro-batch {solution.plan.micro_batch} x {problem.global_batch // solution.plan.micro_batch}: "
+        + (f"{problem.min_stages} stages (--stages), " if result.plan_options.stages else "")
+        + f"micro-batch {solution.plan.micro_batch} x {problem.global_batch // solution.plan.micro_batch}: "
         f"{solution.status} (gap {gap}, {solution.solver}, {solution.solve_s:.1f} s)"
     )
     out.print("              stage  blocks   tier MB  replicas  memory MB  fwd+bwd s/mb  modules")

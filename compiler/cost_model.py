@@ -71,6 +71,8 @@ class Problem:
     micro_batches: tuple[int, ...]
     replicas: tuple[int, ...] = (1, 2, 4, 8)
     max_stages: int = 16
+    #: at least this many stages (--stages N plans exactly N: min_stages = max_stages = N)
+    min_stages: int = 1
     max_functions: int | None = None
     schedule: Schedule = "gpipe"
     optimizer_state: int = 0

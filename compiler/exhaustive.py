@@ -32,7 +32,11 @@ def exhaustive(
     partitions = (
         [fixed_ranges]
         if fixed_ranges is not None
-        else [p for s in range(1, min(problem.max_stages, n_blocks) + 1) for p in contiguous_ranges(n_blocks, s)]
+        else [
+            p
+            for s in range(problem.min_stages, min(problem.max_stages, n_blocks) + 1)
+            for p in contiguous_ranges(n_blocks, s)
+        ]
     )
     plans = (
         Plan(mu, tuple(StageChoice(a, b, m, r) for (a, b), (m, r) in zip(ranges, picks, strict=True)))

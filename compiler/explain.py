@@ -230,7 +230,7 @@ def _families(problem: Problem, chosen: Plan, unit: Unit, requested: Sequence[in
             )
         )
     else:
-        fewer = dataclasses.replace(problem, max_stages=count - 1)
+        fewer = dataclasses.replace(problem, max_stages=count - 1, min_stages=1)
         families.append(
             _Family(
                 "fewer-stages", "Fewer stages", f"at most {count - 1}", fewer, None, lambda p: len(p.stages) < count
@@ -476,6 +476,19 @@ def _compare(
         return alternative_of(
             f"{shape}, is {same} and {better} ({figures[0]} against {figures[1]} per iteration): the planner "
             f"minimises the objective alone, on which the two tie",
+            gains=gains_by,
+        )
+    if alternative < mine and not problem.min_stages <= len(plan.stages) <= problem.max_stages:
+        # --stages fixed the count (or --max-stages bounded it): the plan was excluded, not missed
+        return alternative_of(
+            f"{shape}, is better ({figures[0]} against {figures[1]} per iteration), with "
+            f"{len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}: "
+            + (
+                f"--stages {problem.min_stages}"
+                if len(plan.stages) < problem.min_stages
+                else problem.stage_limit_source()
+            )
+            + " ruled it out",
             gains=gains_by,
         )
     if alternative < mine:

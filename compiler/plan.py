@@ -73,6 +73,8 @@ class PlanOptions:
     max_functions: int | None = None
     schedule: Schedule = "gpipe"
     max_stages: int = 16
+    #: plan exactly this many stages (cloudless-compile --stages N); None: any number up to max_stages
+    stages: int | None = None
     replicas: tuple[int, ...] = (1, 2, 4, 8)
     time_limit: float = 10.0
     #: train in these regions (more than one: the inter-region schedule of compiler/geo.py)
@@ -141,14 +143,17 @@ def build_problem(
         schedule=options.schedule,
         optimizer_state=probe_optimizer(model_file).state_per_parameter,
         replicas=options.replicas,
-        max_stages=options.max_stages,
+        max_stages=options.stages or options.max_stages,
         max_functions=options.max_functions,
         iterations=1,
         samples_per_epoch=samples,
         platform=platform_limits(region, options.targets),
     )
+    if options.stages is not None and problem.max_stages < options.stages:
+        limit = f"{len(chain.blocks)} blocks" if len(chain.blocks) < options.stages else problem.stage_limit_source()
+        raise CompileError(f"--stages {options.stages}: no plan has that many stages: {limit}")
     length = run_length(model_file, samples, problem.global_batch)
-    return region, dataclasses.replace(problem, iterations=length.iterations)
+    return region, dataclasses.replace(problem, iterations=length.iterations, min_stages=options.stages or 1)
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,10 @@ def plan_training(chain: BlockChain, model_file: ModelFile, options: PlanOptions
     if len(options.regions) > 1:
         return plan_regions(chain, model_file, options)
     region, problem = build_problem(chain, model_file, options, options.regions[0] if options.regions else None)
-    found = baselines(problem, options.objective, deadline=options.deadline, budget=options.budget)
+    # the baselines whatever their stage count (--stages fixes ours, not theirs); as incumbents, the
+    # solver keeps those of the count asked for
+    unfixed = dataclasses.replace(problem, min_stages=1)
+    found = baselines(unfixed, options.objective, deadline=options.deadline, budget=options.budget)
     incumbents = tuple(b.plan for b in found if b.plan is not None)
     try:
         solution = solve(

@@ -52,10 +52,13 @@ def objective_key(problem: Problem, objective: Objective, evaluation: Evaluation
 
 
 def within_limits(problem: Problem, evaluation: Evaluation, deadline: float | None, budget: float | None) -> bool:
-    """A feasible plan whose run (all its iterations) meets the deadline and the budget."""
+    """A feasible plan of at least `min_stages` stages whose run (all its iterations) meets the deadline
+    and the budget."""
     runs = problem.iterations
-    return evaluation.feasible and Goal("cost", deadline, budget).within(
-        evaluation.iteration_s * runs, evaluation.cost_usd * runs
+    return (
+        evaluation.feasible
+        and len(evaluation.stages) >= problem.min_stages
+        and Goal("cost", deadline, budget).within(evaluation.iteration_s * runs, evaluation.cost_usd * runs)
     )
 
 
@@ -439,6 +442,8 @@ def build_program(
         program.row([(x[i], 1.0) for i in starting[b]] + [(x[i], -1.0) for i in ending[b]], rhs, rhs)
     if problem.max_stages < n_blocks:
         program.row([(xi, 1.0) for xi in x], upper=problem.max_stages)
+    if problem.min_stages > 1:
+        program.row([(xi, 1.0) for xi in x], lower=problem.min_stages)
     if problem.function_limit < min(problem.max_stages, n_blocks) * max(problem.replicas):
         program.row([(x[i], float(c.replicas)) for i, (c, _, _) in enumerate(configs)], upper=problem.function_limit)
 

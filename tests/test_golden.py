@@ -31,7 +31,7 @@ HASHED_FOLDERS = ("/cloudless/",)
 
 CASES: dict[str, tuple[Path, list[str]]] = {
     # the README's sample, as the demo compiles it
-    "mlp_digits": (SAMPLES / "mlp_digits.py", []),
+    "mlp_digits": (SAMPLES / "mlp_digits.py", ["--stages", "2"]),
     # tied embeddings across stages, BatchNorm buffers, two inputs, a dict output; the fastest plan
     "tricky_time": (MODELS / "tricky.py", ["--objective", "time"]),
     # compute-heavy, SAM only (OpenFaaS CE's 5 replicas per function would cap it): the fastest plan

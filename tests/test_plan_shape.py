@@ -14,6 +14,7 @@ import yaml
 from cloudless.compiler.errors import CompileError, ModelFileError
 from cloudless.compiler.model_file import load_model_file
 from cloudless.compiler.pipeline import FrontEndOptions, retrace, run_front_end
+from cloudless.ir.files import load_plan
 
 from .conftest import MODELS
 
@@ -109,12 +110,18 @@ def test_a_model_whose_graph_depends_on_the_batch_size_is_refused(tmp_path: Path
     assert "--batch-size 4" in message
 
 
-def test_stages_with_a_plan_is_a_note_not_a_silent_override(compile_cli, tmp_path: Path) -> None:
+def test_stages_with_a_plan_plans_exactly_that_many(compile_cli, tmp_path: Path) -> None:
     model = MODELS / "tricky.py"
-    code, stdout, stderr = compile_cli(str(model), "-o", str(tmp_path / "b"), "--verify", "--stages", "3")
-    assert code == 0, stderr
-    assert "note: --stages 3 is ignored" in stderr
-    assert "of the plan's split" in stdout and "at micro-batch 4" in stdout
+    for stages in (1, 3):
+        out = tmp_path / f"b{stages}"
+        code, stdout, stderr = compile_cli(str(model), "-o", str(out), "--stages", str(stages))
+        assert code == 0, stderr
+        assert "ignored" not in stderr
+        assert len(load_plan(out / "plan.json").stages) == stages
+        assert f"{stages} stages (--stages)" in stdout
+        assert f"verified    {stages} stage{'s' if stages > 1 else ''} of the plan's split" in stdout
+    code, _, stderr = compile_cli(str(model), "-o", str(tmp_path / "b99"), "--stages", "99")
+    assert code == 2 and "--stages 99: no plan has that many stages" in stderr, stderr
 
 
 # --- the run's length -----------------------------------------------------------------------------

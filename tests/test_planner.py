@@ -367,3 +367,25 @@ def test_a_region_frontier_keeps_within_its_total_memory() -> None:
             assert kept and all(plan_memory_mb(s.plan) <= least for s in kept)
             checked += 1
     assert checked >= 1
+
+
+@pytest.mark.parametrize("objective", ["cost", "time"])
+def test_a_fixed_stage_count_is_the_optimum_over_plans_of_that_many_stages(objective: str) -> None:
+    """--stages N: min_stages = max_stages = N; the baselines (of any count) stay incumbents, as the
+    plan pass gives them, and only plans of N stages may win."""
+    checked = 0
+    for seed in range(20):
+        base = random_problem(seed)
+        stages = min(2 + seed % 2, len(base.blocks))
+        problem = dataclasses.replace(base, min_stages=stages, max_stages=stages)
+        expected = exhaustive(problem, objective)
+        incumbents = tuple(b.plan for b in baselines(base, objective) if b.plan is not None)
+        try:
+            got = solve(problem, objective, incumbents=incumbents)
+        except Infeasible:
+            assert expected is None, seed
+            continue
+        assert expected is not None and len(got.plan.stages) == stages == len(expected[0].stages), seed
+        assert primary(objective, got.evaluation) == pytest.approx(primary(objective, expected[1]), rel=1e-6)
+        checked += 1
+    assert checked > 10
