@@ -73,6 +73,8 @@ class Problem:
     max_stages: int = 16
     #: at least this many stages (--stages N plans exactly N: min_stages = max_stages = N)
     min_stages: int = 1
+    #: TRAINING["max_grad_norm"]: each iteration, every function exchanges the stages' squared norms
+    clipped: bool = False
     max_functions: int | None = None
     schedule: Schedule = "gpipe"
     optimizer_state: int = 0
@@ -340,6 +342,13 @@ class CostModel:
         # losses (a put), every replica reads whether its invocation ends here (a get), and a first
         # stage reads a data shard.
         puts = (2 * micro_batches if not last else r) + (r * r * pieces if r > 1 else 0)
+        # Clipping: replica 0 writes the stage's squared norm, then every replica reads the other stages'
+        # at once (a put, a get and the wait to find it). Their GETs, S-1 per replica, depend on the stage
+        # count, which a stage's terms do not know: left out (S3: $0.4 per million).
+        clip_s = 0.0
+        if p.clipped:  # alone (first and last), a stage writes its norm and reads none
+            clip_s = self.latency if first and last else 2 * self.latency + (self.latency + SYNC_MAX_POLL_S) / 2
+        puts += 1 if p.clipped else 0
         gets = r + (1 if first else 2 * micro_batches) + (2 * r * (r - 1) * pieces if r > 1 else 0)
 
         def transfer(size: float) -> float:
@@ -355,7 +364,7 @@ class CostModel:
             forward_upload_s=transfer(outputs),
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),
-            sync_s=self.sync_time(params, r, choice.tier_mb),
+            sync_s=self.sync_time(params, r, choice.tier_mb) + clip_s,
             update_s=self.parameter_state_bytes(params) / update_rate,
             memory_mb=memory,
             parameter_bytes=params,

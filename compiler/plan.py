@@ -153,7 +153,12 @@ def build_problem(
         limit = f"{len(chain.blocks)} blocks" if len(chain.blocks) < options.stages else problem.stage_limit_source()
         raise CompileError(f"--stages {options.stages}: no plan has that many stages: {limit}")
     length = run_length(model_file, samples, problem.global_batch)
-    return region, dataclasses.replace(problem, iterations=length.iterations, min_stages=options.stages or 1)
+    return region, dataclasses.replace(
+        problem,
+        iterations=length.iterations,
+        min_stages=options.stages or 1,
+        clipped=training.get("max_grad_norm") is not None,
+    )
 
 
 @dataclass(frozen=True)

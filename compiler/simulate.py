@@ -199,22 +199,65 @@ def simulate(problem: Problem, plan: Plan) -> Timeline:
     for task, s, m in forward_receives:
         sim.tasks[task].deps.append(sent_activation[(s - 1, m)])
 
+    synced = {
+        s: _add_sync(sim, s, [last_backward[(s, j)] for j in range(choice.replicas)], stage_plans[s], model.latency)
+        for s, choice in enumerate(plan.stages)
+    }
+    if problem.clipped:
+        synced = _add_clipping(sim, synced, model.latency)
     for s, choice in enumerate(plan.stages):
-        ready = [last_backward[(s, j)] for j in range(choice.replicas)]
-        _add_sync_and_update(sim, s, ready, stage_plans[s], problem.optimizer_state, model.latency)
+        update_s = (2 + problem.optimizer_state) * stage_plans[s]["params"] / stage_plans[s]["stream_rate"]
+        for j in range(choice.replicas):
+            sim.add(s, j, "compute", "update", update_s, list(synced[s][j]))
     return sim.run()
 
 
-def _add_sync_and_update(
+def _add_clipping(
+    sim: _Simulation, synced: dict[int, dict[int, list[int | None]]], latency: float
+) -> dict[int, dict[int, list[int | None]]]:
+    """Gradient clipping's exchange (runtimes/replica_sync.py): once a stage's replicas are synced,
+    replica 0 writes the stage's squared norm; every replica then reads the other stages' at once
+    (found (L + p)/2 after they are written, as a sync piece is), and steps after that."""
+    found = latency + (latency + SYNC_MAX_POLL_S) / 2
+    norms = {
+        s: sim.add(s, 0, "upload", "clip-norm", 0.0, list(by_replica[0]), delay=latency)
+        for s, by_replica in synced.items()
+    }
+    if len(synced) == 1:
+        # alone, a stage reads no norm: only replica 0, which writes it, waits for its put
+        return {
+            s: {j: [*deps, *([norms[s]] if j == 0 else [])] for j, deps in by_replica.items()}
+            for s, by_replica in synced.items()
+        }
+    return {
+        s: {
+            j: [
+                sim.add(
+                    # replica 0 reads after its own put, as the worker does
+                    s,
+                    j,
+                    "download",
+                    "clip-norms",
+                    0.0,
+                    [*deps, *(norms[t] for t in synced if t != s or j == 0)],
+                    delay=found,
+                )
+            ]
+            for j, deps in by_replica.items()
+        }
+        for s, by_replica in synced.items()
+    }
+
+
+def _add_sync(
     sim: _Simulation,
     stage: int,
     ready: list[int | None],
     info: dict[str, float],
-    optimizer_state: int,
     latency: float,
-) -> None:
+) -> dict[int, list[int | None]]:
     """Pipelined scatter-reduce among the stage's replicas (each starting when its task `ready[j]`,
-    its last backward, is done), then each replica's optimizer step.
+    its last backward, is done); per replica, the tasks its optimizer step waits for.
 
     Replica i owns chunk i of the gradient. It uploads chunk (i+d) mod r for d = 1..r-1 while
     downloading its own chunk from replica (i-d) mod r, then uploads its reduced chunk and downloads
@@ -260,6 +303,4 @@ def _add_sync_and_update(
                 for p in range(pieces)
             ]
             synced[i] = downloads + [gathered[(i, p)] for p in range(pieces)]
-    update_s = (2 + optimizer_state) * params / info["stream_rate"]
-    for j in range(r):
-        sim.add(stage, j, "compute", "update", update_s, list(synced[j]))
+    return synced

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -86,12 +87,16 @@ class ReplicaSync(WorkerBase):
         own = math.fsum(float(torch.linalg.vector_norm(g, 2)) ** 2 for g in counted)
         if replica == 0:
             self.channel.put(protocol.grad_norm_key(self.namespace, iteration, self.stage), json.dumps(own).encode())
-        squares = [
-            own
-            if s == self.stage
-            else float(json.loads(self.channel.get(protocol.grad_norm_key(self.namespace, iteration, s), timeout)))
-            for s in range(self.stages)
-        ]
+
+        def read(stage: int) -> float:
+            if stage == self.stage:
+                return own
+            key = protocol.grad_norm_key(self.namespace, iteration, stage)
+            return float(json.loads(self.channel.get(key, timeout)))
+
+        # the other stages' at once: one request's latency, not one per stage (as the cost model counts)
+        with ThreadPoolExecutor(max_workers=max(1, self.stages - 1), thread_name_prefix="norms") as pool:
+            squares = list(pool.map(read, range(self.stages)))
         norm = math.sqrt(math.fsum(squares))
         if not math.isfinite(norm):
             message = (

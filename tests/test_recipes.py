@@ -525,3 +525,14 @@ def test_bf16_mixed_plans_with_the_bytes_a_stage_sends(tmp_path: Path) -> None:
     full, mixed = fronts["32-true"].chain.blocks, fronts["bf16-mixed"].chain.blocks
     assert [b.output_bytes for b in mixed[:-1]] == [b.output_bytes // 2 for b in full[:-1]]
     assert mixed[0].input_bytes == full[0].input_bytes > 0
+
+
+def test_clipping_is_planned_with_its_norm_exchange(tmp_path: Path) -> None:
+    from cloudless.compiler.plan import PlanOptions, build_problem
+
+    path = tmp_path / "model.py"
+    for text, clipped in ((CLIPPED, True), (CLIPPED.replace(', "max_grad_norm": 0.05', ""), False)):
+        path.write_text(textwrap.dedent(text))
+        front = run_front_end(FrontEndOptions(path, profile_repeats=1))
+        _, problem = build_problem(front.chain, front.model_file, PlanOptions())
+        assert problem.clipped is clipped

@@ -9,6 +9,7 @@ import pytest
 
 from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, StageChoice
 from cloudless.compiler.simulate import simulate
+from cloudless.ir.schedule import SYNC_MAX_POLL_S
 from cloudless.ir.timeline import LANES, Span, Timeline
 
 from .planning_cases import random_plan, random_problem
@@ -119,6 +120,31 @@ def test_closed_form_agrees_with_the_simulator_on_random_plans() -> None:
         assert abs(error) <= 0.10, (seed, plan, evaluation.iteration_s, simulated)
         checked += 1
     assert checked >= 0.75 * PLANS and flagged > 0
+
+
+def test_clipping_costs_its_norm_exchange_in_the_closed_form_and_the_simulator() -> None:
+    """TRAINING["max_grad_norm"]: after the sync, a put and a get of the stages' norms (a put alone for
+    one stage), in the closed form and in the simulator alike; one more PUT per stage."""
+    checked = 0
+    for seed in range(40):
+        problem = random_problem(seed)
+        plan = random_plan(problem, random.Random(seed))
+        if problem.schedule != "gpipe":
+            continue
+        clipped = dataclasses.replace(problem, clipped=True)
+        model, free = CostModel(clipped), CostModel(problem)
+        with_clip, without = model.evaluate(plan), free.evaluate(plan)
+        latency = problem.region.request_latency_s
+        alone = len(plan.stages) == 1
+        extra = latency if alone else 2 * latency + (latency + SYNC_MAX_POLL_S) / 2
+        assert with_clip.iteration_s == pytest.approx(without.iteration_s + extra, rel=1e-9, abs=1e-12), seed
+        assert sum(t.puts for t in with_clip.stages) == sum(t.puts for t in without.stages) + len(plan.stages)
+        # the simulator finds the stage that waits last; the closed form charges its critical stage
+        simulated = simulate(clipped, plan).iteration_s
+        assert 0 <= simulated - simulate(problem, plan).iteration_s <= extra * (1 + 1e-9), seed
+        assert abs(with_clip.iteration_s - simulated) <= 0.10 * simulated, (seed, with_clip.iteration_s, simulated)
+        checked += 1
+    assert checked >= 10
 
 
 def test_simulation_is_deterministic() -> None:
