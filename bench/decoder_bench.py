@@ -1,7 +1,7 @@
 """Decoder benchmark: plain PyTorch against `cloudless-run` on samples/llama_text.py (a 0.66M-parameter
 transformers Llama, byte-level, 64-token windows, global batch 32), side by side in one run.
 
-The sample is compiled twice: as the README's Usage does (the default catalog, objective cost), and as
+The sample is compiled twice: as docs/usage.md does (the default catalog, objective cost), and as
 tests/test_llama_sample.py does (a catalog of this machine: 1-vCPU functions, storage a local folder;
 objective time, one replica per stage, at most 2 functions: a 2-stage pipeline), the second with the
 first's profile, so that both plan on the same measurement. Then, in alternated rounds so that every
@@ -104,7 +104,7 @@ def main() -> int:
         "default": load_workflow(default / "workflow.yaml"),
         "pipeline": load_workflow(pipeline / "workflow.yaml"),
     }
-    print(f"compile (as README Usage): {default_s:.1f} s, plan {shape(workflows['default'])}")
+    print(f"compile (as docs/usage.md): {default_s:.1f} s, plan {shape(workflows['default'])}")
     print(
         f"compile (--verify, local catalog, {' '.join(PIPELINE_OPTIONS)}, its profile): {pipeline_s:.1f} s, "
         f"plan {shape(workflows['pipeline'])}"

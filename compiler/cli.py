@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=f"chain the generated stages and compare loss, outputs and gradients with the unsplit model "
-        f"(tolerance {TOLERANCE:g} relative); on by default when planning (a tenth of a compile or less on the "
+        f"(tolerance {TOLERANCE:g} relative); on by default when planning (at most a fifth of a compile on the "
         "samples): --no-verify skips it",
     )
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""Load a user's model file by path and check it follows the contract (see README).
+"""Load a user's model file by path and check it follows the contract (docs/model-file.md).
 
 Required: build_model() -> nn.Module; example_inputs(batch_size) -> tuple of tensors.
 Optional: example_targets, loss_fn, make_optimizer, make_scheduler, load_shard, TRAINING.
@@ -158,7 +158,7 @@ def load_model_file(path: Path) -> ModelFile:
     """Import `path` as a module and collect the contract's functions, with clear errors."""
     shown = display_path(path)
     if not path.exists():
-        raise ModelFileError(f"{shown}: no such file; expected a Python model file (see README)")
+        raise ModelFileError(f"{shown}: no such file; expected a Python model file (docs/model-file.md)")
     if not path.is_file() or path.suffix != ".py":
         raise ModelFileError(f"{shown}: not a .py file; expected a Python model file")
     try:

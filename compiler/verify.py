@@ -222,7 +222,9 @@ def _compare(
             if failed
             else describe(exc)
         )
-        raise VerificationError(f"the {len(stages)} stages fail on the example micro-batch: {where}") from exc
+        raise VerificationError(
+            f"{_the_stages(len(stages))} {'fails' if len(stages) == 1 else 'fail'} on the example micro-batch: {where}"
+        ) from exc
 
     report = VerifyReport(stages=len(stages))
     report.loss_error = relative_error(run.loss, expected_loss.detach())
@@ -262,9 +264,44 @@ def _compare(
             report.buffer_error = max(report.buffer_error, relative_error(buffer, reference_buffers[name]))
     if report.max_error > tolerance:
         raise VerificationError(
-            f"the {len(stages)} stages do not reproduce the model: largest error {report.max_error:.3g} "
+            f"{_the_stages(len(stages))} {'does' if len(stages) == 1 else 'do'} not reproduce the model: "
+            f"largest error {report.max_error:.3g} "
             f"(loss {report.loss_error:.3g}, outputs {report.output_error:.3g}, gradients "
             f"{report.gradient_error:.3g} at {report.worst_gradient or '-'}, buffers {report.buffer_error:.3g}) "
-            f"exceeds the tolerance {tolerance:g}" + (f"; {'; '.join(report.details[:3])}" if report.details else "")
+            f"exceeds the tolerance {tolerance:g}"
+            + (f"; {'; '.join(report.details[:3])}" if report.details else "")
+            + f". {_cause_and_fix(report)}"
         )
     return report
+
+
+def _the_stages(count: int) -> str:
+    return "the one stage" if count == 1 else f"the {count} stages"
+
+
+def _cause_and_fix(report: VerifyReport) -> str:
+    """The likely cause of a failed verification, from what differed, and what to do about it."""
+    missing = [d.split(":")[0] for d in report.details if d.endswith("gradient missing in the stages")]
+    unexpected = [d.split(":")[0] for d in report.details if d.endswith("gradient unexpected in the stages")]
+    if missing:
+        return (
+            f"Cause: the stages give {missing[0]} no gradient, which the model gives one: the traced graph lost how "
+            "the loss depends on it (a parameter read through .data or outside forward). Fix: use it in forward "
+            "directly; if it must not train, requires_grad_(False) on it in build_model()"
+        )
+    if unexpected:
+        return (
+            f"Cause: the stages train {unexpected[0]}, which gets no gradient in the model (a no_grad region or a "
+            "detach the trace did not keep). Fix: requires_grad_(False) on it in build_model() if it must not "
+            "train, else compute it with plain torch operations"
+        )
+    if report.loss_error <= TOLERANCE and report.output_error <= TOLERANCE and report.gradient_error <= TOLERANCE:
+        return (
+            "Cause: only buffers differ: the model updates a buffer in another way than its traced operations "
+            "(in place through Python state, or twice). Fix: update buffers with torch operations in forward"
+        )
+    return (
+        "Cause: the stages compute other numbers than the model on the same micro-batch: randomness outside "
+        "torch's generator (Python's random, numpy) or state the trace fixed at one value. Fix: draw random "
+        "numbers with torch, compute from the inputs in forward; --no-verify skips the check"
+    )

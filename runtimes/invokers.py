@@ -270,7 +270,7 @@ class OpenFaaSInvoker(Invoker):
     Why not /async-function: OpenFaaS CE's queue-worker delivers asynchronous calls one at a time
     (max_inflight 1), so a pipeline's first worker would wait on partners queued behind it. A synchronous
     call runs at once, for as long as the gateway's upstream timeout lets it (set it to at least the
-    stack's exec_timeout, README "Deploying").
+    stack's exec_timeout, docs/deploying.md).
 
     One invocation per instance: the stack sets the watchdog's `max_inflight: "1"`, so an instance busy with
     another call answers 429 and the provider may route to a busy instance (it picks one at random); the

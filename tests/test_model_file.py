@@ -343,3 +343,61 @@ def test_a_loss_holding_a_large_constant_is_one_error(model_file, compile_cli, t
     assert "loss_fn uses a constant tensor of shape (5000,)" in stderr and "make it a buffer of the model" in stderr
     assert len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()
+
+
+OUTSIDE_RANDOMNESS = """
+import random
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * random.random())  # drawn once when traced
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 4, generator=torch.Generator().manual_seed(0)),)
+
+
+def example_targets(batch_size):
+    return torch.randint(0, 3, (batch_size,), generator=torch.Generator().manual_seed(1))
+"""
+
+
+def test_a_split_that_cannot_reproduce_the_model_never_exits_0_and_says_why(
+    model_file, compile_cli, tmp_path: Path
+) -> None:
+    """Verification is on by default: the build is not written; the message names the cause and the fix."""
+    path = model_file(OUTSIDE_RANDOMNESS)
+    code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "b"), "--repeats", "1")
+    assert code == 1
+    assert stderr.count("\n") == 1
+    assert "the one stage does not reproduce the model" in stderr
+    assert "Cause: the stages compute other numbers than the model" in stderr and "Python's random" in stderr
+    assert "Fix: draw random numbers with torch" in stderr
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    "detail, cause",
+    [
+        ("w: gradient missing in the stages", "Cause: the stages give w no gradient"),
+        ("w: gradient unexpected in the stages", "Cause: the stages train w"),
+    ],
+)
+def test_a_gradient_only_one_side_has_is_named_with_its_cause(detail: str, cause: str) -> None:
+    from cloudless.compiler.verify import VerifyReport, _cause_and_fix
+
+    text = _cause_and_fix(VerifyReport(gradient_error=float("inf"), worst_gradient="w", details=[detail]))
+    assert text.startswith(cause) and "Fix: " in text and "requires_grad_(False)" in text
