@@ -17,19 +17,22 @@ import io
 import math
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import matplotlib
 import matplotlib.style
+import yaml
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, PathPatch
 from matplotlib.path import Path
 
+from cloudless.codegen.checks.openfaas import stack_warnings
+from cloudless.codegen.platforms import region_bucket, stack_name
 from cloudless.ir.plan import Figures, PlannedStage, RegionSchedule, TrainingPlan
-from cloudless.ir.protocol import PEERS_ENV
+from cloudless.ir.protocol import PEERS_ENV, STORAGE_SECRET, TOKEN_SECRET
 from cloudless.ir.timeline import LANES, Span, Timeline
 from cloudless.ir.workflow import Workflow
 
@@ -128,11 +131,17 @@ def fmt_ratio(value: float | None) -> str:
 # --- entry point -----------------------------------------------------------------------------------
 
 
-def render_report(plan: TrainingPlan, timeline: Timeline, workflow: Workflow | None = None) -> dict[str, bytes]:
+def render_report(
+    plan: TrainingPlan,
+    timeline: Timeline,
+    workflow: Workflow | None = None,
+    deployment: Mapping[str, bytes] | None = None,
+) -> dict[str, bytes]:
     """report.md and its two pictures for `plan` (plan.json) and its simulated `timeline`; with
-    `workflow` (workflow.yaml) also the functions per region and how to deploy them."""
+    `workflow` (workflow.yaml) also the functions per region and, from the build's `deployment` files
+    (stacks, templates), how to deploy them and what their platforms would refuse."""
     return {
-        REPORT_MD: render_markdown(plan, timeline, workflow).encode(),
+        REPORT_MD: render_markdown(plan, timeline, workflow, deployment or {}).encode(),
         COMPARISON_SVG: svg_bytes(comparison_figure, plan),
         SCHEDULE_SVG: svg_bytes(schedule_figure, plan, timeline),
     }
@@ -249,7 +258,12 @@ def stage_rows(stages: Sequence[PlannedStage]) -> list[list[str]]:
     ]
 
 
-def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow | None = None) -> str:
+def render_markdown(
+    plan: TrainingPlan,
+    timeline: Timeline,
+    workflow: Workflow | None = None,
+    deployment: Mapping[str, bytes] | None = None,
+) -> str:
     predicted = plan.predicted
     lines = [
         f"# Training plan for {plan.model}",
@@ -304,7 +318,9 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
     )
 
     lines += ["", "## Warnings", ""]
-    lines += [f"- {w}" for w in predicted.warnings] or ["None."]
+    stacks = {path: data.decode() for path, data in (deployment or {}).items() if path.endswith("/stack.yaml")}
+    warnings = [*predicted.warnings, *stack_warnings(stacks)]  # what the compile also warns of
+    lines += [f"- {w}" for w in warnings] or ["None."]
 
     lines += ["", "## Baselines", ""]
     if plan.baselines:
@@ -353,7 +369,7 @@ def render_markdown(plan: TrainingPlan, timeline: Timeline, workflow: Workflow |
         "time runs left to right, and the numbers in the forward and backward spans are the micro-batches.",
     ]
     if workflow is not None:
-        lines += _deployment(workflow)
+        lines += _deployment(workflow, deployment or {})
     return "\n".join(lines) + "\n"
 
 
@@ -490,7 +506,9 @@ def _baseline_row(
     return [f"**{name}**", description, "yes", fmt(figures[0]), fmt(figures[1]), *map(fmt_ratio, ratios)]
 
 
-def _deployment(workflow: Workflow) -> list[str]:
+def _deployment(workflow: Workflow, deployment: Mapping[str, bytes]) -> list[str]:
+    """Per region: its functions, and the steps that deploy and train them with each target built
+    (`deployment`: the build's files by path, the stacks and templates among them)."""
     lines = ["", "## Deployment", ""]
     if len(workflow.regions) > 1:
         lines += [
@@ -498,7 +516,8 @@ def _deployment(workflow: Workflow) -> list[str]:
             f"(environment `{PEERS_ENV}`). With SAM, deploy every region once, then again with the other "
             "regions' `BucketName` outputs as the `PeerBucket<Region>` parameters "
             "(`sam deploy --config-env <region> --parameter-overrides PeerBucketAwsEuWest1=<bucket> ...`, the "
-            "names are in each template's Parameters).",
+            "names are in each template's Parameters). `cloudless-run` trains deployed functions one region at "
+            "a time; it runs a workflow of several regions on this machine (`--invoker local`).",
             "",
         ]
     for region in workflow.regions:
@@ -512,17 +531,64 @@ def _deployment(workflow: Workflow) -> list[str]:
             ],
             "lrlrr",
         )
-        lines += [
-            "",
-            "From the build folder, with OpenFaaS or with AWS SAM:",
-            "",
-            "```bash",
-            f"faas-cli up -f regions/{name}/stack.yaml",
-            f"sam build --config-env {name} && sam deploy --config-env {name}",
-            "```",
-            "",
-        ]
+        lines += ["", "From the build folder:", ""] if deployment else [""]
+        if f"regions/{name}/stack.yaml" in deployment:
+            lines += _openfaas_steps(workflow, name, deployment)
+        if f"regions/{name}/template.yaml" in deployment:
+            lines += _sam_steps(workflow, name)
     return lines[:-1]
+
+
+def _openfaas_steps(workflow: Workflow, region: str, deployment: Mapping[str, bytes]) -> list[str]:
+    """OpenFaaS, word for word: from the region's folder (the stack's paths are relative to it), the
+    template, the two secrets, the images' registry, the deploy, then the run from the build folder."""
+    stack = yaml.safe_load(deployment[f"regions/{region}/stack.yaml"])
+    gateway = stack.get("provider", {}).get("gateway", "<gateway>")
+    run, bucket, prefix = workflow.run.name, region_bucket(workflow, region), workflow.storage.prefix
+    registered = not stack_warnings(
+        {f"regions/{region}/stack.yaml": deployment[f"regions/{region}/stack.yaml"].decode()}
+    )
+    lines = [
+        f"**OpenFaaS** (the gateway at {gateway}, logged in with `faas-cli login`): the storage is an S3 bucket, "
+        "the credentials a secret, every call carries the run's token.",
+        "",
+        "```bash",
+        f"aws s3 mb s3://{bucket}     # the stack's storage (CLOUDLESS_STORAGE): bucket names are global",
+        "# ~/storage.env (outside the build folder): AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_DEFAULT_REGION,",
+        "# one NAME=value per line, of a key that may use the bucket",
+        f"faas-cli secret create {STORAGE_SECRET} --from-file ~/storage.env",
+        f"openssl rand -hex 32 > ~/{run}.token && faas-cli secret create {TOKEN_SECRET} --from-file ~/{run}.token",
+    ]
+    if not registered:
+        lines.append("# the images have no registry: recompile with --registry ghcr.io/<you> first (see Warnings)")
+    else:
+        image = str(next(iter(stack.get("functions", {}).values()), {}).get("image", ""))
+        lines.append(f"docker login {image.split('/')[0]}   # faas-cli up pushes the images there")
+    lines.append(f"(cd regions/{region} && faas-cli template pull stack -f stack.yaml && faas-cli up -f stack.yaml)")
+    if len(workflow.regions) == 1:  # several regions train under cloudless-run --invoker local only
+        lines += [
+            f"cloudless-run . --invoker openfaas --gateway {gateway} --token-file ~/{run}.token \\",
+            f"  --storage s3://{bucket}/{prefix} --out trained   # with the same AWS_* variables set",
+        ]
+    return [*lines, "```", ""]
+
+
+def _sam_steps(workflow: Workflow, region: str) -> list[str]:
+    """AWS SAM: from the build folder (samconfig.toml's paths are relative to it), then the driver."""
+    return [
+        "**AWS SAM** (your AWS credentials, any boto3 source): the stack creates the run's bucket, the "
+        "functions and the state machine; the driver stages the data and follows the executions.",
+        "",
+        "```bash",
+        f"sam build --config-env {region} && sam deploy --config-env {region}",
+        *(
+            [f"cloudless-run . --invoker lambda --stack {stack_name(workflow, region)} --out trained"]
+            if len(workflow.regions) == 1
+            else []
+        ),
+        "```",
+        "",
+    ]
 
 
 # --- comparison.svg --------------------------------------------------------------------------------

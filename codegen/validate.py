@@ -26,12 +26,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from cloudless.codegen.checks.base import EDITED, BuildCheckError, BuildContext, build_relative, fail
 from cloudless.codegen.checks.digests import check_digests, check_no_secrets
 from cloudless.codegen.checks.manifest import check_manifest, check_run
-from cloudless.codegen.checks.openfaas import check_stack, split_image
+from cloudless.codegen.checks.openfaas import check_stack, stack_warnings
 from cloudless.codegen.checks.packages import check_packages
 from cloudless.codegen.checks.plan import check_plan
 from cloudless.codegen.checks.sam import LAMBDA_MAX_TIMEOUT_S, LAMBDA_MEMORY_MB, check_samconfig, check_template
@@ -43,7 +41,6 @@ from cloudless.codegen.checks.state_machine import (
     substitute_arns,
 )
 from cloudless.codegen.checks.storage import check_region_storage
-from cloudless.ir.catalog import OPENFAAS_CE_MAX_FUNCTIONS, OPENFAAS_CE_MAX_REPLICAS
 from cloudless.ir.workflow import Workflow
 
 __all__ = [
@@ -119,28 +116,6 @@ def deployment_warnings(build: Path) -> list[str]:
     """What a build's deployment files allow, but a default platform would refuse (one line each, the file
     first): OpenFaaS images without a registry (faas-cli up fails at the push) and stacks beyond OpenFaaS CE's
     limits (they deploy on OpenFaaS Pro only). For a build that passed check_build."""
-    found = []
     regions = Path(build) / "regions"
-    for path in sorted(regions.glob("*/stack.yaml")) if regions.is_dir() else []:
-        file = build_relative(Path(build), path)
-        stack = yaml.safe_load(path.read_text())
-        functions = stack.get("functions", {}) if isinstance(stack, dict) else {}
-        bare = [name for name, function in functions.items() if not split_image(str(function.get("image")))[0]]
-        if bare:
-            found.append(
-                f"{file}: the images have no registry ({functions[bare[0]]['image']}): faas-cli up fails at the "
-                "push; compile with --registry (e.g. ghcr.io/<you>) or give the region a registry in the catalog"
-            )
-        if len(functions) > OPENFAAS_CE_MAX_FUNCTIONS:
-            found.append(
-                f"{file}: {len(functions)} functions; OpenFaaS CE deploys at most {OPENFAAS_CE_MAX_FUNCTIONS} "
-                "(this stack needs OpenFaaS Pro)"
-            )
-        for name, function in functions.items():
-            scale = function.get("labels", {}).get("com.openfaas.scale.max")
-            if scale is not None and int(scale) > OPENFAAS_CE_MAX_REPLICAS:
-                found.append(
-                    f"{file}: function {name} scales to {scale} replicas; OpenFaaS CE allows at most "
-                    f"{OPENFAAS_CE_MAX_REPLICAS} (this stack needs OpenFaaS Pro)"
-                )
-    return found
+    stacks = sorted(regions.glob("*/stack.yaml")) if regions.is_dir() else []
+    return stack_warnings({build_relative(Path(build), path): path.read_text() for path in stacks})

@@ -87,7 +87,7 @@ def _planned_files(
             files[path] = text.encode()
     if "sam" in targets and any(region.provider == "aws" for region in workflow.regions):
         files["samconfig.toml"] = render_samconfig(workflow).encode()
-    files.update(render_report(plan, timeline, workflow))
+    files.update(render_report(plan, timeline, workflow, files))
     return files
 
 

@@ -8,8 +8,10 @@ import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
+import yaml
 
 from cloudless.codegen.report import (
     COMPARISON_SVG,
@@ -43,7 +45,7 @@ from cloudless.ir.workflow import (
     Workflow,
 )
 
-from .conftest import ROOT
+from .conftest import ROOT, SAMPLES
 from .planning_cases import random_problem
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -224,10 +226,8 @@ def test_markdown_lists_stages_figures_baselines_and_deployment(small) -> None:
         assert f"**{baseline.name}**" in text
     assert "no: its largest stage needs 123456 MB" in text
     assert "![" in text and "](report/comparison.svg)" in text and "](report/schedule.svg)" in text
-    region = document.region
-    assert f"faas-cli up -f regions/{region}/stack.yaml" in text
-    assert f"sam build --config-env {region} && sam deploy --config-env {region}" in text
     assert "`toy-s2`" in text
+    assert "faas-cli" not in text and "sam build" not in text  # no deployment files given: no steps
     assert "## Deployment" not in render_report(document, timeline)[REPORT_MD].decode()
     assert "Per epoch" not in text
     epoch = Totals(iterations=12, time_s=34.5, cost_usd=0.0123)
@@ -385,3 +385,36 @@ def test_svg_summary_lists_every_bar_and_label(small) -> None:
     comparison = svg_summary(files[COMPARISON_SVG])
     for i in range(1 + len([b for b in document.baselines if b.feasible])):
         assert f"shape bar-s-{i} fill #" in comparison and f"shape bar-usd-{i} fill #" in comparison
+
+
+@pytest.mark.parametrize("registry", [None, "ghcr.io/acme"])
+def test_the_deploy_steps_are_each_targets_from_where_it_runs(
+    registry: str | None, compile_cli, tmp_path: Path
+) -> None:
+    """OpenFaaS from the region's folder (template pull, both secrets, up), SAM from the build folder,
+    then cloudless-run for each; a stack without registry says so in the steps and under Warnings."""
+    out = tmp_path / "b"
+    code, _, stderr = compile_cli(
+        str(SAMPLES / "mlp_digits.py"), "-o", str(out), "--repeats", "1", "-q",
+        *(["--registry", registry] if registry else []),
+    )  # fmt: skip
+    assert code == 0, stderr
+    text = (out / "report.md").read_text()
+    region = "aws-us-east-1"
+    steps = [
+        "faas-cli secret create cloudless-storage --from-file ~/storage.env",
+        "openssl rand -hex 32 > ~/mlp-digits.token && faas-cli secret create cloudless-token --from-file "
+        "~/mlp-digits.token",
+        f"(cd regions/{region} && faas-cli template pull stack -f stack.yaml && faas-cli up -f stack.yaml)",
+        "cloudless-run . --invoker openfaas --gateway http://127.0.0.1:8080 --token-file ~/mlp-digits.token",
+        f"sam build --config-env {region} && sam deploy --config-env {region}",
+        f"cloudless-run . --invoker lambda --stack mlp-digits-{region} --out trained",
+    ]
+    positions = [text.index(step) for step in steps]
+    assert positions == sorted(positions)
+    stack = yaml.safe_load((out / "regions" / region / "stack.yaml").read_text())
+    assert stack["provider"]["gateway"] == "http://127.0.0.1:8080"
+    warned = "the images have no registry" in text.split("## Warnings")[1].split("##")[0]
+    assert warned == (registry is None) == ("recompile with --registry" in text)
+    if registry is None:
+        assert "regions/aws-us-east-1/stack.yaml: the images have no registry" in stderr  # what the compile said

@@ -4,10 +4,13 @@ timeouts, its image reference and its handler folder."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
+import yaml
+
 from cloudless.codegen.checks.base import build_relative, fail, load_yaml, schema_check
-from cloudless.ir.catalog import registry_problem
+from cloudless.ir.catalog import OPENFAAS_CE_MAX_FUNCTIONS, OPENFAAS_CE_MAX_REPLICAS, registry_problem
 from cloudless.ir.workflow import Region
 
 #: an image reference's tag
@@ -90,3 +93,30 @@ def _check_image(file: str, key: str, image: str, function: str) -> None:
         problem = registry_problem(registry)
         if problem:
             fail(file, f"{key}/image", f"{image!r}: the registry {registry!r} is {problem}")
+
+
+def stack_warnings(stacks: Mapping[str, str]) -> list[str]:
+    """`deployment_warnings` of OpenFaaS stack files given as {path in the build: text}, in path order."""
+    found = []
+    for file, text in sorted(stacks.items()):
+        stack = yaml.safe_load(text)
+        functions = stack.get("functions", {}) if isinstance(stack, dict) else {}
+        bare = [name for name, function in functions.items() if not split_image(str(function.get("image")))[0]]
+        if bare:
+            found.append(
+                f"{file}: the images have no registry ({functions[bare[0]]['image']}): faas-cli up fails at the "
+                "push; compile with --registry (e.g. ghcr.io/<you>) or give the region a registry in the catalog"
+            )
+        if len(functions) > OPENFAAS_CE_MAX_FUNCTIONS:
+            found.append(
+                f"{file}: {len(functions)} functions; OpenFaaS CE deploys at most {OPENFAAS_CE_MAX_FUNCTIONS} "
+                "(this stack needs OpenFaaS Pro)"
+            )
+        for name, function in functions.items():
+            scale = function.get("labels", {}).get("com.openfaas.scale.max")
+            if scale is not None and int(scale) > OPENFAAS_CE_MAX_REPLICAS:
+                found.append(
+                    f"{file}: function {name} scales to {scale} replicas; OpenFaaS CE allows at most "
+                    f"{OPENFAAS_CE_MAX_REPLICAS} (this stack needs OpenFaaS Pro)"
+                )
+    return found
