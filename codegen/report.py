@@ -724,7 +724,8 @@ def schedule_figure(plan: TrainingPlan, timeline: Timeline) -> Figure:
     ax = figure.add_subplot()
     cap = replicas_shown(plan)
     title = (
-        f"{plan.model}: simulated iteration, {len(plan.stages)} stages, {plan.micro_batches} micro-batches "
+        f"{plan.model}: simulated iteration, {len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, "
+        f"{plan.micro_batches} micro-batches "
         f"of {plan.micro_batch} ({plan.schedule}), {fmt_s(timeline.iteration_s)}"
     )
     if any(s.replicas > cap for s in plan.stages):

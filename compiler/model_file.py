@@ -304,7 +304,7 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     cls = type(optimizer)
     if getattr(torch.optim, cls.__name__, None) is not cls:
         raise ModelFileError(
-            f"{model_file.name}: make_optimizer returned {cls.__module__}.{cls.__qualname__}; the functions "
+            f"{model_file.name}: make_optimizer returned {_class_name(cls, model_file)}; the functions "
             "rebuild the optimizer from its torch.optim class and options, so return a torch.optim optimizer"
         )
     options: dict[str, Any] = {}
@@ -445,3 +445,11 @@ def probe_parameter_groups(model_file: ModelFile, model: nn.Module, iterations: 
         )
         for index, group in enumerate(optimizer.param_groups)
     )
+
+
+def _class_name(cls: type, model_file: ModelFile) -> str:
+    """A class as the user knows it: a model file's own by its name there (the module the loader made
+    for the file has an internal name), any other with its module."""
+    if cls.__module__.startswith("cloudless_user_model_"):
+        return f"{cls.__qualname__} (defined in {model_file.name})"
+    return f"{cls.__module__}.{cls.__qualname__}"

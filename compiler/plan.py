@@ -545,7 +545,8 @@ def diagnose(problem: Problem, options: PlanOptions) -> str:
                 )
         except Infeasible:
             pass
-    return f"no plan fits within {functions} functions and {stages} stages in {region.name}; {problem.limits_hint()}"
+    within = f"{functions} function{'s' if functions > 1 else ''} and {stages} stage{'s' if stages > 1 else ''}"
+    return f"no plan fits within {within} in {region.name}; {problem.limits_hint()}"
 
 
 def _round(value: float, digits: int = 9) -> float:
