@@ -32,7 +32,7 @@ from matplotlib.path import Path
 from cloudless.codegen.checks.openfaas import stack_warnings
 from cloudless.codegen.platforms import region_bucket, stack_name
 from cloudless.ir.plan import Figures, PlannedStage, RegionSchedule, TrainingPlan
-from cloudless.ir.protocol import PEERS_ENV, STORAGE_SECRET, TOKEN_SECRET
+from cloudless.ir.protocol import PEERS_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_SECRET
 from cloudless.ir.timeline import LANES, Span, Timeline
 from cloudless.ir.workflow import Workflow
 
@@ -553,7 +553,7 @@ def _openfaas_steps(workflow: Workflow, region: str, deployment: Mapping[str, by
         "the credentials a secret, every call carries the run's token.",
         "",
         "```bash",
-        f"aws s3 mb s3://{bucket}     # the stack's storage (CLOUDLESS_STORAGE): bucket names are global",
+        f"aws s3 mb s3://{bucket}     # the stack's storage ({STORAGE_ENV}): bucket names are global",
         "# ~/storage.env (outside the build folder): AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_DEFAULT_REGION,",
         "# one NAME=value per line, of a key that may use the bucket",
         f"faas-cli secret create {STORAGE_SECRET} --from-file ~/storage.env",
@@ -562,7 +562,9 @@ def _openfaas_steps(workflow: Workflow, region: str, deployment: Mapping[str, by
     if not registered:
         lines.append("# the images have no registry: recompile with --registry ghcr.io/<you> first (see Warnings)")
     else:
-        image = str(next(iter(stack.get("functions", {}).values()), {}).get("image", ""))
+        functions: dict[str, dict[str, Any]] = stack.get("functions") or {}
+        first: dict[str, Any] = next(iter(functions.values()), {})
+        image = str(first.get("image", ""))
         lines.append(f"docker login {image.split('/')[0]}   # faas-cli up pushes the images there")
     lines.append(f"(cd regions/{region} && faas-cli template pull stack -f stack.yaml && faas-cli up -f stack.yaml)")
     if len(workflow.regions) == 1:  # several regions train under cloudless-run --invoker local only

@@ -231,26 +231,39 @@ class RegionSync(WorkerBase):
         began = time.monotonic()
         checked = began
         wait = server.poll_s
+        region, looked = "", False
         while True:
             data = server.try_get(key)
+            if data == LEFT_MARK:  # its owner was given up: see below
+                if region:
+                    self.departed.add(region)
+                return None
             if data is not None:
                 return data
             now = time.monotonic()
-            if now - checked >= 1.0:
-                checked = now
+            if now - checked >= 1.0 or not looked:
+                checked, looked = now, True
                 self.channel.check_abort()
                 owner = (server.try_get(self._global_key(version, "owner")) or b"").decode(errors="replace")
                 region = owner.rsplit("/round", 1)[0]
-                if (
-                    region in self._storage_names()
-                    and region != self.region
-                    and (
-                        region in self.departed
-                        or self._storage_of(region).exists(protocol.left_key(self._peer_namespace(region)))
-                    )
+                if region not in self._storage_names() or region == self.region:
+                    region = ""
+                elif region in self.departed or self._storage_of(region).exists(
+                    protocol.left_key(self._peer_namespace(region))
                 ):
                     self.departed.add(region)
                     return None
+            # An owner silent past the region timeout (killed between its claim and its write, with no one
+            # to record its departure) is given up as a missed meet is: the version is claimed void
+            # (create-if-absent: if its write wins, it counts) and its departure recorded.
+            if region and self.region_timeout is not None and now >= began + self.region_timeout:
+                if server.claim(key, LEFT_MARK):
+                    why = f"{region} did not write global version {version} within {now - began:.0f} s"
+                    left = protocol.left_key(self._peer_namespace(region))
+                    self._storage_of(region).claim(left, json.dumps({"by": self.region, "why": why}).encode())
+                    self.departed.add(region)
+                    return None
+                continue  # its write (or another region's mark) landed meanwhile: read it
             if now >= began + timeout:
                 raise KeyTimeout(f"{server.describe(key)} did not appear within {timeout:g} s")
             time.sleep(wait)
@@ -308,7 +321,15 @@ class RegionSync(WorkerBase):
                     self.region, round_index, self.stage, self.base_version, version, staleness, scale, rebased
                 )
                 server.put(self._global_key(version, "push"), record.encode())
-                server.put(self._global_key(version, "model"), pack(merged))
+                # create-if-absent: a region that stopped waiting for this version may have voided it
+                # (LEFT_MARK), and then this region has left the run; a retry finds its own bytes
+                model_key = self._global_key(version, "model")
+                if not server.claim(model_key, pack(merged)) and server.try_get(model_key) == LEFT_MARK:
+                    message = (
+                        f"region {self.region} left the run at global version {version} (stage {self.stage}): the "
+                        "other regions went on without it (it did not write the version by the region timeout)"
+                    )
+                    raise RegionLeft(AbortRecord("left", message, round_index, self.stage, self.function.name))
                 self.base_version = version
                 return merged
             version += 1

@@ -828,6 +828,8 @@ payload_values = st.recursive(
     max_leaves=4,
 )
 FIELDS = ("start", "stop", "iteration", "replica", "run", "attempt", "time_limit_s", "timeout")
+#: every field a payload may carry (the several-region ones too): an added key is none of them
+PAYLOAD_FIELDS = (*FIELDS, *(name for name in Invocation.__dataclass_fields__ if name not in FIELDS))
 #: valid and short: a handler example that trains stops within a second
 short_seconds = st.floats(0.01, 0.3)
 BAD_SECONDS = [0, 0.0, -1, -0.5, math.nan, math.inf, -math.inf, 10**400, "1", True, False, [], {}]
@@ -858,7 +860,7 @@ def invocation_events(draw: st.DrawFn, for_handler: bool = False) -> Any:
             payload.pop(name, None)
         else:
             payload[name] = draw(payload_ints | payload_values)
-    extra = st.text(max_size=8).filter(lambda k: k not in FIELDS)
+    extra = st.text(max_size=8).filter(lambda k: k not in PAYLOAD_FIELDS)
     payload.update(draw(st.dictionaries(extra, payload_values, max_size=2)))
     return payload
 
@@ -886,7 +888,7 @@ def assert_in_bounds(invocation: Invocation) -> None:
 def assert_bad_request(exc: ValueError) -> None:
     message = str(exc)
     assert_one_line(message)
-    assert message.split(":")[0] in (*FIELDS, 'expected a JSON object like {"iteration"'), message
+    assert message.split(":")[0] in (*PAYLOAD_FIELDS, 'expected a JSON object like {"iteration"'), message
 
 
 @sizes(400, 3000)
