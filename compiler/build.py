@@ -25,7 +25,8 @@ from cloudless.codegen.platforms import TARGETS, render_region, render_samconfig
 from cloudless.codegen.report import render_report
 from cloudless.compiler.explain import alternatives_ir, explain
 from cloudless.compiler.lower import Lowered
-from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
+from cloudless.compiler.plan import PlanOptions, PlanResult
+from cloudless.compiler.plan_record import plan_ir
 from cloudless.compiler.simulate import Timeline
 from cloudless.compiler.verify import check_library_ops_resolve, check_stage_loads
 from cloudless.ir.blocks import BlockChain

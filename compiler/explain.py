@@ -33,10 +33,23 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-from cloudless.codegen.report import fmt
-from cloudless.compiler.cost_model import MB, CostModel, Evaluation, Objective, Plan, Problem
+from cloudless.codegen.numbers import fmt
+from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem
+from cloudless.compiler.explain_text import (
+    TIE,
+    TIME_TERMS,
+    Unit,
+    amount,
+    as_factor,
+    describe_plan,
+    function_gb,
+    listed,
+    loss_text,
+    pair,
+    ratio,
+    ties,
+)
 from cloudless.compiler.plan import PlanOptions, PlanResult
 from cloudless.compiler.planner import Infeasible, Solution, solve
 from cloudless.compiler.solver import Goal
@@ -44,13 +57,6 @@ from cloudless.ir.catalog import Region
 from cloudless.ir.plan import Alternative as AlternativeDocument
 from cloudless.ir.plan import AlternativeFamily, AlternativeStage, PlanTerm, TrainingPlan
 
-#: the terms of an iteration's time, in the order ties are broken (the first wins)
-TIME_TERMS = ("compute", "data loading", "stage transfers", "gradient sync", "optimizer update")
-#: the terms of its cost: functions alive through each time term, then the requests
-COST_TERMS = (*TIME_TERMS, "invocations", "storage requests")
-#: two figures this close (relative) are a tie: above the solver's relative gap (solver.GAP, 1e-7), so that a
-#: family's best never looks better than a plan the solver proved optimal
-TIE = 1e-6
 #: a family's solve may take at most this long per micro-batch size (and no longer than the plan's own)
 EXPLAIN_TIME_LIMIT_S = 2.0
 #: a family's best found within this relative gap of the family's optimum counts as its best: closer than the
@@ -59,8 +65,6 @@ EXPLAIN_TIME_LIMIT_S = 2.0
 PROVEN_GAP = 1e-4
 #: a term's difference below this share of the plans' figure is not named as a reason
 NEGLIGIBLE = 1e-6
-
-Unit = Literal["s", "USD"]
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,7 @@ class Alternative:
         """The alternative's time and cost over the chosen plan's (None without a plan or a ratio)."""
         if self.evaluation is None:
             return None, None
-        return _ratio(self.evaluation.iteration_s, chosen.iteration_s), _ratio(
-            self.evaluation.cost_usd, chosen.cost_usd
-        )
+        return ratio(self.evaluation.iteration_s, chosen.iteration_s), ratio(self.evaluation.cost_usd, chosen.cost_usd)
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ def time_terms(problem: Problem, plan: Plan, evaluation: Evaluation) -> dict[str
 def cost_terms(problem: Problem, plan: Plan, evaluation: Evaluation) -> dict[str, float]:
     """The plan's cost per iteration split into COST_TERMS (they add up to `evaluation.cost_usd`): its
     functions kept alive through each time term, its invocations and its storage requests."""
-    rate = problem.region.prices.gb_second * _gb(plan)
+    rate = problem.region.prices.gb_second * function_gb(plan)
     parts = {name: seconds * rate for name, seconds in time_terms(problem, plan, evaluation).items()}
     parts["invocations"] = evaluation.request_usd
     parts["storage requests"] = evaluation.storage_usd
@@ -428,7 +430,7 @@ def _compare(
     measures: list[Unit] = ["s", "USD"] if goal.minimises_time else ["USD", "s"]
     figure = {"s": lambda e: e.iteration_s, "USD": lambda e: e.cost_usd}
     unit = measures[0]
-    tied = _ties(figure[unit](evaluation), figure[unit](chosen_evaluation))
+    tied = ties(figure[unit](evaluation), figure[unit](chosen_evaluation))
     if tied:
         unit = measures[1]
     split = time_terms if unit == "s" else cost_terms
@@ -442,7 +444,7 @@ def _compare(
     loses_by = worst if deltas[worst] > 0 else ""
     gains_by = most_saved if deltas[most_saved] < -noise else ""
     alternative, mine = figure[unit](evaluation), figure[unit](chosen_evaluation)
-    figures = _pair(alternative, mine, unit)
+    figures = pair(alternative, mine, unit)
     proven = gap <= PROVEN_GAP
     if proven:
         shape = "the best"
@@ -468,7 +470,7 @@ def _compare(
         )
 
     same = "as fast" if unit == "USD" else "as cheap"  # the measure the two plans tie on
-    if tied and _ties(alternative, mine):
+    if tied and ties(alternative, mine):
         return alternative_of(f"{shape}, is as fast and as cheap: the planner's pick among equals")
     if alternative < mine and tied:
         # The planner minimises the objective's measure alone, and picks among plans that tie on it.
@@ -498,191 +500,23 @@ def _compare(
             f"time limit (gap {fmt(100 * solution.gap, 3)} %) before it found it",
             gains=gains_by,
         )
-    factor = _factor(alternative / mine) if mine > 0 else "infinitely"
+    factor = as_factor(alternative / mine) if mine > 0 else "infinitely"
     verdict = f"takes {factor} as long" if unit == "s" else f"costs {factor} as much"
     if tied:
         verdict = f"is {same} but {verdict}"
     summary = f"{shape}, {verdict} per iteration ({figures[0]} against {figures[1]}): "
-    summary += _loss_text(loses_by, terms[loses_by], unit, problem, best, (chosen, chosen_evaluation))
+    summary += loss_text(loses_by, terms[loses_by], unit, problem, best, (chosen, chosen_evaluation))
     # The other terms it loses by, and what it saves: with the first, they make the whole difference.
     by_size = sorted(deltas, key=lambda name: -abs(deltas[name]))  # stable: TERMS order among equals
     more = [name for name in by_size if name != loses_by and deltas[name] > noise]
     if more:
-        summary += f", and {_amount(sum(deltas[name] for name in more), unit)} more in {_names(more)}"
+        summary += f", and {amount(sum(deltas[name] for name in more), unit)} more in {listed(more)}"
     saved = [name for name in by_size if deltas[name] < -noise]
     if saved:
-        summary += f"; it saves {_amount(-deltas[saved[0]], unit)} in {saved[0]}"
+        summary += f"; it saves {amount(-deltas[saved[0]], unit)} in {saved[0]}"
         if saved[1:]:
-            summary += f" and {_amount(-sum(deltas[name] for name in saved[1:]), unit)} in {_names(saved[1:])}"
+            summary += f" and {amount(-sum(deltas[name] for name in saved[1:]), unit)} in {listed(saved[1:])}"
     return alternative_of(summary, loses_by, gains_by)
-
-
-# --- words --------------------------------------------------------------------------------------------
-
-
-def describe_plan(plan: Plan) -> str:
-    """`8 × 10240 MB, whole model, micro-batch 8`, `2 stages (blocks 0–3 | 4–7) of 8 × 10240 MB, micro-batch
-    512`, or each stage's blocks and functions when they differ."""
-    stages = plan.stages
-    if len(stages) == 1:
-        c = stages[0]
-        return f"{c.replicas} × {c.tier_mb} MB, whole model, micro-batch {plan.micro_batch}"
-    ranges = " | ".join(_blocks(c.first, c.last) for c in stages)
-    if len({(c.tier_mb, c.replicas) for c in stages}) == 1:
-        c = stages[0]
-        return (
-            f"{len(stages)} stages (blocks {ranges}) of {c.replicas} × {c.tier_mb} MB, micro-batch {plan.micro_batch}"
-        )
-    each = "; ".join(f"blocks {_blocks(c.first, c.last)} on {c.replicas} × {c.tier_mb} MB" for c in stages)
-    return f"{len(stages)} stages ({each}), micro-batch {plan.micro_batch}"
-
-
-def _blocks(first: int, last: int) -> str:
-    return str(first) if first == last else f"{first}–{last}"
-
-
-def _amount(value: float, unit: Unit) -> str:
-    return f"{fmt(value, 3)} {unit}"
-
-
-def _names(names: Sequence[str]) -> str:
-    """`a`, `a and b`, `a, b and c`."""
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-
-
-def _pair(a: float, b: float, unit: Unit) -> tuple[str, str]:
-    """Two figures with digits enough to tell them apart (up to 10)."""
-    digits = 3
-    while digits < 10 and fmt(a, digits) == fmt(b, digits):
-        digits += 1
-    return f"{fmt(a, digits)} {unit}", f"{fmt(b, digits)} {unit}"
-
-
-def _factor(value: float) -> str:
-    """`1.9×`; near 1, digits enough to show the difference (`1.0002×`)."""
-    digits = 3
-    if 1 < value < 1.01:
-        digits += math.ceil(-math.log10(value - 1)) - 2
-    return f"{fmt(value, digits)}×"
-
-
-def _loss_text(
-    name: str,
-    values: tuple[float, float],
-    unit: Unit,
-    problem: Problem,
-    alternative_plan: tuple[Plan, Evaluation],
-    chosen_plan: tuple[Plan, Evaluation],
-) -> str:
-    """`<term> takes 0.54 s more (0.6 s against 0.06 s; what the alternative moves or computes)`, or
-    in dollars, `<term> costs ... more (GB of functions alive for seconds against ...)`."""
-    alternative, mine = values
-    plan, chosen = alternative_plan[0], chosen_plan[0]
-    detail = _detail(name, problem, *alternative_plan)
-    if name == "invocations":
-        detail += f" against {sum(c.replicas for c in chosen.stages)}"
-    elif name == "storage requests":
-        terms = chosen_plan[1].stages
-        detail += f" against {sum(t.puts for t in terms)} and {sum(t.gets for t in terms)}"
-    plural = name in _PLURAL
-    if unit == "s":
-        verb = "take" if plural else "takes"
-        text = (
-            f"{name} {verb} {_amount(alternative - mine, unit)} more ({fmt(alternative, 3)} s against {fmt(mine, 3)} s"
-        )
-        return text + (f"; {detail})" if detail else ")")
-    text = f"{name} {'cost' if plural else 'costs'} {_amount(alternative - mine, unit)} more"
-    if name in TIME_TERMS:
-        price = problem.region.prices.gb_second
-        seconds = alternative / (price * _gb(plan)) if price > 0 else 0.0
-        ours = mine / (price * _gb(chosen)) if price > 0 else 0.0
-        text += (
-            f" ({fmt(_gb(plan), 3)} GB of functions alive for {fmt(seconds, 3)} s against "
-            f"{fmt(_gb(chosen), 3)} GB for {fmt(ours, 3)} s"
-        )
-        return text + (f"; {detail})" if detail else ")")
-    return text + (f" ({detail})" if detail else "")
-
-
-#: terms that take a plural verb
-_PLURAL = frozenset({"stage transfers", "invocations", "storage requests"})
-
-
-def _detail(name: str, problem: Problem, plan: Plan, evaluation: Evaluation) -> str:
-    """What the alternative moves or computes for this term, from the cost model's inputs."""
-    model = CostModel(problem)
-    stages, terms = plan.stages, evaluation.stages
-    scale = plan.micro_batch / problem.profile_batch
-    micro_batches = problem.global_batch // plan.micro_batch
-    latency = f"{fmt(problem.region.request_latency_s * 1e3, 3)} ms per request"
-    if name == "compute":
-        s = max(
-            range(len(stages)),
-            key=lambda i: (
-                math.ceil(micro_batches / stages[i].replicas)
-                * (terms[i].forward_compute_s + terms[i].backward_compute_s)
-            ),
-        )
-        per_replica = math.ceil(micro_batches / stages[s].replicas)
-        where = "" if len(stages) == 1 else f" in stage {s}"
-        return f"{per_replica} micro-batches per replica{where} on {fmt(model.vcpus(stages[s].tier_mb), 3)} vCPUs"
-    if name == "data loading":
-        size = scale * problem.blocks[0].input_bytes
-        return f"{_size(size)} per micro-batch at {_bandwidth(model, stages[0].tier_mb)}"
-    if name == "stage transfers":
-        cuts = [scale * problem.blocks[c.last].output_bytes for c in stages[:-1]]
-        if not cuts:
-            return ""
-        rates = sorted({_bandwidth(model, c.tier_mb) for c in stages}, key=lambda text: float(text.split()[0]))
-        at = rates[0] if len(rates) == 1 else f"{rates[0]} to {rates[-1]}"
-        over = "one cut" if len(cuts) == 1 else f"{len(cuts)} cuts"
-        return (
-            f"{_size(sum(cuts))} of activations per micro-batch over {over}, and their gradients back, "
-            f"at {at} and {latency}"
-        )
-    if name == "gradient sync":
-        s = max(range(len(stages)), key=lambda i: terms[i].sync_s)
-        if stages[s].replicas == 1:
-            return ""
-        where = "" if len(stages) == 1 else f" of stage {s}"
-        return (
-            f"{_size(terms[s].parameter_bytes)} of gradients{where} scatter-reduced among "
-            f"{stages[s].replicas} replicas at {_bandwidth(model, stages[s].tier_mb)} and {latency}"
-        )
-    if name == "optimizer update":
-        s = max(range(len(stages)), key=lambda i: terms[i].update_s)
-        state = model.parameter_state_bytes(terms[s].parameter_bytes)
-        return f"{_size(state)} of parameters, gradients and optimizer state streamed"
-    if name == "invocations":
-        functions = sum(c.replicas for c in stages)
-        return f"{functions} functions invoked per iteration"
-    if name == "storage requests":
-        return f"{sum(t.puts for t in terms)} PUTs and {sum(t.gets for t in terms)} GETs per iteration"
-    return ""
-
-
-def _size(size: float) -> str:
-    """Bytes in MB (2^20, as the cost model's MB), or KB below one MB."""
-    return f"{fmt(size / MB, 3)} MB" if size >= MB else f"{fmt(size / 1024, 3)} KB"
-
-
-def _bandwidth(model: CostModel, tier_mb: int) -> str:
-    return f"{fmt(model.bandwidth(tier_mb) / 1e6, 3)} MB/s"
-
-
-def _gb(plan: Plan) -> float:
-    """GB of functions the plan keeps alive through an iteration."""
-    return sum(c.replicas * c.tier_mb / 1024 for c in plan.stages)
-
-
-def _ties(a: float, b: float) -> bool:
-    return abs(a - b) <= TIE * max(abs(a), abs(b))
-
-
-def _ratio(ours: float, theirs: float) -> float | None:
-    if not (math.isfinite(ours) and math.isfinite(theirs)) or theirs <= 0:
-        return None
-    return ours / theirs
 
 
 # --- plan.json and the summary ------------------------------------------------------------------------
@@ -734,7 +568,7 @@ def summary_line(plan: TrainingPlan) -> str | None:
         if a.micro_batch is None:
             empty.append(a.family)
             continue
-        text = f"{a.family} " + ("n/a" if factor is None else _factor(factor))
+        text = f"{a.family} " + ("n/a" if factor is None else as_factor(factor))
         if a.unit != unit:  # tied on the objective's measure: the other one
             text += " time" if a.unit == "s" else " cost"
         found.append(text + (f" ({a.loses_by})" if a.loses_by else ""))

@@ -76,7 +76,7 @@ class ModelFile:
         function = getattr(self, function_name)
         try:
             return function(*args)
-        except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+        except Exception as exc:
             raise self.error_at(exc, f"{_signature(function_name, args)} raised {describe(exc)}") from exc
 
     def error_at(self, exc: BaseException, message: str) -> ModelFileError:
@@ -135,7 +135,7 @@ class ModelFile:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 model(*inputs)
-        except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+        except Exception as exc:
             shapes = ", ".join(_tensor_shape(leaf) for leaf in pytree.tree_leaves(inputs))
             raise self.error_at(
                 exc,
@@ -184,7 +184,7 @@ def load_model_file(path: Path) -> ModelFile:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any import-time failure becomes one message
+    except Exception as exc:
         sys.modules.pop(module_name, None)
         frame = user_frame(exc, path)
         where = frame_location(frame) if frame else shown
@@ -322,7 +322,7 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     probe.grad = torch.ones_like(probe)
     try:
         optimizer.step()
-    except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+    except Exception as exc:
         raise model_file.error_at(exc, f"one step of make_optimizer's {cls.__name__} raised {describe(exc)}") from exc
     state = optimizer.state.get(probe, {})
     # Scalars (Adam's step count) are not per-parameter memory; tensors shaped like the parameter are.
@@ -395,7 +395,7 @@ def scheduled_rates(model_file: ModelFile, optimizer: torch.optim.Optimizer, ite
         optimizer.step()  # no gradient: nothing changes, but the scheduler sees the step it expects
         try:
             scheduler.step()
-        except Exception as exc:  # noqa: BLE001 - any user exception becomes one clear message
+        except Exception as exc:
             what = f"step {iteration + 1} of make_scheduler's {cls.__name__} raised {describe(exc)}"
             raise model_file.error_at(exc, what) from exc
     return rates

@@ -405,7 +405,7 @@ def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list
         outputs = tuple(program.module(*flat_inputs))
     try:
         loss = loss_of(outputs)
-    except Exception as exc:  # noqa: BLE001 - reported with the user's line
+    except Exception as exc:
         raise model_file.error_at(exc, f"loss_fn(output, target) raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ModelFileError(

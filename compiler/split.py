@@ -137,7 +137,7 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
         if key not in _EXPORT_CACHE:
             try:
                 exported = export_module(leaf, tuple(args), dict(kwargs))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise CompileError(
                     f"module {node.target} ({type(leaf).__name__}) cannot be turned into torch-only code: "
                     f"torch.export failed ({type(exc).__name__}); leave it out of --leaf-module"

@@ -174,7 +174,7 @@ def trace_model(
             raise _trace_failure(model_path, fx_exc, None) from fx_exc
     try:
         program = _trace_export(model, example_inputs)
-    except Exception as exc:  # noqa: BLE001 - reported with the user's line
+    except Exception as exc:
         raise _trace_failure(model_path, fx_exc, exc) from exc
     for node, op in unsupported_higher_order_ops(program.module, TRACEABLE_HIGHER_ORDER_OPS):
         raise _higher_order_failure(model_path, node, op)

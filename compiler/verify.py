@@ -103,7 +103,7 @@ def check_stage_loads(
         for key, tensor in state.items():
             if held[key].dtype != tensor.dtype:
                 raise TypeError(f"{key} is {str(held[key].dtype)} in the module, {str(tensor.dtype)} in the weights")
-    except Exception as exc:  # noqa: BLE001 - reported as one line
+    except Exception as exc:
         raise CompileError(f"{label}: the generated module does not load: {_where(exc, name, source)}") from exc
     if inputs is None:
         return
@@ -112,7 +112,7 @@ def check_stage_loads(
             stage(*inputs)
     except _CODE_ERRORS as exc:
         raise CompileError(f"{label}: the generated module's forward fails: {_where(exc, name, source)}") from exc
-    except Exception:  # noqa: BLE001, S110 - the meta device's limits, not the code's
+    except Exception:  # noqa: BLE001 - the meta device's limits, not the code's
         pass
 
 
@@ -196,7 +196,7 @@ def _compare(
     for i, (source, state, _, _) in enumerate(stages):
         try:
             modules.append(load_stage(source, state, f"stage{i}"))
-        except Exception as exc:  # noqa: BLE001 - reported as one line
+        except Exception as exc:
             where = _where(exc, f"stage{i}", source)
             raise CompileError(f"stage {i}: the generated module does not load: {where}") from exc
     torch.manual_seed(0)
@@ -214,7 +214,7 @@ def _compare(
             dict(zip(first_inputs, flat_inputs, strict=True)),
             lambda flat: loss_fn(pytree.tree_unflatten(list(flat), out_spec), targets),
         )
-    except Exception as exc:  # noqa: BLE001 - reported as one line
+    except Exception as exc:
         frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
         failed = [i for i in range(len(stages)) if f"<stage{i}>" in frames]
         where = (

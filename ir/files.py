@@ -55,7 +55,7 @@ class _Dumper(yaml.SafeDumper):
 
 def dump_yaml(document: Any) -> str:
     """The one YAML form of generated files: insertion order, block style, wide lines."""
-    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+    return str(yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))
 
 
 def check_workflow(document: dict[str, Any], source: str = "workflow.yaml") -> None:

@@ -40,7 +40,7 @@ _T = TypeVar("_T", bound="_Document")
 
 def json_key(item: Field[Any]) -> str:
     """The JSON key of a dataclass field: its `json` metadata, else its name."""
-    return item.metadata.get("json", item.name)
+    return str(item.metadata.get("json", item.name))
 
 
 class _Document:

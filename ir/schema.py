@@ -19,7 +19,8 @@ class SchemaError(ValueError):
 def load_schema(name: str) -> dict[str, Any]:
     """The schema called `name` (for example "graph" or "blocks")."""
     text = resources.files("cloudless.ir").joinpath("schemas", f"{name}.schema.json").read_text()
-    return json.loads(text)
+    schema: dict[str, Any] = json.loads(text)
+    return schema
 
 
 def validate(document: Any, schema_name: str, source: str = "<document>") -> None:

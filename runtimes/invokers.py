@@ -381,7 +381,7 @@ class LambdaInvoker(Invoker):
         name = self.names.get(invocation.function.name, invocation.function.name)
         try:
             reply = self.client.invoke(FunctionName=name, InvocationType="Event", Payload=_wire(invocation))
-        except Exception as exc:  # noqa: BLE001 - botocore's errors (throttling, network) are retried
+        except Exception as exc:
             raise InvocationFailed(f"{invocation.label}: Lambda {name}: {exc}") from exc
         if reply.get("StatusCode") != 202:
             raise InvocationFailed(f"{invocation.label}: Lambda answered {reply.get('StatusCode')}, expected 202")

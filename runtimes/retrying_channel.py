@@ -33,7 +33,7 @@ class RetryingChannel(Channel):
                 return call()
             except (CorruptBlob, KeyTimeout, ValueError):
                 raise  # answers, not failures to answer
-            except Exception as exc:  # noqa: BLE001 - any back end's error
+            except Exception as exc:
                 if attempt + 1 == self.tries:
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                     raise StorageError(

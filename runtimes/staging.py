@@ -46,7 +46,7 @@ def load_model_module(path: Path) -> ModuleType:
     sys.path.insert(0, str(path.parent.resolve()))  # the model file may import its neighbours
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
+    except Exception as exc:
         raise DataError(f"{path}: importing it failed: {type(exc).__name__}: {exc}") from exc
     finally:
         sys.path.pop(0)
@@ -97,12 +97,12 @@ def _samples(module: ModuleType, path: Path, region: str, split: str, first: int
         make_inputs, make_targets = getattr(module, "example_inputs", None), getattr(module, "example_targets", None)
         expected_inputs = _leaf_specs(make_inputs(1)) if make_inputs is not None else None
         expected_targets = _leaf_specs(make_targets(1)) if make_targets is not None else None
-    except Exception as exc:  # noqa: BLE001 - reported with the file and the call
+    except Exception as exc:
         raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
     for i in range(first, stop):
         try:
             inputs, target = dataset[i]
-        except Exception as exc:  # noqa: BLE001 - reported with the file and the call
+        except Exception as exc:
             what = f"load_shard({region!r}, {split!r})[{i}] failed: {type(exc).__name__}: {exc}"
             raise DataError(f"{path}: {what}") from exc
         sample = pytree.tree_leaves(inputs), pytree.tree_leaves(target)

@@ -112,7 +112,7 @@ class WorkerBase:
                 return call()
         except (Aborted, Diverged):
             raise
-        except Exception as exc:  # noqa: BLE001 - the user's model may raise anything
+        except Exception as exc:
             message = (
                 f"iteration {iteration}: the {what} of stage {self.stage} ({self.function.name}, replica "
                 f"{self.replica}) raised {type(exc).__name__}: {one_line(str(exc))}{where(exc)}"

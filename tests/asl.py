@@ -549,5 +549,5 @@ class InProcessLambda:
             raise FunctionError("Lambda.ResourceNotFoundException", f"Function not found: {function}")
         try:
             return json.loads(json.dumps(module.handler(payload, None)))
-        except Exception as exc:  # noqa: BLE001 - Lambda reports any exception as the function's error
+        except Exception as exc:
             raise FunctionError(type(exc).__name__, json.dumps({"errorMessage": str(exc)})) from exc

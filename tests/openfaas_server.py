@@ -74,7 +74,7 @@ def make_app(handler: ModuleType) -> Flask:
 
     @app.route("/", defaults={"path": ""}, methods=["GET", "PUT", "POST", "PATCH", "DELETE"])
     @app.route("/<path:path>", methods=["GET", "PUT", "POST", "PATCH", "DELETE"])
-    def call_handler(path: str):  # noqa: ANN202 - a Flask view
+    def call_handler(path: str):
         response = handler.handle(Event(), Context())
         return response.get("body", ""), response.get("statusCode", 200), response.get("headers", {})
 
@@ -234,7 +234,7 @@ def make_gateway_app(
         return f"error finding function {name}: not found", 404, {"Content-Type": "text/plain"}
 
     @app.post("/function/<name>")
-    def call_sync(name: str):  # noqa: ANN202 - a Flask view
+    def call_sync(name: str):
         if name not in urls:
             return unknown(name)
         call = Call(name, str(uuid.uuid4()), request.get_data(), Headers(request.headers), route="sync")
@@ -245,7 +245,7 @@ def make_gateway_app(
         return call.reply, call.status, {"Content-Type": "application/json", "X-Call-Id": call.call_id}
 
     @app.post("/async-function/<name>")
-    def call_async(name: str):  # noqa: ANN202 - a Flask view
+    def call_async(name: str):
         if name not in urls:
             return unknown(name)
         # The queue keeps the request's headers and the queue worker sends them on to the function.

@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from cloudless.codegen.report import fmt, render_markdown
+from cloudless.codegen.numbers import fmt
+from cloudless.codegen.report import render_markdown
 from cloudless.compiler.baselines import baselines
 from cloudless.compiler.cost_model import CostModel, Evaluation, Plan, Problem, StageChoice
 from cloudless.compiler.exhaustive import best_plan, contiguous_ranges
 from cloudless.compiler.explain import (
-    COST_TERMS,
-    TIME_TERMS,
     Alternative,
     alternatives_ir,
     cost_terms,
     explain,
     time_terms,
 )
+from cloudless.compiler.explain_text import COST_TERMS, TIME_TERMS
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.planner import Infeasible, objective_key, solve

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cloudless.codegen.report import svg_summary
+from cloudless.codegen.report_figures import svg_summary
 from cloudless.ir.files import BUILD_MARKER
 
 from .conftest import MODELS, SAMPLES

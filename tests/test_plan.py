@@ -20,7 +20,8 @@ import pytest
 
 from cloudless.compiler.cost_model import OutOfRange
 from cloudless.compiler.model_file import load_model_file
-from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_ir, plan_training
+from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_training
+from cloudless.compiler.plan_record import plan_ir
 from cloudless.compiler.simulate import simulate
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir import plan as ir_plan

@@ -17,17 +17,20 @@ from cloudless.codegen.report import (
     COMPARISON_SVG,
     REPORT_MD,
     SCHEDULE_SVG,
-    group_of,
     render_report,
+    stage_rows,
+)
+from cloudless.codegen.report_figures import (
+    group_of,
     replicas_shown,
     schedule_bars,
     schedule_rows,
-    stage_rows,
     svg_summary,
 )
 from cloudless.compiler.baselines import baselines
 from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, Problem, StageChoice
-from cloudless.compiler.plan import PlanOptions, PlanResult, plan_ir
+from cloudless.compiler.plan import PlanOptions, PlanResult
+from cloudless.compiler.plan_record import plan_ir
 from cloudless.compiler.planner import Solution
 from cloudless.compiler.simulate import simulate
 from cloudless.ir import Block, BlockChain

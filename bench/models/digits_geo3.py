@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "samples"))
 
-from mlp_digits_geo import (  # noqa: E402, F401 - the model file contract, re-exported
+from mlp_digits_geo import (  # noqa: F401 - the model file contract, re-exported
     TRAINING,
     build_model,
     example_inputs,
