@@ -38,7 +38,7 @@ from cloudless.compiler.lower import (
     loss_source,
     lower_plan,
 )
-from cloudless.compiler.model_file import ModelFile, load_model_file, probe_learning_rates
+from cloudless.compiler.model_file import ModelFile, default_loss, load_model_file, probe_learning_rates
 from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
 from cloudless.compiler.profile import loss_function, profile_blocks, reuse_profile
 from cloudless.compiler.simulate import Timeline, simulate
@@ -403,14 +403,27 @@ def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list
     """Run the loss once so a broken loss_fn/example_targets fails here, naming its line."""
     with torch.no_grad():
         outputs = tuple(program.module(*flat_inputs))
+    default = model_file.loss_fn is default_loss
+    # the default loss is no code of the user's: named as such, and what it needs said
+    name = (
+        "the default loss (cross-entropy: the model file defines no loss_fn)" if default else "loss_fn(output, target)"
+    )
+    if default and model_file.example_targets is None:
+        raise ModelFileError(
+            f"{model_file.path.name}: defines neither loss_fn(output, target) nor example_targets(batch_size); the "
+            "default loss (cross-entropy) needs targets. Fix: define example_targets, or a loss_fn of your own"
+        )
     try:
         loss = loss_of(outputs)
     except Exception as exc:
-        raise model_file.error_at(exc, f"loss_fn(output, target) raised {type(exc).__name__}: {exc}") from exc
+        if default:
+            raise ModelFileError(
+                f"{model_file.path.name}: {name} raised {type(exc).__name__}: {exc}. Fix: define loss_fn(output, "
+                "target) for this model's output"
+            ) from exc
+        raise model_file.error_at(exc, f"{name} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ModelFileError(
-            f"{model_file.path.name}: loss_fn(output, target) returned {type(loss).__name__}; expected a scalar tensor"
-        )
+        raise ModelFileError(f"{model_file.path.name}: {name} returned {type(loss).__name__}; expected a scalar tensor")
 
 
 def _timer(timings: dict[str, float], announce: Announce | None) -> Announce:

@@ -413,3 +413,20 @@ def test_an_optimizer_class_of_the_model_file_is_named_as_the_file_names_it(mode
     assert code == 2
     assert "make_optimizer returned MySGD (defined in model.py); the functions rebuild" in stderr
     assert "cloudless_user_model" not in stderr
+
+
+def test_the_default_loss_is_named_as_such_with_what_it_needs(model_file, compile_cli, tmp_path) -> None:
+    """No loss_fn: the default loss (cross-entropy) is no line of the user's; it needs targets."""
+    no_targets = OUTSIDE_RANDOMNESS.replace("* random.random()", "")
+    no_targets = no_targets[: no_targets.index("def example_targets")]
+    code, _, stderr = compile_cli(str(model_file(no_targets)), "-o", str(tmp_path / "a"), "--repeats", "0")
+    assert code == 2 and stderr.count("\n") == 1
+    assert "model.py: defines neither loss_fn(output, target) nor example_targets(batch_size)" in stderr
+    assert "Fix: define example_targets" in stderr
+    wrong_targets = OUTSIDE_RANDOMNESS.replace("* random.random()", "").replace(
+        "torch.randint(0, 3, (batch_size,),", "torch.randint(0, 3, (batch_size, 7),"
+    )
+    code, _, stderr = compile_cli(str(model_file(wrong_targets)), "-o", str(tmp_path / "b"), "--repeats", "0")
+    assert code == 2 and stderr.count("\n") == 1
+    assert "model.py: the default loss (cross-entropy: the model file defines no loss_fn) raised" in stderr
+    assert "Fix: define loss_fn(output, target)" in stderr
