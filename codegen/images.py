@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from cloudless.ir.catalog import registry_problem
+from ..ir.catalog import registry_problem
 
 #: the images' Python (major.minor), Lambda's and OpenFaaS's alike
 PYTHON_VERSION = "3.12"

@@ -32,9 +32,9 @@ import jinja2
 import torch
 from safetensors.torch import save
 
-from cloudless.codegen.images import LAMBDA_BASE_IMAGE, PYTHON_VERSION
-from cloudless.codegen.libraries import imported_registrations, library_pins
-from cloudless.ir.workflow import Function, Workflow
+from ..ir.workflow import Function, Workflow
+from .images import LAMBDA_BASE_IMAGE, PYTHON_VERSION
+from .libraries import imported_registrations, library_pins
 
 #: PyTorch's index of CPU builds, and its page of torch's files: torch comes from there only (PyPI's torch
 #: for Linux x86_64 is the CUDA build, gigabytes larger, and functions have no GPU)
@@ -104,6 +104,7 @@ VENDORED_MODULES = {
         "failures",
         "function_channel",
         "pipeline_steps",
+        "polling",
         "region_sync",
         "replica_sync",
         "secrets",

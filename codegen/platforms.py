@@ -35,11 +35,11 @@ from typing import Any
 
 import jinja2
 
-from cloudless.codegen.images import OPENFAAS_BUILD_ARGS, image_name, image_tag
-from cloudless.ir.catalog import AWS_REGION_PREFIX, DISTRIBUTED_MAP_MAX_CONCURRENCY, INLINE_MAP_MAX_CONCURRENCY
-from cloudless.ir.deployment import logical_id
-from cloudless.ir.protocol import PEERS_ENV, S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
-from cloudless.ir.workflow import Function, Region, Workflow
+from ..ir.catalog import AWS_REGION_PREFIX, DISTRIBUTED_MAP_MAX_CONCURRENCY, INLINE_MAP_MAX_CONCURRENCY
+from ..ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, logical_id
+from ..ir.protocol import PEERS_ENV, S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
+from ..ir.workflow import Function, Region, Workflow
+from .images import OPENFAAS_BUILD_ARGS, image_name, image_tag
 
 TARGETS = frozenset({"openfaas", "sam"})
 
@@ -445,4 +445,6 @@ def _render_state_machine(workflow: Workflow, entry: Region, iteration_s: float 
         distributed=distributed(len(region_workers)),
         retry_errors=json.dumps(list(LAMBDA_RETRY_ERRORS)),
         invoke=LAMBDA_INVOKE,
+        carried=CARRIED_FIELDS,
+        fields=EXECUTION_FIELDS,
     )

@@ -12,14 +12,14 @@ from typing import Any
 
 import yaml
 
-from cloudless.codegen.checks.openfaas import stack_warnings
-from cloudless.codegen.numbers import fmt, fmt_ratio, fmt_s, fmt_usd
-from cloudless.codegen.platforms import region_bucket, stack_name
-from cloudless.codegen.report_figures import comparison_figure, schedule_figure, svg_bytes
-from cloudless.ir.plan import PlannedStage, RegionSchedule, TrainingPlan
-from cloudless.ir.protocol import PEERS_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_SECRET
-from cloudless.ir.timeline import Timeline
-from cloudless.ir.workflow import Workflow
+from ..ir.plan import PlannedStage, RegionSchedule, TrainingPlan
+from ..ir.protocol import PEERS_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_SECRET
+from ..ir.timeline import Timeline
+from ..ir.workflow import Workflow
+from .checks.openfaas import stack_warnings
+from .numbers import fmt, fmt_ratio, fmt_s, fmt_usd
+from .platforms import region_bucket, stack_name
+from .report_figures import comparison_figure, schedule_figure, svg_bytes
 
 REPORT_MD = "report.md"
 SCHEDULE_SVG = "report/schedule.svg"

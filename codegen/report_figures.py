@@ -24,9 +24,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, PathPatch
 from matplotlib.path import Path
 
-from cloudless.codegen.numbers import fmt, fmt_s
-from cloudless.ir.plan import Figures, TrainingPlan
-from cloudless.ir.timeline import LANES, Span, Timeline
+from ..ir.plan import Figures, TrainingPlan
+from ..ir.timeline import LANES, Span, Timeline
+from .numbers import fmt, fmt_s
 
 #: at most this many replicas of a stage get rows in the schedule...
 MAX_REPLICAS_SHOWN = 8

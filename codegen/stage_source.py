@@ -29,7 +29,7 @@ from torch import fx
 from torch._ops import HigherOrderOperator
 from torch.utils import _pytree as pytree
 
-from cloudless.codegen.libraries import import_lines
+from .libraries import import_lines
 
 #: Modules a stage's code may take functions from besides torch itself.
 STANDARD_MODULES = {"operator", "_operator", "math", "builtins"}

@@ -26,22 +26,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cloudless.codegen.checks.base import EDITED, BuildCheckError, BuildContext, build_relative, fail
-from cloudless.codegen.checks.digests import check_digests, check_no_secrets
-from cloudless.codegen.checks.manifest import check_manifest, check_run
-from cloudless.codegen.checks.openfaas import check_stack, stack_warnings
-from cloudless.codegen.checks.packages import check_packages
-from cloudless.codegen.checks.plan import check_plan
-from cloudless.codegen.checks.sam import LAMBDA_MAX_TIMEOUT_S, LAMBDA_MEMORY_MB, check_samconfig, check_template
-from cloudless.codegen.checks.state_machine import (
+from ..ir.workflow import Workflow
+from .checks.base import EDITED, BuildCheckError, BuildContext, build_relative, fail
+from .checks.digests import check_digests, check_no_secrets
+from .checks.manifest import check_manifest, check_run
+from .checks.openfaas import check_stack, stack_warnings
+from .checks.packages import check_packages
+from .checks.plan import check_plan
+from .checks.sam import LAMBDA_MAX_TIMEOUT_S, LAMBDA_MEMORY_MB, check_samconfig, check_template
+from .checks.state_machine import (
     DUMMY_ARN,
     LONGEST_ARN,
     MAX_DEFINITION_BYTES,
     check_definition,
     substitute_arns,
 )
-from cloudless.codegen.checks.storage import check_region_storage
-from cloudless.ir.workflow import Workflow
+from .checks.storage import check_region_storage
 
 __all__ = [
     "DUMMY_ARN",

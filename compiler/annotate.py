@@ -17,8 +17,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from cloudless.compiler.trace import TracedProgram
-from cloudless.ir import OpGraph, OpNode, ParamInfo, TensorMeta
+from ..ir import OpGraph, OpNode, ParamInfo, TensorMeta
+from .trace import TracedProgram
 
 
 def dtype_name(dtype: torch.dtype) -> str:

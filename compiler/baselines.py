@@ -14,9 +14,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cloudless.compiler.coarsen import balanced_ranges
-from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice
-from cloudless.compiler.exhaustive import best_plan
+from .coarsen import balanced_ranges
+from .cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice
+from .exhaustive import best_plan
 
 
 @dataclass

@@ -20,21 +20,21 @@ from typing import Any
 
 import torch
 
-from cloudless.codegen.package import render_function_package, torch_release
-from cloudless.codegen.platforms import TARGETS, render_region, render_samconfig
-from cloudless.codegen.report import render_report
-from cloudless.compiler.explain import alternatives_ir, explain
-from cloudless.compiler.lower import Lowered
-from cloudless.compiler.plan import PlanOptions, PlanResult
-from cloudless.compiler.plan_record import plan_ir
-from cloudless.compiler.simulate import Timeline
-from cloudless.compiler.verify import check_library_ops_resolve, check_stage_loads
-from cloudless.ir.blocks import BlockChain
-from cloudless.ir.catalog import load_catalog
-from cloudless.ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
-from cloudless.ir.folders import FolderError, check_output_folder, run_lock, run_outputs
-from cloudless.ir.graph import OpGraph, dumps
-from cloudless.ir.plan import TrainingPlan
+from ..codegen.package import render_function_package, torch_release
+from ..codegen.platforms import TARGETS, render_region, render_samconfig
+from ..codegen.report import render_report
+from ..ir.blocks import BlockChain
+from ..ir.catalog import load_catalog
+from ..ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
+from ..ir.folders import FolderError, check_output_folder, run_lock, run_outputs
+from ..ir.graph import OpGraph, dumps
+from ..ir.plan import TrainingPlan
+from .explain import alternatives_ir, explain
+from .lower import Lowered
+from .plan import PlanOptions, PlanResult
+from .plan_record import plan_ir
+from .simulate import Timeline
+from .verify import check_library_ops_resolve, check_stage_loads
 
 
 def build_files(

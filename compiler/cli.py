@@ -17,22 +17,22 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cloudless.codegen.platforms import TARGETS
-from cloudless.codegen.validate import check_build, deployment_warnings
-from cloudless.compiler.baselines import ratio, ratio_text
-from cloudless.compiler.coarsen import DEFAULT_BLOCKS
-from cloudless.compiler.errors import CompileError, display_path
-from cloudless.compiler.explain import summary_line
-from cloudless.compiler.pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
-from cloudless.compiler.plan import PlanOptions
-from cloudless.compiler.profile import profile_warnings
-from cloudless.compiler.solver import solver_log
-from cloudless.compiler.verify import TOLERANCE
-from cloudless.ir.arguments import OneLineParser
-from cloudless.ir.catalog import load_catalog, registry_problem
-from cloudless.ir.folders import FolderError, check_output_folder
-from cloudless.ir.plan import TrainingPlan
-from cloudless.ir.schema import SchemaError
+from ..codegen.platforms import TARGETS
+from ..codegen.validate import check_build, deployment_warnings
+from ..ir.arguments import OneLineParser
+from ..ir.catalog import load_catalog, registry_problem
+from ..ir.folders import FolderError, check_output_folder
+from ..ir.plan import TrainingPlan
+from ..ir.schema import SchemaError
+from .baselines import ratio, ratio_text
+from .coarsen import DEFAULT_BLOCKS
+from .errors import CompileError, display_path
+from .explain import summary_line
+from .pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
+from .plan import PlanOptions
+from .profile import profile_warnings
+from .solver import solver_log
+from .verify import TOLERANCE
 
 #: --verify without a plan splits into this many stages unless --stages says otherwise
 DEFAULT_VERIFY_STAGES = 4

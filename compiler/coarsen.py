@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cloudless.ir import Block, BlockChain, OpGraph, OpNode
+from ..ir import Block, BlockChain, OpGraph, OpNode
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 #: FLOPs charged per output byte: elementwise ops are memory-bound, about 10 FLOP-times per byte

@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cloudless.compiler.errors import CompileError
-from cloudless.ir import BlockChain
-from cloudless.ir.catalog import PlatformLimits, Region
-from cloudless.ir.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
+from ..ir import BlockChain
+from ..ir.catalog import PlatformLimits, Region
+from ..ir.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
+from .errors import CompileError
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 MB = 2**20

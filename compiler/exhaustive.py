@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice
-from cloudless.compiler.planner import objective_key, within_limits
+from .cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice
+from .planner import objective_key, within_limits
 
 
 def contiguous_ranges(n_blocks: int, n_stages: int) -> list[list[tuple[int, int]]]:

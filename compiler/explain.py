@@ -34,9 +34,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cloudless.codegen.numbers import fmt
-from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem
-from cloudless.compiler.explain_text import (
+from ..codegen.numbers import fmt
+from ..ir.catalog import Region
+from ..ir.plan import Alternative as AlternativeDocument
+from ..ir.plan import AlternativeFamily, AlternativeStage, PlanTerm, TrainingPlan
+from .cost_model import CostModel, Evaluation, Objective, Plan, Problem
+from .explain_text import (
     TIE,
     TIME_TERMS,
     Unit,
@@ -50,12 +53,9 @@ from cloudless.compiler.explain_text import (
     ratio,
     ties,
 )
-from cloudless.compiler.plan import PlanOptions, PlanResult
-from cloudless.compiler.planner import Infeasible, Solution, solve
-from cloudless.compiler.solver import Goal
-from cloudless.ir.catalog import Region
-from cloudless.ir.plan import Alternative as AlternativeDocument
-from cloudless.ir.plan import AlternativeFamily, AlternativeStage, PlanTerm, TrainingPlan
+from .plan import PlanOptions, PlanResult
+from .planner import Infeasible, Solution, solve
+from .solver import Goal
 
 #: a family's solve may take at most this long per micro-batch size (and no longer than the plan's own)
 EXPLAIN_TIME_LIMIT_S = 2.0

@@ -7,8 +7,8 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from cloudless.codegen.numbers import fmt
-from cloudless.compiler.cost_model import MB, CostModel, Evaluation, Plan, Problem
+from ..codegen.numbers import fmt
+from .cost_model import MB, CostModel, Evaluation, Plan, Problem
 
 #: the terms of an iteration's time, in the order ties are broken (the first wins)
 TIME_TERMS = ("compute", "data loading", "stage transfers", "gradient sync", "optimizer update")

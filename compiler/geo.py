@@ -48,10 +48,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cloudless.compiler.cost_model import MAX_ITERATION_S, MAX_ITERATION_USD, Objective, OutOfRange, Plan
-from cloudless.compiler.solver import Goal, Program, SolveStatus, solve_program
-from cloudless.ir.catalog import Link
-from cloudless.ir.workflow import whole_iterations
+from ..ir.catalog import Link
+from ..ir.workflow import whole_iterations
+from .cost_model import MAX_ITERATION_S, MAX_ITERATION_USD, Objective, OutOfRange, Plan
+from .solver import Goal, Program, SolveStatus, solve_program
 
 SyncStrategy = Literal["sync", "asgd-ga", "model-average"]
 SYNC_STRATEGIES: tuple[SyncStrategy, ...] = ("sync", "asgd-ga", "model-average")

@@ -23,14 +23,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cloudless.codegen.stage_source import StageHeader, render_stage_source
-from cloudless.compiler.cost_model import Plan, checkpoint_interval
-from cloudless.compiler.errors import CompileError
-from cloudless.compiler.model_file import ModelFile, probe_learning_rates, probe_optimizer, probe_parameter_groups
-from cloudless.compiler.trace import trace_model
-from cloudless.ir import catalog
-from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES
-from cloudless.ir.workflow import (
+from ..codegen.stage_source import StageHeader, render_stage_source
+from ..ir import catalog
+from ..ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES
+from ..ir.workflow import (
     SYNC_STEP_KIND,
     DataSource,
     DataSpec,
@@ -48,6 +44,10 @@ from cloudless.ir.workflow import (
     WanLink,
     Workflow,
 )
+from .cost_model import Plan, checkpoint_interval
+from .errors import CompileError
+from .model_file import ModelFile, probe_learning_rates, probe_optimizer, probe_parameter_groups
+from .trace import trace_model
 
 
 def default_staleness_bound(training_regions: int) -> int:

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cloudless.compiler.errors import ModelFileError, describe, display_path, frame_location, user_frame
-from cloudless.ir.workflow import PRECISIONS, ParameterGroup
+from ..ir.workflow import PRECISIONS, ParameterGroup
+from .errors import ModelFileError, describe, display_path, frame_location, user_frame
 
 TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "global_batch_size": int,

@@ -19,15 +19,18 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cloudless.codegen.platforms import TARGETS
-from cloudless.codegen.stage_source import StageHeader, TensorKind, render_stage_source
-from cloudless.codegen.validate import check_build
-from cloudless.compiler.annotate import annotate, fetch_attr
-from cloudless.compiler.build import build_files, write_build
-from cloudless.compiler.coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen, compute_positions
-from cloudless.compiler.errors import CompileError, ModelFileError, display_path
-from cloudless.compiler.geo import region_shares
-from cloudless.compiler.lower import (
+from ..codegen.platforms import TARGETS
+from ..codegen.stage_source import StageHeader, TensorKind, render_stage_source
+from ..codegen.validate import check_build
+from ..ir.blocks import BlockChain
+from ..ir.graph import OpGraph
+from ..ir.workflow import Schedule, Workflow
+from .annotate import annotate, fetch_attr
+from .build import build_files, write_build
+from .coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen, compute_positions
+from .errors import CompileError, ModelFileError, display_path
+from .geo import region_shares
+from .lower import (
     InterRegion,
     Lowered,
     RegionTraining,
@@ -38,17 +41,14 @@ from cloudless.compiler.lower import (
     loss_source,
     lower_plan,
 )
-from cloudless.compiler.model_file import ModelFile, default_loss, load_model_file, probe_learning_rates
-from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
-from cloudless.compiler.profile import loss_function, profile_blocks, reuse_profile
-from cloudless.compiler.simulate import Timeline, simulate
-from cloudless.compiler.split import inline_leaf_modules, partition
-from cloudless.compiler.state import preserved_state
-from cloudless.compiler.trace import TracedProgram, trace_model
-from cloudless.compiler.verify import VerifyReport, verify_stages
-from cloudless.ir.blocks import BlockChain
-from cloudless.ir.graph import OpGraph
-from cloudless.ir.workflow import Schedule, Workflow
+from .model_file import ModelFile, default_loss, load_model_file, probe_learning_rates
+from .plan import PlanOptions, PlanResult, plan_training
+from .profile import loss_function, profile_blocks, reuse_profile
+from .simulate import Timeline, simulate
+from .split import inline_leaf_modules, partition
+from .state import preserved_state
+from .trace import TracedProgram, trace_model
+from .verify import VerifyReport, verify_stages
 
 DEFAULT_BATCH_SIZE = 2
 #: iterations a learning-rate schedule is first checked over when TRAINING gives none (epochs)

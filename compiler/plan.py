@@ -12,8 +12,11 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cloudless.compiler.baselines import Baseline, baselines
-from cloudless.compiler.cost_model import (
+from ..ir import BlockChain
+from ..ir.catalog import Catalog, Link, Region, load_catalog, platform_limits
+from ..ir.schema import SchemaError
+from .baselines import Baseline, baselines
+from .cost_model import (
     MB,
     CostModel,
     Objective,
@@ -23,8 +26,8 @@ from cloudless.compiler.cost_model import (
     StageChoice,
     problem_from_chain,
 )
-from cloudless.compiler.errors import CompileError
-from cloudless.compiler.geo import (
+from .errors import CompileError
+from .geo import (
     GeoInfeasible,
     GeoProblem,
     GeoSolution,
@@ -33,11 +36,8 @@ from cloudless.compiler.geo import (
     SyncStrategy,
     solve_geo,
 )
-from cloudless.compiler.model_file import ModelFile, probe_optimizer
-from cloudless.compiler.planner import Infeasible, Solution, check_objective, solve, stage_configs
-from cloudless.ir import BlockChain
-from cloudless.ir.catalog import Catalog, Link, Region, load_catalog, platform_limits
-from cloudless.ir.schema import SchemaError
+from .model_file import ModelFile, probe_optimizer
+from .planner import Infeasible, Solution, check_objective, solve, stage_configs
 
 
 class PlanInfeasible(CompileError):

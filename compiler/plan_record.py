@@ -7,19 +7,8 @@ from __future__ import annotations
 import math
 import typing
 
-from cloudless.compiler.baselines import ratio
-from cloudless.compiler.cost_model import (
-    Evaluation,
-    Plan,
-    Problem,
-)
-from cloudless.compiler.geo import (
-    region_shares,
-)
-from cloudless.compiler.plan import GeoResult, PlanOptions, PlanResult
-from cloudless.compiler.simulate import simulate
-from cloudless.ir import BlockChain
-from cloudless.ir.plan import (
+from ..ir import BlockChain
+from ..ir.plan import (
     BaselinePlan,
     DataMove,
     Figures,
@@ -34,7 +23,18 @@ from cloudless.ir.plan import (
     Totals,
     TrainingPlan,
 )
-from cloudless.ir.timeline import Timeline
+from ..ir.timeline import Timeline
+from .baselines import ratio
+from .cost_model import (
+    Evaluation,
+    Plan,
+    Problem,
+)
+from .geo import (
+    region_shares,
+)
+from .plan import GeoResult, PlanOptions, PlanResult
+from .simulate import simulate
 
 
 def _round(value: float, digits: int = 9) -> float:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cloudless.compiler.cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice, StageTerms
-from cloudless.compiler.pricing import StageProgram, price_configurations
-from cloudless.compiler.solver import CandidateStatus, Goal, Program, solve_program
+from .cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice, StageTerms
+from .pricing import StageProgram, price_configurations
+from .solver import CandidateStatus, Goal, Program, solve_program
 
 
 @dataclass

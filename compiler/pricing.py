@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cloudless.compiler.solver import Program, new_highs
+from .solver import Program, new_highs
 
 
 @dataclass

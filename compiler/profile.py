@@ -40,13 +40,13 @@ from typing import Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from cloudless.compiler.chain import run_chain
-from cloudless.compiler.coarsen import block_cuts
-from cloudless.compiler.errors import CompileError, display_path
-from cloudless.compiler.split import partition
-from cloudless.compiler.trace import TracedProgram
-from cloudless.ir import BlockChain, MachineInfo, OpGraph
-from cloudless.ir.blocks import ProfileStability
+from ..ir import BlockChain, MachineInfo, OpGraph
+from ..ir.blocks import ProfileStability
+from .chain import run_chain
+from .coarsen import block_cuts
+from .errors import CompileError, display_path
+from .split import partition
+from .trace import TracedProgram
 
 _R = TypeVar("_R")
 

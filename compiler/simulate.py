@@ -19,8 +19,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from cloudless.compiler.cost_model import CostModel, Plan, Problem, sync_pieces
-from cloudless.ir.schedule import (
+from ..ir.schedule import (
     SHARD_SAMPLES,
     SYNC_IN_FLIGHT,
     SYNC_MAX_POLL_S,
@@ -28,7 +27,8 @@ from cloudless.ir.schedule import (
     local_micro_batches,
     one_f_one_b_windows,
 )
-from cloudless.ir.timeline import LANES, Lane, Span, Timeline
+from ..ir.timeline import LANES, Lane, Span, Timeline
+from .cost_model import CostModel, Plan, Problem, sync_pieces
 
 # The simulator's output types live in the ir (the report draws them without importing the compiler);
 # re-exported for the simulator's callers.

@@ -28,7 +28,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from cloudless.compiler.cost_model import Objective
+from .cost_model import Objective
 
 if TYPE_CHECKING:
     import highspy

@@ -24,12 +24,12 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from cloudless.codegen.stage_source import unsupported_higher_order_ops
-from cloudless.compiler.annotate import fetch_attr, node_tensors
-from cloudless.compiler.coarsen import compute_positions, crossing_values
-from cloudless.compiler.errors import CompileError
-from cloudless.compiler.trace import TracedProgram, export_module
-from cloudless.ir import OpGraph
+from ..codegen.stage_source import unsupported_higher_order_ops
+from ..ir import OpGraph
+from .annotate import fetch_attr, node_tensors
+from .coarsen import compute_positions, crossing_values
+from .errors import CompileError
+from .trace import TracedProgram, export_module
 
 
 @dataclass

@@ -28,8 +28,8 @@ from torch import fx, nn
 from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
-from cloudless.codegen.stage_source import CALL_OPS, REGION_OPS, unsupported_higher_order_ops
-from cloudless.compiler.errors import (
+from ..codegen.stage_source import CALL_OPS, REGION_OPS, unsupported_higher_order_ops
+from .errors import (
     _LIBRARY_MARKERS,
     TraceFailure,
     describe,
@@ -299,7 +299,7 @@ def _flatten_output(module: fx.GraphModule, tracer: TracerName) -> TracedProgram
 
 def _agrees_with_eager(program: TracedProgram, model: nn.Module, example_inputs: tuple[Any, ...]) -> bool:
     """Guard against fx silently baking Python control flow in: compare one forward with eager."""
-    from cloudless.compiler.state import preserved_state
+    from .state import preserved_state
 
     with torch.no_grad(), preserved_state(model):
         torch.manual_seed(0)
@@ -328,7 +328,7 @@ def _check_autocast_gradients(
     would flow where the model has none. With an autocast region in the program, compare which
     parameters get gradients, and how large, between the model and the program (one forward and
     backward each); TraceFailure if they differ."""
-    from cloudless.compiler.state import preserved_state
+    from .state import preserved_state
 
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -400,7 +400,7 @@ def _higher_order_failure(model_path: Path, node: fx.Node, op: str) -> TraceFail
     frame = _stack_frame(str(node.meta.get("stack_trace") or ""), model_path)
     if frame is not None:
         where, line = frame[0], f" `{frame[1]}`" if frame[1] else ""
-    from cloudless.compiler.annotate import module_path  # annotate imports this module
+    from .annotate import module_path  # annotate imports this module
 
     stack = node.meta.get("nn_module_stack") or {}
     path = module_path(node)

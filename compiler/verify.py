@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cloudless.codegen.libraries import library_ops
-from cloudless.compiler.chain import run_chain
-from cloudless.compiler.errors import CompileError, VerificationError, describe
+from ..codegen.libraries import library_ops
+from .chain import run_chain
+from .errors import CompileError, VerificationError, describe
 
 TOLERANCE = 1e-4
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from cloudless.ir.workflow import API_VERSION
+from .workflow import API_VERSION
 
 _LAZY = {
     "Block": "blocks",

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloudless.ir.graph import dumps
-from cloudless.ir.schema import validate
+from .graph import dumps
+from .schema import validate
 
 BLOCKS_KIND = "BlockChain"
 

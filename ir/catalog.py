@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from cloudless.ir.schema import SchemaError, check_finite, read_yaml, validate
+from .schema import SchemaError, check_finite, read_yaml, validate
 
 #: Catalog keys that were renamed: "mbps" read as megabits per second, but these are megabytes.
 RENAMED_KEYS = {"min_mbps": "min_mb_per_s", "max_mbps": "max_mb_per_s", "mbps": "mb_per_s"}

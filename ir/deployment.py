@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 #: the output holding the run's bucket (the functions' storage is s3://<bucket>/<workflow.storage.prefix>)
 BUCKET_OUTPUT = "BucketName"
@@ -25,3 +28,32 @@ def function_output(function_name: str) -> str:
 def stack_name(run: str, region: str) -> str:
     """The CloudFormation stack of a region's deployment (samconfig.toml's stack_name)."""
     return f"{run}-{region}"
+
+
+@dataclass(frozen=True)
+class ExecutionInput:
+    """The input of one execution of a region's state machine: train iterations [start, stop) of the run
+    `run`. The driver sends it; the generated state machine defaults each field it lacks, carries
+    `CARRIED_FIELDS` unchanged through every state into every invocation, and returns them with
+    `iteration` (where it stopped) in place of `start`, so that the next execution's input is
+    `continued(output)`."""
+
+    start: int
+    stop: int
+    attempt: int
+    time_limit_s: float
+    run: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def continued(self, output: Mapping[str, Any]) -> ExecutionInput:
+        """The next execution's input, from an execution's output."""
+        carried = {name: output[name] for name in CARRIED_FIELDS if name in output}
+        return replace(self, **carried, start=int(output["iteration"]), stop=int(output.get("stop", self.stop)))
+
+
+#: the fields every state passes on unchanged, and every invocation's payload carries
+CARRIED_FIELDS = ("run", "attempt", "time_limit_s")
+#: the fields an execution's input may give, in the order the state machine defaults them
+EXECUTION_FIELDS = tuple(f.name for f in fields(ExecutionInput))

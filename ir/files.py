@@ -16,10 +16,10 @@ from typing import Any
 import networkx as nx
 import yaml
 
-from cloudless.ir.graph import dumps
-from cloudless.ir.plan import TrainingPlan
-from cloudless.ir.schema import SchemaError, read_yaml, validate
-from cloudless.ir.workflow import Workflow
+from .graph import dumps
+from .plan import TrainingPlan
+from .schema import SchemaError, read_yaml, validate
+from .workflow import Workflow
 
 #: the file at the root of every build folder: what wrote it, and every other file's digest. Its
 #: presence is what lets `-o` replace a folder (an earlier build), and `--check` compares the digests.

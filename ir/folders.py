@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from cloudless.ir.files import BUILD_MARKER, read_manifest
+from .files import BUILD_MARKER, read_manifest
 
 #: the file at the root of every run output folder; its presence lets a later run (or a recompile of the
 #: build holding it) know the folder is Cloudless's to write into, or to carry over

@@ -12,7 +12,7 @@ from typing import Any
 
 import networkx as nx
 
-from cloudless.ir.schema import validate
+from .schema import validate
 
 GRAPH_KIND = "OpGraph"
 

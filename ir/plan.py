@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, TypeVar
 
-from cloudless.ir.workflow import API_VERSION, InterRegionSync, Schedule
+from .workflow import API_VERSION, InterRegionSync, Schedule
 
 PLAN_KIND = "Plan"
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import sys
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -467,6 +469,12 @@ def cut_request(value: bytes | None) -> int | None:
     if value is None or not value.startswith(CUT_REQUEST):
         return None
     return int(value[len(CUT_REQUEST) :])
+
+
+def new_run_id() -> str:
+    """A fresh run's name when the user gives none: the time it started and 6 random hex digits
+    (`run-20261126-161500-3fa2c1`), sortable, and unique among the runs of one bucket."""
+    return f"{time.strftime('run-%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def check_run_name(run: Any, field: str) -> None:

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-from cloudless.ir.workflow import Schedule
+from .workflow import Schedule
 
 # The pipelined scatter-reduce moves each gradient chunk in pieces of about this size (at most
 # MAX_SYNC_PIECES), so a replica's uplink and downlink stay busy together.

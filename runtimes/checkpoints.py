@@ -16,9 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import CorruptBlob
-
+from ..ir import protocol
+from ..ir.protocol import CorruptBlob
 from .tensors import pack, unpack
 from .worker_base import WorkerBase
 

@@ -27,16 +27,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import (
+from ..ir import protocol
+from ..ir.protocol import (
     AbortRecord,
     CorruptBlob,
     InvocationResult,
     MetricsReport,
 )
-from cloudless.ir.schedule import local_micro_batches
-from cloudless.ir.workflow import STEP_KINDS, Function, Region, Workflow
-
+from ..ir.schedule import local_micro_batches
+from ..ir.workflow import STEP_KINDS, Function, Region, Workflow
 from .coordinator import Coordinator
 from .elastic import check_regions
 from .invokers import FailedToStart, Handle, Invocation, InvocationFailed, Invoker

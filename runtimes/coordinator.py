@@ -11,9 +11,8 @@ import threading
 import time
 from typing import Any
 
-from cloudless.ir import protocol
-from cloudless.ir.workflow import Region, Workflow, round_meets
-
+from ..ir import protocol
+from ..ir.workflow import Region, Workflow, round_meets
 from .elastic import fit_replicas, share_iterations, slowdown
 from .run_state import RegionGone, RegionPlan, RegionRun, RunSettings
 from .storage import Channel

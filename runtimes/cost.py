@@ -22,9 +22,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from cloudless.ir.protocol import DATA_META, WAN_COUNT_PREFIX, InvocationResult, data_key, shard_name
-from cloudless.ir.workflow import Workflow
-
+from ..ir.protocol import DATA_META, WAN_COUNT_PREFIX, InvocationResult, data_key, shard_name
+from ..ir.workflow import Workflow
 from .data import data_name
 from .storage import Channel
 

@@ -25,10 +25,9 @@ from typing import Any, Literal
 
 import torch
 
-from cloudless.ir.protocol import DATA_META, data_key, shard_name
-from cloudless.ir.schedule import SHARD_SAMPLES
-from cloudless.ir.workflow import Region
-
+from ..ir.protocol import DATA_META, data_key, shard_name
+from ..ir.schedule import SHARD_SAMPLES
+from ..ir.workflow import Region
 from .storage import Channel
 from .tensors import pack, unpack
 

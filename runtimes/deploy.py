@@ -21,27 +21,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import secrets
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
 
-from cloudless.ir import protocol
-from cloudless.ir.catalog import AWS_REGION_PREFIX
-from cloudless.ir.deployment import BUCKET_OUTPUT, STATE_MACHINE_OUTPUT, function_output, stack_name
-from cloudless.ir.workflow import Region, Workflow
-
+from ..ir import protocol
+from ..ir.catalog import AWS_REGION_PREFIX
+from ..ir.deployment import BUCKET_OUTPUT, STATE_MACHINE_OUTPUT, ExecutionInput, function_output, stack_name
+from ..ir.workflow import Region, Workflow
 from .controller import Controller
 from .data import data_name
 from .invokers import Handle, Invocation, Invoker
 from .retrying_channel import RetryingChannel
-from .run_state import RunError, RunSettings
+from .run_state import RunError, RunMetrics, RunSettings
 from .staging import DataError, describe_staged, model_file_state, stage_data
 from .storage import Channel, open_channel
 
@@ -194,23 +192,19 @@ class Driver:
 
     def _region(self, region: str) -> None:
         followed, client = self.regions[region], self.clients[region]
-        document: dict[str, Any] = {
-            "run": self.run_id,
-            "attempt": 0,
-            "time_limit_s": self.time_limit_s,
-            "start": 0,
-            "stop": followed.stop,
-        }
+        document = ExecutionInput(
+            start=0, stop=followed.stop, attempt=0, time_limit_s=self.time_limit_s, run=self.run_id
+        )
         while True:
             number = len(followed.executions)
             name = f"{self.run_id}-{number}"[-EXECUTION_NAME_LIMIT:]
             try:
                 started = client.start_execution(
-                    stateMachineArn=followed.stack.state_machine, name=name, input=json.dumps(document)
+                    stateMachineArn=followed.stack.state_machine, name=name, input=json.dumps(document.to_json())
                 )
             except Exception as exc:  # noqa: BLE001 - botocore's errors: one line
                 raise RunError(f"{region}: could not start {followed.stack.state_machine}: {_one_line(exc)}") from None
-            record: dict[str, Any] = {"name": name, "input": dict(document), "arn": started["executionArn"]}
+            record: dict[str, Any] = {"name": name, "input": document.to_json(), "arn": started["executionArn"]}
             followed.executions.append(record)
             described = self._wait(region, started["executionArn"])
             record["status"] = described["status"]
@@ -225,19 +219,18 @@ class Driver:
                 self._follow(region, int(output.get("iteration", followed.stop)))
                 if int(output.get("iteration", followed.stop)) >= followed.stop:
                     return
-                document = {**document, **output, "start": output["iteration"]}
-                document.pop("iteration", None)
+                document = document.continued(output)
                 continue
             record["error"] = f"{described.get('error', '')}: {described.get('cause', '')}".strip(": ")
             if followed.retries >= self.retries:
                 raise RunError(
                     f"{region}: execution {name} {described['status'].lower()}: {record['error'] or 'no cause given'} "
-                    f"(attempt {document['attempt'] + 1} of {self.retries + 1})"
+                    f"(attempt {document.attempt + 1} of {self.retries + 1})"
                 )
             followed.retries += 1
             resume = self._resume_point(region, followed.next_iteration)
             self._forget(region, resume, followed.next_iteration + 1)
-            document = {**document, "attempt": document["attempt"] + 1, "start": resume}
+            document = replace(document, attempt=document.attempt + 1, start=resume)
 
     def _wait(self, region: str, arn: str) -> dict[str, Any]:
         client = self.clients[region]
@@ -316,7 +309,7 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
         }
     except (ValueError, DeployError) as exc:
         return fail(str(exc))
-    run_id = args.run_id or f"{time.strftime('run-%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    run_id = args.run_id or protocol.new_run_id()
     channels: dict[str, Channel] = {}
     model = args.model or Path(workflow.data.model_file)
     try:
@@ -361,11 +354,13 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
         followed = driver.run()
     except RunError as exc:
         failure, followed = exc, driver.regions
-    metrics: dict[str, Any] = {
-        "run_id": run_id,
-        "status": "done" if failure is None else "failed",
-        "seconds": round(time.time() - began, 3),
-        "regions": {
+    metrics = RunMetrics(
+        run_id=run_id,
+        invoker="lambda",  # --invoker lambda --stack: the deployed state machines
+        status="done" if failure is None else "failed",
+        seconds=time.time() - began,
+        error=None if failure is None else str(failure),
+        regions={
             name: {
                 "stack": f.stack.name,
                 "bucket": f.stack.bucket,
@@ -376,14 +371,12 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
             }
             for name, f in followed.items()
         },
-    }
-    if failure is not None:
-        metrics["error"] = str(failure)
-    else:
+    )
+    if failure is None:
         state = final_model(build, lambda region: channels[region], workflow, run_id, totals)  # each region's bucket
         keyed, _ = model_file_state(build, state)
         save_file(keyed, str(out / "model.safetensors"))
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    metrics.write(out)
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
         return 1
@@ -395,7 +388,7 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
                 print(f"cloudless-run: could not delete the run's keys in {name}: {_one_line(exc)}", file=sys.stderr)
     executions = sum(len(f.executions) for f in followed.values())
     print(
-        f"trained {' + '.join(str(totals[r]) for r in totals)} iterations on the stack in {metrics['seconds']:.1f} s "
+        f"trained {' + '.join(str(totals[r]) for r in totals)} iterations on the stack in {metrics.seconds:.1f} s "
         f"({executions} execution(s)); wrote {out}/: metrics.json, model.safetensors"
     )
     return 0

@@ -17,8 +17,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cloudless.ir.schedule import local_micro_batches
-from cloudless.ir.workflow import whole_iterations
+from ..ir.schedule import local_micro_batches
+from ..ir.workflow import whole_iterations
 
 _CHANGE = re.compile(r"^(?P<region>[^@=\s]+)@(?P<iteration>\d+)=(?P<functions>\d+)$")
 _FAILURE = re.compile(r"^(?P<region>[^@=\s]+)@(?P<iteration>\d+)$")

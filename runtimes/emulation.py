@@ -19,8 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cloudless.ir.workflow import WanLink
-
+from ..ir.workflow import WanLink
 from .storage import Channel
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cloudless.ir.protocol import AbortRecord
+from ..ir.protocol import AbortRecord
 
 
 def one_line(text: str, limit: int = 300) -> str:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import AbortRecord
-
+from ..ir import protocol
+from ..ir.protocol import AbortRecord
 from .failures import Aborted
 from .storage import Channel
 

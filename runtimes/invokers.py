@@ -24,15 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import (
+from ..ir import protocol
+from ..ir.protocol import (
     EMULATE_ENV,
     PEERS_ENV,
     STORAGE_ENV,
     InvocationResult,
 )
-from cloudless.ir.workflow import Function
-
+from ..ir.workflow import Function
 from .emulation import Resources
 from .storage import Channel
 

@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 
-from cloudless.ir import protocol
-from cloudless.ir.schedule import sample_indices
-
+from ..ir import protocol
+from ..ir.schedule import sample_indices
 from .data import SplitReader
 from .tensors import autocast, pack, unpack, wire_dtype
 from .worker_base import WorkerBase

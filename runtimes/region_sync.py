@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import torch
 from safetensors.torch import load_file
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import LEFT_MARK, ROUND_WEIGHT, AbortRecord, GlobalPart, PushRecord
-from cloudless.ir.workflow import round_meets
-
+from ..ir import protocol
+from ..ir.protocol import LEFT_MARK, ROUND_WEIGHT, AbortRecord, GlobalPart, PushRecord
+from ..ir.workflow import round_meets
 from .failures import RegionLeft
+from .polling import Backoff
 from .storage import Channel, KeyTimeout
 from .tensors import pack, unpack
 from .worker_base import WorkerBase
@@ -179,9 +178,7 @@ class RegionSync(WorkerBase):
             return None
         storage = self._storage_of(region)
         left = protocol.left_key(self._peer_namespace(region))
-        began = time.monotonic()
-        checked = began - 1.0
-        wait = storage.poll_s
+        clock = Backoff(storage.poll_s, storage.max_poll_s, timeout, check_at_once=True)
         while True:
             data = storage.try_get(key)
             if data is not None:
@@ -189,22 +186,20 @@ class RegionSync(WorkerBase):
                     self.departed.add(region)
                     return None
                 return data
-            now = time.monotonic()
-            late = self.region_timeout is not None and now >= began + self.region_timeout
-            if late or (now - checked >= 1.0 and storage.exists(left)):
+            late = self.region_timeout is not None and clock.elapsed >= self.region_timeout
+            second = clock.once_a_second()
+            if late or (second and storage.exists(left)):
                 if storage.claim(key, LEFT_MARK):
-                    why = f"{region} missed meet of {key.rsplit('/', 2)[-2]} by {now - began:.0f} s"
+                    why = f"{region} missed meet of {key.rsplit('/', 2)[-2]} by {clock.elapsed:.0f} s"
                     storage.claim(left, json.dumps({"by": self.region, "why": why}).encode())
                     self.departed.add(region)
                     return None
                 continue  # its contribution (or another region's mark) landed meanwhile: read it
-            if now >= began + timeout:
+            if clock.expired():
                 raise KeyTimeout(f"{storage.describe(key)} did not appear within {timeout:g} s")
-            if now - checked >= 1.0:
-                checked = now
+            if second:
                 self.channel.check_abort()
-            time.sleep(wait)
-            wait = min(wait * 2, storage.max_poll_s)
+            clock.pause()
 
     def _global_key(self, version: int, part: GlobalPart) -> str:
         assert self.server is not None
@@ -228,10 +223,8 @@ class RegionSync(WorkerBase):
         assert self.server is not None
         server = self._storage_of(self.server)
         key = self._global_key(version, "model")
-        began = time.monotonic()
-        checked = began
-        wait = server.poll_s
-        region, looked = "", False
+        clock = Backoff(server.poll_s, server.max_poll_s, timeout, check_at_once=True)
+        region = ""
         while True:
             data = server.try_get(key)
             if data == LEFT_MARK:  # its owner was given up: see below
@@ -240,9 +233,7 @@ class RegionSync(WorkerBase):
                 return None
             if data is not None:
                 return data
-            now = time.monotonic()
-            if now - checked >= 1.0 or not looked:
-                checked, looked = now, True
+            if clock.once_a_second():
                 self.channel.check_abort()
                 owner = (server.try_get(self._global_key(version, "owner")) or b"").decode(errors="replace")
                 region = owner.rsplit("/round", 1)[0]
@@ -256,18 +247,17 @@ class RegionSync(WorkerBase):
             # An owner silent past the region timeout (killed between its claim and its write, with no one
             # to record its departure) is given up as a missed meet is: the version is claimed void
             # (create-if-absent: if its write wins, it counts) and its departure recorded.
-            if region and self.region_timeout is not None and now >= began + self.region_timeout:
+            if region and self.region_timeout is not None and clock.elapsed >= self.region_timeout:
                 if server.claim(key, LEFT_MARK):
-                    why = f"{region} did not write global version {version} within {now - began:.0f} s"
+                    why = f"{region} did not write global version {version} within {clock.elapsed:.0f} s"
                     left = protocol.left_key(self._peer_namespace(region))
                     self._storage_of(region).claim(left, json.dumps({"by": self.region, "why": why}).encode())
                     self.departed.add(region)
                     return None
                 continue  # its write (or another region's mark) landed meanwhile: read it
-            if now >= began + timeout:
+            if clock.expired():
                 raise KeyTimeout(f"{server.describe(key)} did not appear within {timeout:g} s")
-            time.sleep(wait)
-            wait = min(wait * 2, server.max_poll_s)
+            clock.pause()
 
     def _storage_names(self) -> set[str]:
         """The regions whose storage this function reaches: its own, and every peer's across the WAN."""

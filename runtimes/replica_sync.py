@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import AbortRecord
-
+from ..ir import protocol
+from ..ir.protocol import AbortRecord
 from .failures import Diverged
 from .sync import scatter_reduce
 from .tensors import pack, unpack

@@ -6,8 +6,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from cloudless.ir.protocol import CorruptBlob
-
+from ..ir.protocol import CorruptBlob
 from .storage import Channel, KeyTimeout
 
 _T = TypeVar("_T")

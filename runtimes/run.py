@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import secrets
 import statistics
 import sys
 import time
@@ -28,13 +27,12 @@ from urllib.parse import urlparse
 import torch
 from safetensors.torch import save_file
 
-from cloudless.ir import protocol
-from cloudless.ir.arguments import OneLineParser
-from cloudless.ir.files import load_workflow
-from cloudless.ir.folders import FolderError, check_output_folder, run_lock, write_run_marker
-from cloudless.ir.schema import SchemaError
-from cloudless.ir.workflow import Function, Workflow
-
+from ..ir import protocol
+from ..ir.arguments import OneLineParser
+from ..ir.files import load_workflow
+from ..ir.folders import FolderError, check_output_folder, run_lock, write_run_marker
+from ..ir.schema import SchemaError
+from ..ir.workflow import Function, Workflow
 from .controller import Controller
 from .cost import data_moves, measured_cost
 from .data import data_name
@@ -42,7 +40,7 @@ from .elastic import CapacityChange, RegionFailure, check_regions
 from .emulation import EmulatedChannel, Resources
 from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvoker
 from .retrying_channel import RetryingChannel, StorageError
-from .run_state import Progress, RegionRun, RunError, RunSettings
+from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
 from .staging import (
     DataError,
     describe_staged,
@@ -315,6 +313,45 @@ def summarise(
     }
 
 
+def several_regions_figures(
+    args: argparse.Namespace,
+    workflow: Workflow,
+    controller: Controller,
+    records: dict[str, RegionRun],
+    locations: dict[str, str],
+    counters: dict[str, EmulatedChannel],
+    counted: dict[str, dict[str, int]],
+) -> dict[str, Any]:
+    """What a run of several regions measured beyond each region's figures: the elastic events, the
+    model-averaging rounds, where each region's storage was, the measured cost, ASGD-GA's pushes."""
+    figures: dict[str, Any] = {"inter_region": workflow.sync.inter_region}
+    if controller.events:
+        figures["elastic"] = controller.events
+    if workflow.sync.inter_region == "model-average":
+        figures["rounds"] = controller.round_members()
+    figures["storage"] = {name: shown(where) for name, where in locations.items()}
+    figures["wan_emulated"] = bool(args.emulate)
+    requests = {
+        name: {k: v - counted[name].get(k, 0) for k, v in counter.counts.items()} for name, counter in counters.items()
+    }
+    figures["cost"] = measured_cost(
+        workflow,
+        {name: r.invocations for name, r in records.items()},
+        {name: r.results for name, r in records.items()},
+        controller=requests,
+        data_moves=data_moves(workflow, controller.storage),
+    )
+    if workflow.sync.inter_region == "asgd-ga":
+        pushes = [push.to_json() for push in controller.asgd_pushes()]
+        figures["asgd_pushes"] = pushes
+        figures["asgd_staleness"] = {
+            "bound": workflow.sync.staleness_bound,
+            "max": max((p["staleness"] for p in pushes), default=0),
+            "rebased": sum(p["rebased"] for p in pushes),
+        }
+    return figures
+
+
 def storage_locations(workflow: Workflow, given: list[str] | None, out: Path) -> dict[str, str]:
     """Per region (and ASGD-GA's server) its storage location, from --storage (see its help);
     ValueError for a REGION=URL of no region of the workflow."""
@@ -482,7 +519,7 @@ def _train(
     # Unique: two runs started in the same second must not share keys or logs.
     if args.resume and args.run_id:
         return fail("give --run-id or --resume, not both")
-    run_id = args.resume or args.run_id or f"{time.strftime('run-%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    run_id = args.resume or args.run_id or protocol.new_run_id()
     regions = workflow.regions
     region = regions[0].name
     if len(regions) > 1 and args.invoker != "local":
@@ -600,45 +637,24 @@ def _train(
                 failure = RunError(f"the model trained, but its adapter was not saved: {exc}")
         test = evaluate(build, workflow, region, channel, state)
     record = records.get(region, RegionRun())
-    metrics = summarise(record, workflow, settings, seconds, test)
-    metrics["status"] = "done" if failure is None else "failed"
-    if failure is not None:
-        metrics["error"] = str(failure)
+    measured = summarise(record, workflow, settings, seconds, test)
+    metrics = RunMetrics(
+        run_id=settings.run_id,
+        invoker=args.invoker,
+        status="done" if failure is None else "failed",
+        seconds=seconds,
+        error=None if failure is None else str(failure),
+        measured=measured,
+    )
     if len(regions) > 1:
-        metrics["inter_region"] = workflow.sync.inter_region
-        metrics["regions"] = {
+        metrics.regions = {
             name: {k: v for k, v in summarise(r, workflow, settings, seconds, None).items() if k != "test"}
             | {"iterations": controller.ends.get(name, totals[name]), "round_ends": list(controller.round_ends(name))}
             | ({"left": controller.plans[name].left} if controller.plans[name].left else {})
             for name, r in records.items()
         }
-        if controller.events:
-            metrics["elastic"] = controller.events
-        if workflow.sync.inter_region == "model-average":
-            metrics["rounds"] = controller.round_members()
-        metrics["storage"] = {name: shown(where) for name, where in locations.items()}
-        metrics["wan_emulated"] = bool(args.emulate)
-        requests = {
-            name: {k: v - counted[name].get(k, 0) for k, v in counter.counts.items()}
-            for name, counter in counters.items()
-        }
-        metrics["cost"] = measured_cost(
-            workflow,
-            {name: r.invocations for name, r in records.items()},
-            {name: r.results for name, r in records.items()},
-            controller=requests,
-            data_moves=data_moves(workflow, controller.storage),
-        )
-        pushes = [push.to_json() for push in controller.asgd_pushes()]
-        if workflow.sync.inter_region == "asgd-ga":
-            metrics["asgd_pushes"] = pushes
-            metrics["asgd_staleness"] = {
-                "bound": workflow.sync.staleness_bound,
-                "max": max((p["staleness"] for p in pushes), default=0),
-                "rebased": sum(p["rebased"] for p in pushes),
-            }
-    # allow_nan=False: the file is JSON for any reader (a non-finite figure is null, never NaN).
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True, allow_nan=False) + "\n")
+        measured.update(several_regions_figures(args, workflow, controller, records, locations, counters, counted))
+    metrics.write(out)
     (out / "trace.json").write_text(json.dumps(chrome_trace(record, workflow, began), allow_nan=False) + "\n")
     if failure is None and not args.keep_storage:  # a failed run stays resumable
         try:
@@ -654,8 +670,9 @@ def _train(
         else str(iterations)
     )
     line = f"trained {trained} iterations in {seconds:.1f} s"
-    if metrics["samples_per_s"]:
-        line += f" ({metrics['samples_per_s']:,.0f} samples/s, {metrics['median_iteration_s'] * 1000:.1f} ms/iteration)"
+    if measured["samples_per_s"]:
+        ms = measured["median_iteration_s"] * 1000
+        line += f" ({measured['samples_per_s']:,.0f} samples/s, {ms:.1f} ms/iteration)"
     faults, retries = sum(r.faults for r in records.values()), sum(r.retries for r in records.values())
     if faults or retries:
         line += f"; {faults} injected fault(s), {retries} retried invocation(s)"

@@ -3,12 +3,13 @@ region's record (progress, results, faults), and how a run fails."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import InvocationResult
-
+from ..ir import protocol
+from ..ir.protocol import InvocationResult
 from .elastic import CapacityChange, RegionFailure
 
 
@@ -87,3 +88,33 @@ class RegionRun:
     faults: int = 0
     retries: int = 0
     lost_reports: int = 0
+
+
+@dataclass
+class RunMetrics:
+    """OUT/metrics.json, whichever way the run went (cloudless-run on this machine, or the deploy-and-train
+    driver on a stack): who ran it, how it ended and in how long, per region what happened, and the
+    figures the invoker measured (the local run's losses, throughput, storage requests and cost; the
+    driver's executions)."""
+
+    run_id: str
+    invoker: str  # as --invoker named it: "local", "openfaas", "lambda" (with --stack: the driver)
+    status: str  # "done" or "failed"
+    seconds: float
+    error: str | None = None
+    regions: dict[str, dict[str, Any]] = field(default_factory=dict)  # several regions, or a stack's
+    measured: dict[str, Any] = field(default_factory=dict)  # the invoker's own figures, as top-level keys
+
+    def to_json(self) -> dict[str, Any]:
+        document = dict(self.measured)
+        document.update(run_id=self.run_id, invoker=self.invoker, status=self.status, seconds=round(self.seconds, 3))
+        if self.error is not None:
+            document["error"] = self.error
+        if self.regions:
+            document["regions"] = self.regions
+        return document
+
+    def write(self, out: Path) -> None:
+        # allow_nan=False: the file is JSON for any reader (a non-finite figure is null, never NaN)
+        text = json.dumps(self.to_json(), indent=1, sort_keys=True, allow_nan=False) + "\n"
+        (out / "metrics.json").write_text(text)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cloudless.ir.protocol import SECRETS_DIR, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
+from ..ir.protocol import SECRETS_DIR, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
 
 
 def load_openfaas_secret(name: str = STORAGE_SECRET, folder: Path = Path(SECRETS_DIR)) -> list[str]:

@@ -21,11 +21,10 @@ import torch
 from safetensors import safe_open
 from torch.utils import _pytree as pytree
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import DATA_META, data_key
-from cloudless.ir.schedule import SHARD_SAMPLES
-from cloudless.ir.workflow import DataSource, Region, Workflow
-
+from ..ir import protocol
+from ..ir.protocol import DATA_META, data_key
+from ..ir.schedule import SHARD_SAMPLES
+from ..ir.workflow import DataSource, Region, Workflow
 from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
 from .storage import Channel
 from .tensors import autocast, unpack

@@ -18,14 +18,14 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 from urllib.parse import urlparse
 
-from cloudless.ir.protocol import S3_ENDPOINT_ENV, CorruptBlob, seal, unseal
+from ..ir.protocol import S3_ENDPOINT_ENV, CorruptBlob, seal, unseal
+from .polling import Backoff
 
 
 class KeyTimeout(TimeoutError):
@@ -73,9 +73,7 @@ class Channel(ABC):
         """The value at `key`, waiting for it to be written (bounded polling with back-off); a set
         `cancelled` event ends the wait early (with KeyTimeout). `abort`, called about once a second
         while waiting, raises to give up (the run was aborted elsewhere)."""
-        began = time.monotonic()
-        deadline, checked = began + timeout, began
-        wait = self.poll_s
+        clock = Backoff(self.poll_s, self.max_poll_s, timeout, cancelled)
         corrupt = 0
         while True:
             try:
@@ -87,14 +85,11 @@ class Channel(ABC):
                 data = None
             if data is not None:
                 return data
-            now = time.monotonic()
-            if now >= deadline or (cancelled is not None and cancelled.is_set()):
+            if clock.expired() or (cancelled is not None and cancelled.is_set()):
                 raise KeyTimeout(f"{self.describe(key)} did not appear within {timeout:g} s")
-            if abort is not None and now - checked >= 1.0:
-                checked = now
+            if abort is not None and clock.once_a_second():
                 abort()
-            time.sleep(wait)
-            wait = min(wait * 2, self.max_poll_s)
+            clock.pause()
 
     def exists(self, key: str) -> bool:
         """Whether anything is at `key` (a corrupt value too: it is there, and reading it will say so)."""

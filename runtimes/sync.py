@@ -20,16 +20,15 @@ with bit-identical gradients (equal to the plain sum in replica order).
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from cloudless.ir.protocol import reduced_piece_key, scatter_piece_key
-from cloudless.ir.schedule import SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, gather_sources, scatter_order, sync_pieces
-
+from ..ir.protocol import reduced_piece_key, scatter_piece_key
+from ..ir.schedule import SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, gather_sources, scatter_order, sync_pieces
+from .polling import Backoff
 from .storage import Channel, KeyTimeout
 from .tensors import pack, unpack
 
@@ -87,21 +86,17 @@ def scatter_reduce(
     max_poll_s = min(channel.max_poll_s, SYNC_MAX_POLL_S)
 
     def receive(name: str) -> torch.Tensor:
-        began = checked = time.monotonic()
-        wait = channel.poll_s
+        clock = Backoff(channel.poll_s, max_poll_s, timeout, stopped)
         while True:
             data = channel.try_get(name)
             if data is not None:
                 return unpack(data)["v"]
-            now = time.monotonic()
-            if now >= began + timeout:
+            if clock.expired():
                 raise KeyTimeout(f"{channel.describe(name)} did not appear within {timeout:g} s")
-            if abort is not None and now - checked >= 1.0:
-                checked = now
+            if abort is not None and clock.once_a_second():
                 abort()
-            if stopped.wait(wait):
+            if clock.pause():
                 raise _Cancelled(name)
-            wait = min(wait * 2, max_poll_s)
 
     def store(name: str, value: torch.Tensor) -> None:
         channel.put(name, pack({"v": value}))

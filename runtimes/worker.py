@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from cloudless.ir import protocol
-from cloudless.ir.protocol import (
+from ..ir import protocol
+from ..ir.protocol import (
     DEFAULT_KEY_TIMEOUT_S,
     EMULATE_ENV,
     PEERS_ENV,
@@ -49,9 +49,8 @@ from cloudless.ir.protocol import (
     Invocation,
     InvocationResult,
 )
-from cloudless.ir.schedule import compute_order, local_micro_batches, one_f_one_b_windows
-from cloudless.ir.workflow import SYNC_STEP_KIND, StepKind, Workflow
-
+from ..ir.schedule import compute_order, local_micro_batches, one_f_one_b_windows
+from ..ir.workflow import SYNC_STEP_KIND, StepKind, Workflow
 from .checkpoints import Checkpoints
 from .data import data_name
 from .emulation import CpuShare, EmulatedChannel, Resources, wan_channel, wan_link

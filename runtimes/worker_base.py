@@ -18,9 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from cloudless.ir.protocol import AbortRecord
-from cloudless.ir.workflow import Function, OptimizerSpec, Schedule, SyncSettings, Workflow
-
+from ..ir.protocol import AbortRecord
+from ..ir.workflow import Function, OptimizerSpec, Schedule, SyncSettings, Workflow
 from .data import SplitReader
 from .emulation import CpuShare, EmulatedChannel
 from .failures import Aborted, Diverged, ModelFailed, one_line, where

@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# Type-check the four packages with mypy under their import names (cloudless.ir, ...). The folders sit
-# at the repository's top level and install through setuptools' package-dir, which mypy cannot follow,
-# so a temporary tree of symlinks gives it the `cloudless/<layer>` layout.
+# Type-check the four packages with mypy under their import names (cloudless.ir, ...). Inside the
+# package every import of our own is relative (`from ..ir import plan`), which pyright, editors and
+# import-graph tools resolve from the files' paths alone. mypy names a module by its folders instead,
+# and the repository root is the `cloudless` package (pyproject's package-dir), so mypy is run beside
+# a single link of that name to the clone (a clone in a folder named `cloudless` needs none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-tree=$(mktemp -d)
-trap 'rm -rf "$tree"' EXIT
-mkdir "$tree/cloudless"
-for layer in ir compiler codegen runtimes; do
-  ln -s "$root/$layer" "$tree/cloudless/$layer"
-done
-cd "$tree"
-"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" \
-  -p cloudless.ir -p cloudless.compiler -p cloudless.codegen -p cloudless.runtimes
+here=$(mktemp -d)
+trap 'rm -rf "$here"' EXIT
+ln -s "$root" "$here/cloudless"
+cd "$here"
+mypy=("$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache")
+"${mypy[@]}" -p cloudless.ir -p cloudless.compiler -p cloudless.codegen -p cloudless.runtimes
 # the ir, which every other layer reads, under --strict too
-"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" --strict \
-  --allow-subclassing-any -p cloudless.ir  # PyYAML ships no type stubs: its Dumper is Any
+"${mypy[@]}" --strict --allow-subclassing-any -p cloudless.ir  # PyYAML ships no type stubs: its Dumper is Any

@@ -197,6 +197,7 @@ def test_the_driver_trains_on_the_stack_and_a_second_run_trains_again(
             metrics = json.loads((out / "metrics.json").read_text())
             region = metrics["regions"][workflow.regions[0].name]
             assert metrics["status"] == "done" and region["bucket"] == outputs["BucketName"]
+            assert (metrics["invoker"], metrics["run_id"], "error" in metrics) == ("lambda", run_id, False)
             # Two executions: iterations [0, 2), then [2, 3) from where the first stopped.
             assert [e["input"] for e in region["executions"]] == [
                 {"run": run_id, "attempt": 0, "time_limit_s": 870.0, "start": 0, "stop": ITERATIONS},

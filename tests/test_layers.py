@@ -39,8 +39,16 @@ def imports(path: Path) -> list[tuple[int, str]]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            found.append((node.lineno, module))
+            # `from ..ir import protocol` imports the module cloudless.ir.protocol, not only the package
+            submodules = [f"{module}.{alias.name}" for alias in node.names if is_module(f"{module}.{alias.name}")]
+            found.extend((node.lineno, name) for name in submodules or [module])
     return found
+
+
+def is_module(name: str) -> bool:
+    """Whether a dotted name is one of this repository's modules (cloudless.ir.protocol -> ir/protocol.py)."""
+    parts = name.split(".")
+    return parts[0] == "cloudless" and len(parts) > 2 and (ROOT.joinpath(*parts[1:]).with_suffix(".py")).is_file()
 
 
 def layer_files(layer: str) -> list[Path]:
@@ -82,5 +90,11 @@ def test_vendored_modules_import_only_what_ships_with_them() -> None:
 def test_the_check_catches_a_wrong_import(tmp_path: Path) -> None:
     bad = tmp_path / "compiler" / "bad.py"
     bad.parent.mkdir()
-    bad.write_text("from cloudless.runtimes.worker import StageWorker\nfrom .lower import slug\n")
-    assert imports(bad) == [(1, "cloudless.runtimes.worker"), (2, "cloudless.compiler.lower")]
+    bad.write_text(
+        "from cloudless.runtimes.worker import StageWorker\nfrom .lower import slug\nfrom ..runtimes import worker\n"
+    )
+    assert imports(bad) == [
+        (1, "cloudless.runtimes.worker"),
+        (2, "cloudless.compiler.lower"),
+        (3, "cloudless.runtimes.worker"),
+    ]

@@ -187,6 +187,7 @@ def test_a_model_that_raises_stops_the_run_at_once_without_retries(
     assert took < 300, f"the run took {took:.0f} s to stop"
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["status"] == "failed" and metrics["retries"] == 0, metrics
+    assert metrics["invoker"] == "local" and lines[0] == f"cloudless-run: the run failed: {metrics['error']}"
 
 
 def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], pipelined) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from cloudless.codegen.platforms import LAMBDA_RETRY_ERRORS, lambda_function_name, logical_id, render_region, workers
 from cloudless.ir import protocol
+from cloudless.ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, ExecutionInput
 from cloudless.ir.protocol import STORAGE_ENV
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
@@ -186,6 +187,21 @@ def test_the_defaults_of_the_input_and_several_regions_own_iteration_counts() ->
         assert sorted({p["start"] for p in stub.payloads}) == list(range(stop))
         # Several regions: each invocation says how many iterations its region trains.
         assert {p["iterations"] for p in stub.payloads} == {stop}
+
+
+def test_the_drivers_typed_input_is_what_the_state_machine_reads_and_returns() -> None:
+    """The driver's ExecutionInput, every field given, runs as given: each payload carries the carried
+    fields, and the output continued by ExecutionInput.continued is the next execution's input."""
+    workflow = make_workflow((1, 1, 1))
+    limit = float(min(f.timeout_s for f in workflow.region(EAST).functions) - 30)
+    sent = ExecutionInput(start=1, stop=3, attempt=2, time_limit_s=limit / 2, run="typed")
+    assert set(EXECUTION_FIELDS) == set(sent.to_json()) and set(CARRIED_FIELDS) < set(EXECUTION_FIELDS)
+    stub = Barrier(3)
+    output = Execution(definition(workflow, EAST), sent.to_json(), stub, name="unused").run()
+    assert output == {"iteration": 3, "stop": 3, "run": "typed", "attempt": 2, "time_limit_s": limit / 2}
+    assert {tuple(p[name] for name in CARRIED_FIELDS) for p in stub.payloads} == {("typed", 2, limit / 2)}
+    assert sorted({p["start"] for p in stub.payloads}) == [1, 2]
+    assert sent.continued(output) == dataclasses.replace(sent, start=3)
 
 
 def test_transient_lambda_errors_are_retried_and_a_function_error_fails_the_execution() -> None:

@@ -12,8 +12,8 @@ from typing import Any, NoReturn
 import jsonschema
 import yaml
 
-from cloudless.ir.files import BUILD_MARKER, file_digest, read_manifest
-from cloudless.ir.schema import SchemaError, load_schema
+from ...ir.files import BUILD_MARKER, file_digest, read_manifest
+from ...ir.schema import SchemaError, load_schema
 
 #: Lambda function and state machine names (letters, digits, '-' and '_')
 AWS_NAME = re.compile(r"[A-Za-z0-9_-]+")

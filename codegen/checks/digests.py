@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cloudless.codegen.checks.base import BuildContext, build_relative, fail
-from cloudless.ir.files import BUILD_MARKER
-from cloudless.ir.workflow import Workflow
+from ...ir.files import BUILD_MARKER
+from ...ir.workflow import Workflow
+from .base import BuildContext, build_relative, fail
 
 #: Things that look like credentials; none may appear in a generated file.
 _SECRET_PATTERNS = (

@@ -9,7 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cloudless.codegen.checks.base import (
+from ...ir.files import check_workflow
+from ...ir.schema import SchemaError
+from ...ir.workflow import Workflow
+from .base import (
     BuildCheckError,
     BuildContext,
     fail,
@@ -18,9 +21,6 @@ from cloudless.codegen.checks.base import (
     lookup,
     schema_check,
 )
-from cloudless.ir.files import check_workflow
-from cloudless.ir.schema import SchemaError
-from cloudless.ir.workflow import Workflow
 
 
 def check_manifest(build: Path, context: BuildContext | None) -> tuple[dict[str, Any], Workflow]:

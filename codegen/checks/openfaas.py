@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from cloudless.codegen.checks.base import build_relative, fail, load_yaml, schema_check
-from cloudless.ir.catalog import OPENFAAS_CE_MAX_FUNCTIONS, OPENFAAS_CE_MAX_REPLICAS, registry_problem
-from cloudless.ir.workflow import Region
+from ...ir.catalog import OPENFAAS_CE_MAX_FUNCTIONS, OPENFAAS_CE_MAX_REPLICAS, registry_problem
+from ...ir.workflow import Region
+from .base import build_relative, fail, load_yaml, schema_check
 
 #: an image reference's tag
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")

@@ -9,17 +9,17 @@ import math
 import typing
 from typing import Any
 
-from cloudless.codegen.checks.base import EDITED, MISSING, BuildContext, fail, function_key_of, shorten
-from cloudless.codegen.libraries import (
+from ...ir.workflow import Function, Region, Workflow
+from ..libraries import (
     LibraryOpError,
     canonical_name,
     distribution_of,
     imported_registrations,
     unregistered_ops,
 )
-from cloudless.codegen.package import VENDORED_MODULES
-from cloudless.codegen.stage_source import TensorKind
-from cloudless.ir.workflow import Function, Region, Workflow
+from ..package import VENDORED_MODULES
+from ..stage_source import TensorKind
+from .base import EDITED, MISSING, BuildContext, fail, function_key_of, shorten
 
 #: safetensors dtype -> (the torch dtype name a generated stage's TENSORS gives, bytes per element)
 _SAFETENSORS_DTYPES = {

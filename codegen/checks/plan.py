@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cloudless.codegen.checks.base import EDITED, BuildContext, fail, function_key_of, schema_check, shorten
-from cloudless.ir.plan import PlannedStage, TrainingPlan
-from cloudless.ir.workflow import Workflow
+from ...ir.plan import PlannedStage, TrainingPlan
+from ...ir.workflow import Workflow
+from .base import EDITED, BuildContext, fail, function_key_of, schema_check, shorten
 
 
 def check_plan(context: BuildContext, document: dict[str, Any], workflow: Workflow) -> None:

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cloudless.codegen.checks.base import AWS_NAME, build_relative, fail, load_yaml
-from cloudless.codegen.checks.state_machine import check_state_machine
-from cloudless.codegen.platforms import LAMBDA_NAME_LIMIT, aws_region, logical_id
-from cloudless.ir.catalog import AWS_REGIONS
-from cloudless.ir.workflow import Region, Workflow
+from ...ir.catalog import AWS_REGIONS
+from ...ir.workflow import Region, Workflow
+from ..platforms import LAMBDA_NAME_LIMIT, aws_region, logical_id
+from .base import AWS_NAME, build_relative, fail, load_yaml
+from .state_machine import check_state_machine
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from cloudless.codegen.checks.base import AWS_NAME, build_relative, fail
-from cloudless.codegen.platforms import LAMBDA_INVOKE, LAMBDA_RETRY_ERRORS, STATE_MACHINE_NAME_LIMIT
-from cloudless.ir.catalog import DISTRIBUTED_MAP_MAX_CONCURRENCY, INLINE_MAP_MAX_CONCURRENCY
-from cloudless.ir.workflow import Region
+from ...ir.catalog import DISTRIBUTED_MAP_MAX_CONCURRENCY, INLINE_MAP_MAX_CONCURRENCY
+from ...ir.workflow import Region
+from ..platforms import LAMBDA_INVOKE, LAMBDA_RETRY_ERRORS, STATE_MACHINE_NAME_LIMIT
+from .base import AWS_NAME, build_relative, fail
 
 #: Step Functions' limit on a state machine definition.
 MAX_DEFINITION_BYTES = 1024 * 1024

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cloudless.codegen.checks.base import build_relative, fail, load_yaml
-from cloudless.codegen.platforms import peer_parameter
-from cloudless.ir.protocol import PEERS_ENV, STORAGE_ENV
-from cloudless.ir.workflow import Workflow
+from ...ir.protocol import PEERS_ENV, STORAGE_ENV
+from ...ir.workflow import Workflow
+from ..platforms import peer_parameter
+from .base import build_relative, fail, load_yaml
 
 
 def check_region_storage(build: Path, workflow: Workflow) -> None:
