@@ -9,7 +9,6 @@ error, never a function's failure at run time.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -29,10 +28,8 @@ from ..ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
 from ..ir.folders import FolderError, check_output_folder, run_lock, run_outputs
 from ..ir.graph import OpGraph, dumps
 from ..ir.plan import TrainingPlan
-from .explain import alternatives_ir, explain
 from .lower import Lowered
-from .plan import PlanOptions, PlanResult
-from .plan_record import plan_ir
+from .plan import PlanOptions
 from .simulate import Timeline
 from .verify import check_library_ops_resolve, check_stage_loads
 
@@ -40,24 +37,19 @@ from .verify import check_library_ops_resolve, check_stage_loads
 def build_files(
     graph: OpGraph,
     chain: BlockChain,
-    planned: PlanResult | None,
+    plan: TrainingPlan | None,
     plan_options: PlanOptions | None,
     timeline: Timeline | None,
     lowered: Lowered | None,
     targets: frozenset[str] = TARGETS,
 ) -> dict[str, bytes]:
     """Every file of the build, by path relative to the build folder, the marker with their digests
-    included."""
+    included: what the passes before made, serialised (nothing here plans or simulates)."""
     files = {
         "ir/graph.json": dumps(graph.to_json()).encode(),
         "ir/blocks.json": dumps(chain.to_json()).encode(),
     }
-    if planned is not None and plan_options is not None and timeline is not None and lowered is not None:
-        plan = plan_ir(planned, chain, plan_options, timeline)
-        if planned.geo is None:
-            # Why this plan: each other family's best plan on the same cost model (report.md, the CLI).
-            alternatives = explain(planned, plan_options)
-            plan = dataclasses.replace(plan, explanation=alternatives_ir(alternatives, planned.solution.evaluation))
+    if plan is not None and plan_options is not None and timeline is not None and lowered is not None:
         files.update(_planned_files(plan, timeline, lowered, targets, graph, plan_options))
     return dict(sorted({**files, BUILD_MARKER: build_manifest(files)}.items()))
 

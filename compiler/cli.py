@@ -8,7 +8,6 @@ must be new, empty or an earlier build (ir/folders.py), so a compile never repla
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -22,7 +21,6 @@ from ..codegen.validate import check_build, deployment_warnings
 from ..ir.arguments import OneLineParser
 from ..ir.catalog import load_catalog, registry_problem
 from ..ir.folders import FolderError, check_output_folder
-from ..ir.plan import TrainingPlan
 from ..ir.schema import SchemaError
 from .baselines import ratio, ratio_text
 from .coarsen import DEFAULT_BLOCKS
@@ -408,11 +406,10 @@ def print_plan(out: Console, result: Compiled) -> None:
                 f"  baseline    {b.name}: {b.evaluation.iteration_s:.2f} s, {b.evaluation.cost_usd * 1e3:.4f} mUSD "
                 f"per iteration (ours: {ratio_text(time_ratio)} time, {ratio_text(cost_ratio)} cost)"
             )
-    # Why this plan: compiler/explain.py's comparison, as the build's plan.json holds it.
-    if "plan.json" in result.files:
-        why = summary_line(TrainingPlan.from_json(json.loads(result.files["plan.json"])))
-        if why is not None:
-            out.print(f"  why         {why}", markup=False)
+    # Why this plan: compiler/explain.py's comparison, as the plan pass recorded it (plan.json's).
+    why = summary_line(result.record) if result.record is not None else None
+    if why is not None:
+        out.print(f"  why         {why}", markup=False)
 
 
 def print_regions(out: Console, result: Compiled) -> None:

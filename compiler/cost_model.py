@@ -206,6 +206,11 @@ class Evaluation:
     stages: tuple[StageTerms, ...]
     violations: tuple[str, ...] = field(default_factory=tuple)
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    #: per stage, its micro-batches per replica after the first (the steady term's multipliers)
+    extra: tuple[int, ...] = ()
+    #: the stages whose steady term bounds the pipeline (the first on a tie): GPipe's forwards then its
+    #: backwards, or 1F1B's cycles (one stage)
+    bounding: tuple[int, ...] = ()
 
     @property
     def feasible(self) -> bool:
@@ -396,12 +401,16 @@ class CostModel:
         micro_batches = p.global_batch // plan.micro_batch
         extra = [math.ceil(micro_batches / c.replicas) - 1 for c in plan.stages]
         fill = sum(t.forward_fill_s + t.backward_fill_s for t in terms)
+        bounding: tuple[int, ...]
         if p.schedule == "gpipe":
+            forwards = [e * t.forward_s for e, t in zip(extra, terms, strict=True)]
             drains = [e * t.backward_s for e, t in zip(extra, terms, strict=True)]
-            steady = max(e * t.forward_s for e, t in zip(extra, terms, strict=True)) + max(drains)
+            bounding = (_first_max(forwards), _first_max(drains))
+            steady = forwards[bounding[0]] + drains[bounding[1]]
         else:
             drains = [e * t.cycle_s for e, t in zip(extra, terms, strict=True)]
-            steady = max(drains)
+            bounding = (_first_max(drains),)
+            steady = drains[bounding[0]]
         pipeline = fill + steady
         # A stage syncs and steps as soon as its own last backward is done: the stages before it
         # still run their backward fill, and the drain of the busiest stage before it has not
@@ -433,6 +442,8 @@ class CostModel:
             stages=terms,
             violations=tuple(violations),
             warnings=tuple(self.round_trip_warnings(terms)),
+            extra=tuple(extra),
+            bounding=bounding,
         )
 
     def round_trip_warnings(self, terms: tuple[StageTerms, ...]) -> list[str]:
@@ -467,6 +478,11 @@ class CostModel:
         if len(plan.stages) > self.problem.max_stages:
             found.append(f"{len(plan.stages)} stages exceed the limit of {self.problem.max_stages}")
         return found
+
+
+def _first_max(values: list[float]) -> int:
+    """The index of the largest value, the first on a tie."""
+    return max(range(len(values)), key=values.__getitem__)
 
 
 def check_range(problem: Problem) -> None:

@@ -114,31 +114,30 @@ class _Family:
 def time_terms(problem: Problem, plan: Plan, evaluation: Evaluation) -> dict[str, float]:
     """The plan's iteration time split into TIME_TERMS (they add up to `evaluation.iteration_s`).
 
-    Follows CostModel.evaluate: the fill is every stage's first micro-batch, each lane's time counted
-    (compute; the first stage's data download; the other transfers); the steady term's micro-batches
-    count on the lane that bounds them in the stage that bounds them (the first in order on a tie); the
-    overhang is the end of the critical stage's tail, which runs the gradient sync and then the update."""
+    Reads what CostModel.evaluate recorded: the fill is every stage's first micro-batch, each lane's time
+    counted (compute; the first stage's data download; the other transfers); the steady term's
+    micro-batches (`evaluation.extra`) count on the lane that bounds them in the stages evaluate found
+    bounding them (`evaluation.bounding`); the overhang is the end of the critical stage's tail, which
+    runs the gradient sync and then the update."""
     parts = dict.fromkeys(TIME_TERMS, 0.0)
     stages = evaluation.stages
     for s, t in enumerate(stages):
         parts["compute"] += t.forward_compute_s + t.backward_compute_s
         parts["data loading" if s == 0 else "stage transfers"] += t.forward_download_s
         parts["stage transfers"] += t.forward_upload_s + t.backward_download_s + t.backward_upload_s
-    micro_batches = problem.global_batch // plan.micro_batch
-    extra = [math.ceil(micro_batches / c.replicas) - 1 for c in plan.stages]
+    extra = evaluation.extra
 
     def download(s: int) -> str:
         return "data loading" if s == 0 else "stage transfers"
 
     if problem.schedule == "gpipe":
         # max_s (n_s - 1) phi_s: forwards, then max_s (n_s - 1) beta_s: backwards (the drain)
-        k = max(range(len(stages)), key=lambda s: extra[s] * stages[s].forward_s)
+        k, j = evaluation.bounding
         t = stages[k]
         lanes = [("compute", t.forward_compute_s), (download(k), t.forward_download_s)]
         lanes.append(("stage transfers", t.forward_upload_s))
         name, value = max(lanes, key=lambda lane: lane[1])
         parts[name] += extra[k] * value
-        j = max(range(len(stages)), key=lambda s: extra[s] * stages[s].backward_s)
         t = stages[j]
         lanes = [("compute", t.backward_compute_s), ("stage transfers", t.backward_download_s)]
         lanes.append(("stage transfers", t.backward_upload_s))
@@ -146,7 +145,7 @@ def time_terms(problem: Problem, plan: Plan, evaluation: Evaluation) -> dict[str
         parts[name] += extra[j] * value
     else:
         # max_s (n_s - 1) c_s: a forward and a backward alternate on each lane
-        j = max(range(len(stages)), key=lambda s: extra[s] * stages[s].cycle_s)
+        (j,) = evaluation.bounding
         t = stages[j]
         compute = t.forward_compute_s + t.backward_compute_s
         downloads = t.forward_download_s + t.backward_download_s

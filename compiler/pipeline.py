@@ -24,6 +24,7 @@ from ..codegen.stage_source import StageHeader, TensorKind, render_stage_source
 from ..codegen.validate import check_build
 from ..ir.blocks import BlockChain
 from ..ir.graph import OpGraph
+from ..ir.plan import TrainingPlan
 from ..ir.workflow import Schedule, Workflow
 from .annotate import annotate, fetch_attr
 from .build import build_files, write_build
@@ -43,6 +44,7 @@ from .lower import (
 )
 from .model_file import ModelFile, default_loss, load_model_file, probe_learning_rates
 from .plan import PlanOptions, PlanResult, plan_training
+from .plan_record import plan_record
 from .profile import loss_function, profile_blocks, reuse_profile
 from .simulate import Timeline, simulate
 from .split import inline_leaf_modules, partition
@@ -98,6 +100,8 @@ class Compiled:
 
     front: FrontEnd
     plan: PlanResult | None
+    #: the plan as plan.json records it: baselines simulated, the explanation solved (the plan pass's)
+    record: TrainingPlan | None
     plan_options: PlanOptions | None
     #: the chosen plan's simulated iteration
     timeline: Timeline | None
@@ -121,11 +125,12 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
     timings: dict[str, float] = {}
     timed = _timer(timings, step)
     front = run_front_end(options.front, timed)
-    planned = timeline = None
+    planned = timeline = record = None
     if options.plan is not None and front.chain.machine is not None:
         with timed("plan"):
             planned = plan_training(front.chain, front.model_file, options.plan)
             timeline = simulate(planned.problem, planned.solution.plan)
+            record = plan_record(planned, front.chain, options.plan, timeline)
     # The stages run at the plan's micro-batch: trace again at that size when the profile's differs
     # (torch.export bakes the traced sizes into reshapes; a stage traced at 2 fails on 8 rows).
     runs_at = front
@@ -173,7 +178,7 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
                 stages=stages,
             )
     with timed("write"):
-        files = build_files(front.graph, front.chain, planned, options.plan, timeline, lowered, options.targets)
+        files = build_files(front.graph, front.chain, record, options.plan, timeline, lowered, options.targets)
         if options.output is not None:
             write_build(
                 files,
@@ -181,7 +186,7 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
                 check=check_build if lowered is not None else None,
                 protected=[options.front.model_path],
             )
-    return Compiled(front, planned, options.plan, timeline, stages, verify, lowered, files, timings)
+    return Compiled(front, planned, record, options.plan, timeline, stages, verify, lowered, files, timings)
 
 
 def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> FrontEnd:

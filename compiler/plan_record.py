@@ -4,6 +4,7 @@ schedule; from a finished PlanResult, whose planning is done."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 
@@ -30,6 +31,7 @@ from .cost_model import (
     Plan,
     Problem,
 )
+from .explain import alternatives_ir, explain
 from .geo import (
     region_shares,
 )
@@ -106,6 +108,17 @@ def _status(status: str) -> SolverStatus:
 def _gap(gap: float) -> float | None:
     """The solver's gap as written: None when it proved no bound."""
     return None if math.isinf(gap) else _round(gap, 6)
+
+
+def plan_record(result: PlanResult, chain: BlockChain, options: PlanOptions, timeline: Timeline) -> TrainingPlan:
+    """The plan pass's finished record: the plan as plan.json holds it, its baselines simulated and, in
+    one region, why it wins (each other family's best plan, solved on the same cost model)."""
+    record = plan_ir(result, chain, options, timeline)
+    if result.geo is not None:
+        return record
+    return dataclasses.replace(
+        record, explanation=alternatives_ir(explain(result, options), result.solution.evaluation)
+    )
 
 
 def plan_ir(result: PlanResult, chain: BlockChain, options: PlanOptions, timeline: Timeline) -> TrainingPlan:

@@ -328,3 +328,33 @@ def test_report_plan_json_and_summary_say_why(compile_cli, wide: FrontEnd, tmp_p
     plain = json.loads((build / "plan.json").read_text())
     del plain["explanation"]
     assert "## Why this plan" not in render_markdown(type(document).from_json(plain), Timeline(0.0, ()))
+
+
+def test_planning_finishes_in_the_plan_pass_and_writing_only_serialises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_model's plan pass records the plan (baselines simulated, explanation solved); plan.json
+    is that record serialised, and writing the build again with nothing left to solve or simulate gives
+    the same bytes."""
+    from cloudless.compiler import build, explain, plan_record, simulate
+    from cloudless.compiler.pipeline import CompileOptions, compile_model
+
+    profile = GOLDEN / "mlp_digits" / "ir" / "blocks.json"
+    options = PlanOptions(stages=2)
+    compiled = compile_model(CompileOptions(FrontEndOptions(DIGITS, profile_from=profile), plan=options))
+    assert compiled.record is not None and compiled.record.explanation
+    assert json.loads(compiled.files["plan.json"]) == compiled.record.to_json()
+
+    def no_planning(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the write step planned")
+
+    planners = ((explain, "solve"), (plan_record, "simulate"), (simulate, "simulate"), (plan_record, "explain"))
+    for module, name in planners:
+        monkeypatch.setattr(module, name, no_planning)
+    again = build.build_files(
+        compiled.front.graph,
+        compiled.front.chain,
+        compiled.record,
+        options,
+        compiled.timeline,
+        compiled.lowered,
+    )
+    assert again == compiled.files
