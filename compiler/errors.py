@@ -73,7 +73,21 @@ def frame_source(frame: traceback.FrameSummary) -> str:
     return (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
 
 
+#: the input files the user named on the command line, resolved -> as typed: every message names them so
+_TYPED: dict[str, str] = {}
+
+
+def name_as_typed(path: Path) -> None:
+    """Name `path` in every later message as it is written here (the command line's spelling)."""
+    _TYPED[_resolved(str(path))] = str(path)
+
+
 def display_path(path: Path) -> str:
+    """A path for a message: an input file as the user typed it (`name_as_typed`), else relative to
+    the working directory where possible."""
+    typed = _TYPED.get(_resolved(str(path)))
+    if typed is not None:
+        return typed
     try:
         return os.path.relpath(path)
     except ValueError:

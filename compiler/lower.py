@@ -161,7 +161,7 @@ def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: 
     try:
         return render_stage_source(program.module.graph, header)
     except ValueError as exc:
-        raise CompileError(f"{model_file.name}: loss_fn: {exc}") from exc
+        raise CompileError(f"{model_file.shown}: loss_fn: {exc}") from exc
 
 
 #: the largest constant tensor loss_fn may hold (written into loss.py as a literal), in elements
@@ -181,12 +181,12 @@ def _loss_constants(model_file: ModelFile, module: nn.Module) -> dict[str, torch
         if not isinstance(value, torch.Tensor):
             continue
         if "." in str(node.target):  # the tracers lift constants to top-level attributes
-            raise CompileError(f"{model_file.name}: loss_fn reads the tensor attribute {node.target}, unsupported")
+            raise CompileError(f"{model_file.shown}: loss_fn reads the tensor attribute {node.target}, unsupported")
         large = value.numel() > MAX_LOSS_CONSTANT
         if large or (value.is_floating_point() and not bool(value.isfinite().all())):
             why = "too large to write into loss.py" if large else "non-finite values"
             raise CompileError(
-                f"{model_file.name}: loss_fn uses a constant tensor of shape {tuple(value.shape)} ({why}); "
+                f"{model_file.shown}: loss_fn uses a constant tensor of shape {tuple(value.shape)} ({why}); "
                 f"expected at most {MAX_LOSS_CONSTANT} finite values: make it a buffer of the model and "
                 "return what the loss needs from forward"
             )

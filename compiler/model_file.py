@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..ir.workflow import PRECISIONS, ParameterGroup
-from .errors import ModelFileError, describe, display_path, frame_location, user_frame
+from .errors import ModelFileError, describe, display_path, frame_location, name_as_typed, user_frame
 
 TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "global_batch_size": int,
@@ -69,7 +69,13 @@ class ModelFile:
 
     @property
     def name(self) -> str:
+        """The file's name, as the build records it (workflow.yaml, the graph)."""
         return self.path.name
+
+    @property
+    def shown(self) -> str:
+        """The file as messages name it: as the user typed it."""
+        return display_path(self.path)
 
     def call(self, function_name: str, *args: Any) -> Any:
         """Call one of the file's functions; an exception becomes one error naming its line."""
@@ -156,6 +162,7 @@ def _signature(function_name: str, args: tuple[Any, ...]) -> str:
 
 def load_model_file(path: Path) -> ModelFile:
     """Import `path` as a module and collect the contract's functions, with clear errors."""
+    name_as_typed(path)  # every message, a traceback's frames in it too, names the file as given
     shown = display_path(path)
     if not path.exists():
         raise ModelFileError(f"{shown}: no such file; expected a Python model file (docs/model-file.md)")
@@ -289,7 +296,7 @@ def _option_value(model_file: ModelFile, key: str, value: Any) -> Any:
     if value is None or isinstance(value, bool | int | float | str | list):
         return value
     raise ModelFileError(
-        f"{model_file.name}: make_optimizer's option {key}={value!r} cannot be written to workflow.yaml"
+        f"{model_file.shown}: make_optimizer's option {key}={value!r} cannot be written to workflow.yaml"
     )
 
 
@@ -304,7 +311,7 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     cls = type(optimizer)
     if getattr(torch.optim, cls.__name__, None) is not cls:
         raise ModelFileError(
-            f"{model_file.name}: make_optimizer returned {_class_name(cls, model_file)}; the functions "
+            f"{model_file.shown}: make_optimizer returned {_class_name(cls)}; the functions "
             "rebuild the optimizer from its torch.optim class and options, so return a torch.optim optimizer"
         )
     options: dict[str, Any] = {}
@@ -355,14 +362,14 @@ def scheduled_rates(model_file: ModelFile, optimizer: torch.optim.Optimizer, ite
     wanted = "return a torch.optim.lr_scheduler scheduler of the optimizer it is given"
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         returned = f"{cls.__module__}.{cls.__qualname__}"
-        raise ModelFileError(f"{model_file.name}: make_scheduler returned {returned}; {wanted}")
+        raise ModelFileError(f"{model_file.shown}: make_scheduler returned {returned}; {wanted}")
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ModelFileError(
-            f"{model_file.name}: make_scheduler returned ReduceLROnPlateau, which follows a metric the run "
+            f"{model_file.shown}: make_scheduler returned ReduceLROnPlateau, which follows a metric the run "
             "only knows as it trains; the learning rates are fixed at compile time, so use a schedule by iteration"
         )
     if scheduler.optimizer is not optimizer:
-        raise ModelFileError(f"{model_file.name}: make_scheduler's scheduler drives another optimizer; {wanted}")
+        raise ModelFileError(f"{model_file.shown}: make_scheduler's scheduler drives another optimizer; {wanted}")
     rates: list[list[float]] = []
     for iteration in range(iterations):
         moved = sorted(
@@ -375,7 +382,7 @@ def scheduled_rates(model_file: ModelFile, optimizer: torch.optim.Optimizer, ite
         )
         if moved:
             raise ModelFileError(
-                f"{model_file.name}: make_scheduler's {cls.__name__} changes the optimizer's {', '.join(moved)} "
+                f"{model_file.shown}: make_scheduler's {cls.__name__} changes the optimizer's {', '.join(moved)} "
                 f"at iteration {iteration}, not only its learning rate; the functions follow the learning rate "
                 "alone: keep the others fixed (OneCycleLR: cycle_momentum=False)"
             )
@@ -385,7 +392,7 @@ def scheduled_rates(model_file: ModelFile, optimizer: torch.optim.Optimizer, ite
             rate = float(rate.item() if isinstance(rate, torch.Tensor) else rate)
             if not (math.isfinite(rate) and rate >= 0):
                 raise ModelFileError(
-                    f"{model_file.name}: make_scheduler's learning rate at iteration {iteration} is {rate}; "
+                    f"{model_file.shown}: make_scheduler's learning rate at iteration {iteration} is {rate}; "
                     "expected a finite number >= 0"
                 )
             now.append(rate)
@@ -421,12 +428,12 @@ def probe_parameter_groups(model_file: ModelFile, model: nn.Module, iterations: 
     missing = [n for n, p in named if p.requires_grad and n not in grouped]
     if missing:
         raise ModelFileError(
-            f"{model_file.name}: make_optimizer's parameter groups leave out {', '.join(missing[:5])}"
+            f"{model_file.shown}: make_optimizer's parameter groups leave out {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}: put every trained parameter in a group, or freeze it "
             "(requires_grad_(False))"
         )
     if "" in grouped:
-        raise ModelFileError(f"{model_file.name}: make_optimizer's parameter groups hold a tensor not of the model")
+        raise ModelFileError(f"{model_file.shown}: make_optimizer's parameter groups hold a tensor not of the model")
     # the groups' own options as make_optimizer set them, before a scheduler moves their rates
     options = [
         {
@@ -447,9 +454,9 @@ def probe_parameter_groups(model_file: ModelFile, model: nn.Module, iterations: 
     )
 
 
-def _class_name(cls: type, model_file: ModelFile) -> str:
+def _class_name(cls: type) -> str:
     """A class as the user knows it: a model file's own by its name there (the module the loader made
     for the file has an internal name), any other with its module."""
     if cls.__module__.startswith("cloudless_user_model_"):
-        return f"{cls.__qualname__} (defined in {model_file.name})"
+        return f"{cls.__qualname__} (a class of the model file)"
     return f"{cls.__module__}.{cls.__qualname__}"

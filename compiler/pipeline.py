@@ -415,7 +415,7 @@ def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list
     )
     if default and model_file.example_targets is None:
         raise ModelFileError(
-            f"{model_file.path.name}: defines neither loss_fn(output, target) nor example_targets(batch_size); the "
+            f"{model_file.shown}: defines neither loss_fn(output, target) nor example_targets(batch_size); the "
             "default loss (cross-entropy) needs targets. Fix: define example_targets, or a loss_fn of your own"
         )
     try:
@@ -423,12 +423,12 @@ def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list
     except Exception as exc:
         if default:
             raise ModelFileError(
-                f"{model_file.path.name}: {name} raised {type(exc).__name__}: {exc}. Fix: define loss_fn(output, "
+                f"{model_file.shown}: {name} raised {type(exc).__name__}: {exc}. Fix: define loss_fn(output, "
                 "target) for this model's output"
             ) from exc
         raise model_file.error_at(exc, f"{name} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ModelFileError(f"{model_file.path.name}: {name} returned {type(loss).__name__}; expected a scalar tensor")
+        raise ModelFileError(f"{model_file.shown}: {name} returned {type(loss).__name__}; expected a scalar tensor")
 
 
 def _timer(timings: dict[str, float], announce: Announce | None) -> Announce:

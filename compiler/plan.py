@@ -113,7 +113,7 @@ def build_problem(
     usable = [mu for mu in micro_batches if global_batch % mu == 0]
     if not usable:
         raise CompileError(
-            f"{model_file.name}: TRAINING['micro_batch_sizes'] {list(micro_batches)}: none divides "
+            f"{model_file.shown}: TRAINING['micro_batch_sizes'] {list(micro_batches)}: none divides "
             f"global_batch_size {global_batch}"
         )
     problem = problem_from_chain(
@@ -161,7 +161,7 @@ def run_length(model_file: ModelFile, samples: int | None, global_batch: int) ->
     if not samples:
         if epochs is not None:
             raise CompileError(
-                f"{model_file.name}: TRAINING['epochs'] needs the training data's size, and load_shard(region, "
+                f"{model_file.shown}: TRAINING['epochs'] needs the training data's size, and load_shard(region, "
                 "'train') gives none (no load_shard, or a dataset without len()); give TRAINING['iterations']"
             )
         return RunLength(1, "default: no TRAINING['iterations'] or ['epochs'], and no load_shard data to size an epoch")
@@ -218,7 +218,7 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
     and replicas from its frontier (its cheapest, its fastest, and a plan between)."""
     if model_file.load_shard is None:
         raise CompileError(
-            f"{model_file.name}: --regions needs load_shard(region, split) in the model file: it says how much "
+            f"{model_file.shown}: --regions needs load_shard(region, split) in the model file: it says how much "
             "training data lies in each region"
         )
     try:
@@ -232,7 +232,7 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
     data = {name: problems[name][1].samples_per_epoch or 0 for name in names}
     if not any(data.values()):
         raise CompileError(
-            f"{model_file.name}: load_shard(region, 'train') gives no samples in any of {', '.join(names)}"
+            f"{model_file.shown}: load_shard(region, 'train') gives no samples in any of {', '.join(names)}"
         )
     # The run's length counts the data of every region (an epoch is a pass over all of it).
     length = run_length(model_file, sum(data.values()), problems[names[0]][1].global_batch)

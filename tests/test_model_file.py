@@ -72,6 +72,18 @@ CASES = {
         "def example_inputs(batch_size):\n    return (torch.ones(batch_size, 4, dtype=torch.long),)\n",
         r"model.py:7: the example inputs do not fit the model: .*\(int64\[2, 4\]\) raised RuntimeError: ",
     ),
+    "exits_at_import": (
+        "import sys\nimport torch\nsys.exit(3)\n",
+        r"model.py:3: called sys.exit\(3\) while importing the model file; a model file must not exit",
+    ),
+    "build_model_exits": (
+        "import sys\nimport torch\ndef build_model():\n    sys.exit(3)\n" + GOOD_TAIL,
+        r"model.py:4: called sys.exit\(3\) in build_model\(\); a model file must not exit",
+    ),
+    "exit_with_a_message": (
+        "import torch\ndef build_model():\n    raise SystemExit('no GPU here')\n" + GOOD_TAIL,
+        r"model.py:3: called sys.exit\('no GPU here'\) in build_model\(\); a model file must not exit",
+    ),
     "unknown_training_key": (
         "import torch\nTRAINING = {'iters': 3}\ndef build_model():\n    return torch.nn.Linear(4, 2)\n" + GOOD_TAIL,
         r"model.py: TRAINING key 'iters' is unknown",
@@ -95,6 +107,26 @@ def test_bad_model_file_is_one_clear_error(case, model_file, compile_cli, tmp_pa
     assert "Traceback" not in stderr
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model.py"]  # no staging folder left behind
+
+
+@pytest.mark.parametrize("typed", ["absolute", "relative", "dotted"])
+def test_messages_name_the_model_file_as_typed(
+    typed: str, model_file, compile_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether the message comes from a line of the file (a traceback's frame), from a check of what a
+    function returned, or from the loss check, it names the file as the command line did."""
+    monkeypatch.chdir(tmp_path)
+    sources = {
+        "a line of it": CASES["build_model_raises"][0],
+        "what it returned": CASES["wrong_model_type"][0],
+        "the loss check": "import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n" + GOOD_TAIL,
+    }
+    for what, source in sources.items():
+        path = model_file(source)
+        shown = {"absolute": str(path), "relative": path.name, "dotted": f"../{tmp_path.name}/{path.name}"}[typed]
+        code, _, stderr = compile_cli(shown, "-o", str(tmp_path / "b"), "--repeats", "0")
+        assert code == 2, what
+        assert stderr.startswith(f"cloudless-compile: error: {shown}:"), (what, stderr)
 
 
 def test_missing_file(compile_cli, tmp_path: Path) -> None:
@@ -411,7 +443,7 @@ def test_an_optimizer_class_of_the_model_file_is_named_as_the_file_names_it(mode
     )
     code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "b"), "--repeats", "1")
     assert code == 2
-    assert "make_optimizer returned MySGD (defined in model.py); the functions rebuild" in stderr
+    assert f"{path}: make_optimizer returned MySGD (a class of the model file); the functions rebuild" in stderr
     assert "cloudless_user_model" not in stderr
 
 
