@@ -36,7 +36,7 @@ from typing import Any
 import jinja2
 
 from ..ir.catalog import AWS_REGION_PREFIX, DISTRIBUTED_MAP_MAX_CONCURRENCY, INLINE_MAP_MAX_CONCURRENCY
-from ..ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, logical_id
+from ..ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, RUN_STOPPED_ERROR, logical_id
 from ..ir.protocol import PEERS_ENV, S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
 from ..ir.workflow import Function, Region, Workflow
 from .images import OPENFAAS_BUILD_ARGS, image_name, image_tag
@@ -447,4 +447,5 @@ def _render_state_machine(workflow: Workflow, entry: Region, iteration_s: float 
         invoke=LAMBDA_INVOKE,
         carried=CARRIED_FIELDS,
         fields=EXECUTION_FIELDS,
+        run_stopped=RUN_STOPPED_ERROR,
     )

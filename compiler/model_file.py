@@ -82,6 +82,8 @@ class ModelFile:
         function = getattr(self, function_name)
         try:
             return function(*args)
+        except SystemExit as exc:  # would end the compiler silently, with the file's exit status
+            raise self.error_at(exc, _exited(exc, f"in {_signature(function_name, args)}")) from None
         except Exception as exc:
             raise self.error_at(exc, f"{_signature(function_name, args)} raised {describe(exc)}") from exc
 
@@ -141,6 +143,8 @@ class ModelFile:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 model(*inputs)
+        except SystemExit as exc:
+            raise self.error_at(exc, _exited(exc, f"in the model's forward on example_inputs({batch_size})")) from None
         except Exception as exc:
             shapes = ", ".join(_tensor_shape(leaf) for leaf in pytree.tree_leaves(inputs))
             raise self.error_at(
@@ -153,6 +157,12 @@ class ModelFile:
 def _tensor_shape(tensor: torch.Tensor) -> str:
     """`float32[8, 4]`"""
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def _exited(exc: SystemExit, where: str) -> str:
+    """`called sys.exit(3) <where>; a model file must not exit ...`: SystemExit (sys.exit, exit(), raise
+    SystemExit) is no Exception, and the compiler would end with the file's status and no line."""
+    return f"called sys.exit({exc.code!r}) {where}; a model file must not exit (raise an exception to report a problem)"
 
 
 def _signature(function_name: str, args: tuple[Any, ...]) -> str:
@@ -191,6 +201,11 @@ def load_model_file(path: Path) -> ModelFile:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        sys.modules.pop(module_name, None)
+        frame = user_frame(exc, path)
+        where = frame_location(frame) if frame else shown
+        raise ModelFileError(f"{where}: {_exited(exc, 'while importing the model file')}") from None
     except Exception as exc:
         sys.modules.pop(module_name, None)
         frame = user_frame(exc, path)

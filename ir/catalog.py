@@ -12,8 +12,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .schema import SchemaError, check_finite, read_yaml, validate
 
 #: Catalog keys that were renamed: "mbps" read as megabits per second, but these are megabytes.
@@ -429,7 +427,7 @@ def load_catalog(path: Path | None = None) -> Catalog:
     """The catalog at `path`, or the built-in default."""
     if path is None:
         text = resources.files("cloudless.ir").joinpath("catalogs", "default.yaml").read_text()
-        return parse_catalog(yaml.safe_load(text), "default catalog")
+        return parse_catalog(read_yaml(text, "default catalog"), "default catalog")
     if not path.is_file():
         raise SchemaError(f"{path}: no such file; expected a region catalog (YAML)")
     try:

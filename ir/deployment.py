@@ -12,6 +12,9 @@ from typing import Any
 BUCKET_OUTPUT = "BucketName"
 #: the output holding the ARN of the region's state machine
 STATE_MACHINE_OUTPUT = "IterationStateMachineArn"
+#: the error an execution fails with when a worker stopped the run (diverged, aborted, storage refused a
+#: write): its cause is the worker's reason, and no retry of the execution can mend it
+RUN_STOPPED_ERROR = "Cloudless.RunStopped"
 
 
 def logical_id(function_name: str) -> str:

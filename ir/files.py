@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import networkx as nx
@@ -46,6 +46,40 @@ def read_manifest(build: Path) -> dict[str, str] | None:
         return None
     files = document.get("files")
     return dict(files) if isinstance(files, dict) else None
+
+
+def digest_of(path: Path) -> str | None:
+    """`file_digest` of the file at `path`, read in pieces (a package's weights may be large); None if
+    it is not a file."""
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while piece := file.read(1 << 20):
+            digest.update(piece)
+    return "sha256:" + digest.hexdigest()
+
+
+def build_difference(build: Path) -> str | None:
+    """How `build` differs from what cloudless-compile wrote, in words naming the file (relative to the
+    build): a listed file missing or with other bytes, or no readable manifest; None if every file its
+    marker lists has its digest. Files it does not list (run outputs, logs, Python's caches) are not
+    looked at. The first difference, in the marker's (sorted) order."""
+    if not (build / BUILD_MARKER).is_file():
+        return f"no {BUILD_MARKER} (the digests of what cloudless-compile wrote)"
+    manifest = read_manifest(build)
+    if manifest is None:
+        return f"{BUILD_MARKER} is not a build manifest written by cloudless-compile"
+    for path, digest in sorted(manifest.items()):
+        parts = PurePosixPath(path).parts
+        if PurePosixPath(path).is_absolute() or ".." in parts or not parts:
+            return f"{BUILD_MARKER} lists {path!r}, not a path inside the build"
+        actual = digest_of(build / path)
+        if actual is None:
+            return f"{path} is missing ({BUILD_MARKER} lists it)"
+        if actual != digest:
+            return f"{path} differs from what cloudless-compile wrote (its digest in {BUILD_MARKER})"
+    return None
 
 
 class _Dumper(yaml.SafeDumper):

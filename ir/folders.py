@@ -6,7 +6,9 @@ or carries the marker of an earlier output of the same kind (`cloudless-build.js
 every build; `cloudless-run.json`, written by the runner), and never when it is a folder whose loss
 would be a disaster whatever it holds: the current folder or one above it, the home folder, the root,
 or one holding an input of the command (the model file). A run also holds a lock naming its pid while
-it writes, so that neither a second run nor a recompile moves the folder from under it.
+it writes, so that neither a second run nor a recompile moves the folder from under it. A storage folder
+(`cloudless-run --storage DIR`) follows the same rules, with its own marker (`cloudless-storage.json`):
+the run deletes its keys from it at the end, so it must never be a folder of the user's.
 (Standard library only, apart from `ir.files` for the build marker.)
 """
 
@@ -26,6 +28,9 @@ from .files import BUILD_MARKER, read_manifest
 RUN_MARKER = "cloudless-run.json"
 #: the lock a run holds in its output folder while it writes: the writing process's pid
 RUN_LOCK = ".cloudless-run.lock"
+#: the file at the root of every storage folder a run used (`--storage DIR`, default OUT/storage): a later
+#: run may use the folder again (its staged data, a run to resume)
+STORAGE_MARKER = "cloudless-storage.json"
 
 Kind = Literal["build", "run"]
 #: how each kind's folder is named on the command line, for the messages
@@ -75,6 +80,56 @@ def check_output_folder(path: Path, kind: Kind, *, protected: Sequence[Path] = (
     stray = _stray_file(resolved, set(manifest) | {BUILD_MARKER}, {run.name for run in runs})
     if stray is not None:
         raise FolderError(f"{where}: {os.path.join(shown, stray)} is not part of the earlier build; move it away")
+
+
+def check_storage_folder(path: Path, where: str, *, protected: Sequence[Path] = ()) -> None:
+    """Raise FolderError (naming `where`, the option as given) unless `path` may hold a run's storage:
+    it does not exist, is empty, or carries STORAGE_MARKER (an earlier run used it); never a folder
+    `check_output_folder` refuses whatever it holds (the current folder or one above, home, the root,
+    one holding an input: `protected`)."""
+    try:
+        resolved = path.resolve()
+        _check_not_precious(resolved, where, protected)
+        if resolved.exists() and not resolved.is_dir():
+            raise FolderError(
+                f"{where}: is a file; expected a folder (a new one, an empty one, or one an earlier run used)"
+            )
+        for parent in resolved.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise FolderError(f"{where}: {parent} is a file; expected a folder")
+                break
+        if resolved.is_dir() and any(resolved.iterdir()) and not is_storage_folder(resolved):
+            raise FolderError(
+                f"{where}: holds files Cloudless did not write; expected a new or empty folder, or one an earlier "
+                "run used"
+            )
+    except OSError as exc:  # a folder that cannot be listed, a path too long
+        raise FolderError(f"{where}: cannot be read: {exc.strerror or exc}") from None
+
+
+def is_storage_folder(folder: Path) -> bool:
+    """Whether `folder` carries a readable storage marker."""
+    try:
+        document = json.loads((folder / STORAGE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(document, dict) and document.get("kind") == "cloudless-storage"
+
+
+def write_storage_marker(folder: Path, where: str | None = None) -> None:
+    """Mark `folder` (made if missing) as a storage folder Cloudless uses; FolderError naming `where`
+    (default: the folder) if it cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not is_storage_folder(folder):
+            (folder / STORAGE_MARKER).write_text(
+                json.dumps({"kind": "cloudless-storage", "format": 1}, indent=1) + "\n"
+            )
+    except OSError as exc:
+        raise FolderError(
+            f"{where or folder}: cannot be written: {exc.strerror or exc}; expected a folder this user may write into"
+        ) from None
 
 
 def _check_not_precious(resolved: Path, where: str, protected: Sequence[Path]) -> None:

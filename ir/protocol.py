@@ -206,8 +206,9 @@ class Invocation:
 #: done: it ran its range (or up to where the time limit stopped it); duplicate: another invocation
 #: of the same attempt ran it; diverged: a loss or parameter was not finite (see `AbortRecord`);
 #: aborted: it stopped because the region's run was aborted by another function; left: the other
-#: regions went on without this one (it missed a meet by more than the region timeout, `left_key`)
-InvocationStatus = Literal["done", "duplicate", "diverged", "aborted", "left"]
+#: regions went on without this one (it missed a meet by more than the region timeout, `left_key`);
+#: failed: storage refused one of its writes (the reason names the key and the error)
+InvocationStatus = Literal["done", "duplicate", "diverged", "aborted", "left", "failed"]
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ class InvocationResult:
     storage: Mapping[str, int] = field(default_factory=dict)
     spans: tuple[tuple[str, float, float], ...] = ()
     duplicate: bool = False  # the marker of an earlier invocation, returned again
-    reason: str = ""  # diverged or aborted: one line saying why
+    reason: str = ""  # diverged, aborted or failed: one line saying why
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -42,9 +42,40 @@ MAX_YAML_DEPTH = 32
 MAX_MAGNITUDE = 1e300
 
 
+@cache
+def _unique_key_loader() -> Any:
+    """yaml's SafeLoader, refusing a key given twice in one mapping (YAML keeps the last, silently:
+    a catalog's price typed twice would take the second). SchemaError's source is filled in by read_yaml."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                first: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<:` merges a mapping in; its keys may be overridden
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    try:
+                        if key in first:
+                            raise _DuplicateKey(f"{line}: key {key!r} given twice (first at line {first[key]})")
+                        first[key] = line
+                    except TypeError:  # an unhashable key: the constructor's own error names it
+                        continue
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+class _DuplicateKey(Exception):
+    """`LINE: key K given twice (first at line L)`, before read_yaml names the file."""
+
+
 def read_yaml(text: str, source: str) -> Any:
-    """Parse user-written YAML safely: no aliases (an alias bomb expands a few lines into gigabytes)
-    and at most MAX_YAML_BYTES; SchemaError naming `source` (and the line) otherwise."""
+    """Parse user-written YAML safely: no aliases (an alias bomb expands a few lines into gigabytes),
+    no key given twice in one mapping, and at most MAX_YAML_BYTES; SchemaError naming `source` (and the
+    line) otherwise."""
     import yaml  # the IR modules the functions ship (workflow, protocol, schedule) stay free of it
 
     if len(text) > MAX_YAML_BYTES:
@@ -61,7 +92,9 @@ def read_yaml(text: str, source: str) -> Any:
                     raise SchemaError(f"{source}:{line}: nested more than {MAX_YAML_DEPTH} levels deep")
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader: builds no Python objects
+    except _DuplicateKey as exc:
+        raise SchemaError(f"{source}:{exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""

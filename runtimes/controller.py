@@ -40,7 +40,7 @@ from .coordinator import Coordinator
 from .elastic import check_regions
 from .invokers import FailedToStart, Handle, Invocation, InvocationFailed, Invoker
 from .run_state import Progress, RegionGone, RegionPlan, RegionRun, RunDiverged, RunError, RunSettings
-from .storage import Channel, KeyTimeout
+from .storage import Channel
 
 #: step kinds the stage workers run inside their invocations
 # Every step runs inside the functions (the sync steps too): the controller invokes ranges of iterations.
@@ -290,6 +290,8 @@ class Controller(Coordinator):
                 del pending[key]
                 record.results.append(result)
                 record.invocations.append(self._summary(invocation, result.status, result.reason))
+                if result.status == "failed":  # storage refused a write: a retry meets the same full storage
+                    raise RunError(f"{invocation.label}: {result.reason}; the run's keys stay for --resume")
                 recorded = self._abort_record(region.name) if result.status in ("left", "aborted") else None
                 if result.status == "left" or (recorded is not None and recorded.reason == "left"):
                     raise RegionGone(recorded.message if recorded is not None else result.reason, tell=False)
@@ -378,8 +380,10 @@ class Controller(Coordinator):
         self, region: str, last: Function, iteration: int, stop: int, record: RegionRun, wait: bool = False
     ) -> int:
         """Read the last stage's per-iteration reports from `iteration` on; returns the next unread.
-        With `wait` (every invocation is done), a report a killed invocation never sent is rebuilt
-        from the losses its retry returned."""
+        With `wait` (every invocation is done, and a function returns only once its reports are
+        written), a report that is not there never will be: one a killed invocation never sent, or one
+        its function swept while the controller was not looking (paused), is rebuilt at once from the
+        losses the invocations returned."""
         namespace = self.namespace(region)
         while iteration < stop:
             reports = []
@@ -387,12 +391,7 @@ class Controller(Coordinator):
                 key = protocol.metrics_key(namespace, iteration, replica)
                 data = self.storage(region).try_get(key)
                 if data is None and wait:
-                    try:
-                        data = self.storage(region).get(key, timeout=2.0)
-                    except KeyTimeout:
-                        data = self._report_from_results(
-                            last, replica, iteration, record, self.plans[region].replicas[-1]
-                        )
+                    data = self._report_from_results(last, replica, iteration, record, self.plans[region].replicas[-1])
                 if data is None:
                     return iteration
                 reports.append(MetricsReport.decode(data))

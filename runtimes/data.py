@@ -202,9 +202,10 @@ class SplitReader:
     """Reads micro-batches of a split from its shards, caching the shards it has read. It reads
     `meta` once and by it only: the samples it counts, and shards of the staging it describes."""
 
-    def __init__(self, channel: Channel, region: str, split: str = "train") -> None:
-        self.channel, self.region, self.split = channel, region, split
-        self.meta: dict[str, Any] = json.loads(channel.get(data_key(region, split, DATA_META)))
+    def __init__(self, channel: Channel, region: str, split: str = "train", timeout: float = 600.0) -> None:
+        """`timeout`: how long to wait for the split to be staged (the invocation's key timeout)."""
+        self.channel, self.region, self.split, self.timeout = channel, region, split, timeout
+        self.meta: dict[str, Any] = json.loads(channel.get(data_key(region, split, DATA_META), timeout))
         self._shards: dict[int, dict[str, torch.Tensor]] = {}
 
     @property
@@ -220,7 +221,7 @@ class SplitReader:
     def _shard(self, index: int) -> dict[str, torch.Tensor]:
         if index not in self._shards:
             size = int(self.meta["shard_samples"])
-            values = unpack(self.channel.get(data_key(self.region, self.split, shard_name(index))))
+            values = unpack(self.channel.get(data_key(self.region, self.split, shard_name(index)), self.timeout))
             digest = values.pop(SHARD_DIGEST, None)
             expected = self.meta.get("shard_digests")
             rows = {v.shape[0] for v in values.values() if isinstance(v, torch.Tensor)}

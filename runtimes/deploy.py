@@ -33,7 +33,14 @@ from safetensors.torch import save_file
 
 from ..ir import protocol
 from ..ir.catalog import AWS_REGION_PREFIX
-from ..ir.deployment import BUCKET_OUTPUT, STATE_MACHINE_OUTPUT, ExecutionInput, function_output, stack_name
+from ..ir.deployment import (
+    BUCKET_OUTPUT,
+    RUN_STOPPED_ERROR,
+    STATE_MACHINE_OUTPUT,
+    ExecutionInput,
+    function_output,
+    stack_name,
+)
 from ..ir.workflow import Region, Workflow
 from .controller import Controller
 from .data import data_name
@@ -222,6 +229,8 @@ class Driver:
                 document = document.continued(output)
                 continue
             record["error"] = f"{described.get('error', '')}: {described.get('cause', '')}".strip(": ")
+            if described.get("error") == RUN_STOPPED_ERROR:  # a worker stopped the run: no retry mends it
+                raise RunError(f"{region}: execution {name} stopped: {described.get('cause') or 'no cause given'}")
             if followed.retries >= self.retries:
                 raise RunError(
                     f"{region}: execution {name} {described['status'].lower()}: {record['error'] or 'no cause given'} "

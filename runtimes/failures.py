@@ -1,6 +1,6 @@
-"""How a function's invocation ends early: the run diverged, the model's own code raised, another
-function aborted the region's run, or the other regions went on without this one. Each carries the
-`AbortRecord` the function leaves for its neighbours and the controller (`protocol.abort_key`)."""
+"""How a function's invocation ends early: the run diverged, the model's own code raised, storage
+refused a write, another function aborted the region's run, or the other regions went on without this
+one. Each leaves an `AbortRecord` for its neighbours and the controller (`protocol.abort_key`)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,10 @@ class RegionLeft(RuntimeError):
     def __init__(self, record: AbortRecord) -> None:
         super().__init__(record.message)
         self.record = record
+
+
+class StorageWriteFailed(RuntimeError):
+    """Storage refused one of the function's writes (full, read-only, out of memory, gone). Peers wait
+    for what it would have written, so the function stops the region's run at once: it records why
+    where it still can (`AbortRecord`), every wait of its own ends within a second, and its result
+    (status failed) tells the controller, which ends the run with this line instead of a key timeout."""

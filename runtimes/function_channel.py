@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 from ..ir import protocol
 from ..ir.protocol import AbortRecord
-from .failures import Aborted
+from .failures import Aborted, StorageWriteFailed, one_line
 from .storage import Channel
+
+_T = TypeVar("_T")
 
 
 class FunctionChannel(Channel):
@@ -22,6 +25,7 @@ class FunctionChannel(Channel):
         self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
         self.namespace = ""
         self.written: dict[int, set[str]] = {}
+        self.write_failure: StorageWriteFailed | None = None  # the first write storage refused
         self._lock = threading.Lock()
 
     def _note(self, key: str) -> None:
@@ -34,14 +38,30 @@ class FunctionChannel(Channel):
         return self.inner.try_get(key)
 
     def put(self, key: str, data: bytes) -> None:
-        self.inner.put(key, data)
+        self._written(key, lambda: self.inner.put(key, data))
         self._note(key)
 
     def claim(self, key: str, data: bytes) -> bool:
-        claimed = self.inner.claim(key, data)
+        claimed = self._written(key, lambda: self.inner.claim(key, data))
         if claimed:
             self._note(key)
         return claimed
+
+    def _written(self, key: str, write: Callable[[], _T]) -> _T:
+        """`write()`; if storage refuses it, StorageWriteFailed naming the key and the error, and every
+        later wait of this function ends with it (`check_abort`): what it failed to write, its
+        neighbours wait for, and so would it, for what they can no longer compute."""
+        if self.write_failure is not None:
+            raise self.write_failure
+        try:
+            return write()
+        except Exception as exc:
+            failure = StorageWriteFailed(
+                f"storage refused a write ({self.describe(key)}): {type(exc).__name__}: {one_line(str(exc))}"
+            )
+            with self._lock:
+                self.write_failure = self.write_failure or failure
+            raise failure from exc
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
@@ -62,7 +82,10 @@ class FunctionChannel(Channel):
         return super().get(key, timeout, cancelled, abort or self.check_abort)
 
     def check_abort(self) -> None:
-        """Raise Aborted if the region's run was aborted."""
+        """Raise Aborted if the region's run was aborted, StorageWriteFailed if a write of this
+        function failed."""
+        if self.write_failure is not None:
+            raise self.write_failure
         data = self.inner.try_get(protocol.abort_key(self.namespace))
         if data is not None:
             raise Aborted(AbortRecord.decode(data))

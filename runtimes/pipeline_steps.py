@@ -26,7 +26,7 @@ def receive(value: Any) -> Any:
 class PipelineSteps(WorkerBase):
     def _indices(self, iteration: int, m: int) -> list[int]:
         if self._reader is None:
-            self._reader = SplitReader(self.channel, self.data_name)
+            self._reader = SplitReader(self.channel, self.data_name, timeout=self.key_timeout)
         if self._batch[0] != iteration:  # the whole iteration's samples at once, then its slices
             self._batch = (
                 iteration,

@@ -29,8 +29,16 @@ from safetensors.torch import save_file
 
 from ..ir import protocol
 from ..ir.arguments import OneLineParser
-from ..ir.files import load_workflow
-from ..ir.folders import FolderError, check_output_folder, run_lock, write_run_marker
+from ..ir.files import BUILD_MARKER, build_difference, load_workflow
+from ..ir.folders import (
+    STORAGE_MARKER,
+    FolderError,
+    check_output_folder,
+    check_storage_folder,
+    run_lock,
+    write_run_marker,
+    write_storage_marker,
+)
 from ..ir.schema import SchemaError
 from ..ir.workflow import Function, Workflow
 from .controller import Controller
@@ -55,6 +63,11 @@ from .staging import (
 from .storage import Channel, open_channel
 from .tensors import unpack
 
+#: the emulated figures a network can have (--bandwidth, --latency-ms): beyond them a figure is a typo, and
+#: the functions' arithmetic on it overflows (1e-300 MB/s: a transfer's end is past any timestamp)
+BANDWIDTH_MB_PER_S = (1e-3, 1e6)
+LATENCY_MS = (0.0, 600_000.0)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
@@ -75,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="where functions exchange tensors: a folder (default OUT/storage), s3://bucket/prefix or "
         "redis://host:port/db. Several regions: each has its own storage, by default OUT/storage/REGION; "
         "REGION=URL (repeatable) names a region's, and one plain URL holds every region under its own "
-        "sub-prefix URL/REGION",
+        "sub-prefix URL/REGION. A folder must be new, empty, or one an earlier run used (its "
+        f"{STORAGE_MARKER}): the run deletes its keys from it at the end",
     )
     parser.add_argument("--out", type=Path, help="output folder (default BUILD/run)")
     parser.add_argument(
@@ -111,9 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         "takes the WAN link's bandwidth and latency (workflow.yaml's wan)",
     )
     parser.add_argument(
-        "--bandwidth", type=float, metavar="MB_PER_S", help="emulate this bandwidth (megabytes/s each way)"
+        "--bandwidth",
+        type=float,
+        metavar="MB_PER_S",
+        help=f"emulate this bandwidth (megabytes/s each way; {BANDWIDTH_MB_PER_S[0]:g} to {BANDWIDTH_MB_PER_S[1]:g}, "
+        "1 kB/s to 1 TB/s: no network is outside it)",
     )
-    parser.add_argument("--latency-ms", type=float, help="emulate this latency per storage request")
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        help=f"emulate this latency per storage request (0 to {LATENCY_MS[1]:g} ms, 10 minutes: no request "
+        "takes longer and still answers)",
+    )
     parser.add_argument(
         "--inject-faults",
         type=float,
@@ -170,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per function process (default 1)")
     parser.add_argument("--log-every", type=int, help="print progress every N iterations (default: about 20 lines)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    parser.add_argument(
+        "--no-verify-build",
+        action="store_true",
+        help="for development: run a build edited by hand (by default every file's digest in "
+        f"{BUILD_MARKER} is checked first, and an edited build is refused)",
+    )
     return parser
 
 
@@ -283,7 +312,9 @@ def summarise(
     record: RegionRun, workflow: Workflow, settings: RunSettings, seconds: float, test: dict | None
 ) -> dict[str, Any]:
     times = [p.time for p in record.progress]
-    steps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+    # A report rebuilt from an invocation's result (its own was lost or swept) has no time of its own:
+    # it repeats the one before, and its zero step is no measurement.
+    steps = [b - a for a, b in zip(times[:-1], times[1:], strict=True) if b > a]
     iteration_s = statistics.median(steps) if steps else None
     storage: dict[str, dict[str, int]] = {}
     for result in record.results:
@@ -352,9 +383,9 @@ def several_regions_figures(
     return figures
 
 
-def storage_locations(workflow: Workflow, given: list[str] | None, out: Path) -> dict[str, str]:
-    """Per region (and ASGD-GA's server) its storage location, from --storage (see its help);
-    ValueError for a REGION=URL of no region of the workflow."""
+def _given_storage(workflow: Workflow, given: list[str] | None) -> tuple[list[str], list[str], dict[str, str]]:
+    """The storage's region names (ASGD-GA's server too), and --storage's plain locations and REGION=URL
+    ones by region; ValueError for a REGION=URL of no region of the workflow, or an empty location."""
     names = [r.name for r in workflow.regions]
     if len(names) > 1 and workflow.sync.server and workflow.sync.server not in names:
         names.append(workflow.sync.server)
@@ -364,12 +395,48 @@ def storage_locations(workflow: Workflow, given: list[str] | None, out: Path) ->
         head, equals, _ = g.partition("=")
         if equals and head and "/" not in head and ":" not in head:  # REGION=URL of an unknown region
             raise ValueError(f"--storage {g}: no region {head!r} in the workflow; it has {', '.join(names)}")
+    for g in given or ():
+        location = g if g in plain else g.split("=", 1)[1]
+        if not location.strip() or location.strip() == "file://":  # '' would be the current folder
+            raise ValueError(
+                f"--storage {g or repr(g)}: empty; expected a folder, s3://bucket/prefix or redis://host:port/db"
+            )
     if len(plain) > 1:
         raise ValueError(f"--storage: {len(plain)} plain locations; give one, or REGION=URL per region")
+    return names, plain, named
+
+
+def storage_locations(workflow: Workflow, given: list[str] | None, out: Path) -> dict[str, str]:
+    """Per region (and ASGD-GA's server) its storage location, from --storage (see its help);
+    ValueError for a REGION=URL of no region of the workflow, or an empty location."""
+    names, plain, named = _given_storage(workflow, given)
     base = plain[0] if plain else str((out / "storage").resolve())
     if len(names) == 1:
         return {names[0]: named.get(names[0], base)}
     return {name: named.get(name) or region_location(base, name) for name in names}
+
+
+def local_folder(location: str) -> Path | None:
+    """The folder a storage location names (a path, or file://PATH); None for s3:// and redis://."""
+    parsed = urlparse(location)
+    if parsed.scheme == "file":
+        return Path(parsed.path)
+    return Path(location) if parsed.scheme == "" else None
+
+
+def storage_folders(workflow: Workflow, given: list[str] | None, out: Path) -> list[tuple[str, Path, bool]]:
+    """The folders the run's storage lives in, each as (how to name it in a message, folder, whether the
+    user named it): each folder --storage gives (a plain one holds every region under it), and OUT/storage
+    when a region's storage is the default. Each is marked (STORAGE_MARKER) as Cloudless's."""
+    names, plain, named = _given_storage(workflow, given)
+    folders = [
+        (f"--storage {text}", folder, True)
+        for text, location in [(g, g) for g in plain] + [(f"{n}={u}", u) for n, u in named.items()]
+        if (folder := local_folder(location)) is not None
+    ]
+    if not plain and any(not named.get(name) for name in names):
+        folders.append((str(out / "storage"), out / "storage", False))
+    return folders
 
 
 def region_location(base: str, region: str) -> str:
@@ -429,6 +496,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     build: Path = args.build
+    # Before anything runs: a build edited after the compile (a flipped bit in the weights, a
+    # function.json's micro_batch, code appended to a stage.py) would train another model and exit 0.
+    edited = None if args.no_verify_build else build_difference(build)
+    refused = f"{build}: {edited}; recompile, or pass --no-verify-build to run it anyway"
     try:
         workflow = load_workflow(build / "workflow.yaml")
     except (FileNotFoundError, NotADirectoryError):
@@ -436,7 +507,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except OSError as exc:
         return fail(f"{build}/workflow.yaml: cannot be read: {exc.strerror or exc}")
     except SchemaError as exc:
-        return fail(str(exc))
+        return fail(refused if edited else str(exc))  # an edited workflow.yaml: named as such
+    if edited:
+        return fail(refused)
     iterations = workflow.run.iterations if args.iterations is None else args.iterations
     for option, value, least in (
         ("--iterations", iterations, 1),
@@ -450,12 +523,16 @@ def _main(argv: Sequence[str] | None) -> int:
         ("--time-limit", args.time_limit, "a positive number of seconds"),
         ("--key-timeout", args.key_timeout, "a positive number of seconds"),
         ("--region-timeout", args.region_timeout, "a positive number of seconds"),
-        ("--bandwidth", args.bandwidth, "a positive number of megabytes per second"),
     ):
         if number is not None and not (math.isfinite(number) and number > 0):
             return fail(f"{option} {number}: expected {what}")
-    if args.latency_ms is not None and not (math.isfinite(args.latency_ms) and args.latency_ms >= 0):
-        return fail(f"--latency-ms {args.latency_ms}: expected a number of milliseconds, 0 or more")
+    for option, number, (low, high), unit, physical in (
+        ("--bandwidth", args.bandwidth, BANDWIDTH_MB_PER_S, "megabytes per second", "1 kB/s to 1 TB/s"),
+        ("--latency-ms", args.latency_ms, LATENCY_MS, "milliseconds", "10 minutes"),
+    ):
+        if number is not None and not low <= number <= high:  # NaN too: it fails every comparison
+            within = f"{physical}: any real network's is within"
+            return fail(f"{option} {number}: expected {unit} from {low:g} to {high:g} ({within})")
     if not 0 <= args.inject_faults < 1:
         return fail(f"--inject-faults {args.inject_faults}: expected a share in [0, 1)")
     try:
@@ -475,6 +552,8 @@ def _main(argv: Sequence[str] | None) -> int:
                 protocol.check_run_name(name, option)
         except ValueError as exc:
             return fail(str(exc))
+        if name == STORAGE_MARKER:  # the run's keys would be a folder of that name, beside the marker
+            return fail(f"{option} {name}: the name of a storage folder's marker; choose another")
     token = None
     if args.invoker == "openfaas":
         try:
@@ -489,11 +568,24 @@ def _main(argv: Sequence[str] | None) -> int:
         if not (build / function.package / "handler.py").is_file():
             return fail(f"{build / function.package}: no handler.py; was the build written with --target?")
     out = args.out or build / "run"
+    inputs = [build / "workflow.yaml", Path(workflow.data.model_file), *([args.model] if args.model else [])]
     try:
         # Never a folder of the user's: an empty one, or an earlier run's output (its marker).
-        check_output_folder(out, "run", protected=[build / "workflow.yaml", Path(workflow.data.model_file)])
+        check_output_folder(out, "run", protected=inputs)
+        # Nor a storage folder (the run deletes its keys from it): new, empty, or one an earlier run
+        # used (its marker); all checked before anything is written. (--stack: the stack's bucket.)
+        folders = [] if args.stack else storage_folders(workflow, args.storage, out)
+        for where, folder, given in folders:
+            if given:
+                check_storage_folder(folder, where, protected=inputs)
+        for where, folder, given in folders:
+            if given:
+                write_storage_marker(folder, where)
         write_run_marker(out)
-    except FolderError as exc:
+        for where, folder, given in folders:
+            if not given:
+                write_storage_marker(folder, where)  # OUT/storage
+    except ValueError as exc:  # FolderError, or a --storage of no region or empty
         return fail(str(exc))
     try:
         with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder

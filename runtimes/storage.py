@@ -14,8 +14,8 @@ storage's). `delete_prefix` (the controller's end-of-run clean-up, never a funct
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import tempfile
 import threading
 from abc import ABC, abstractmethod
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import cast
 from urllib.parse import urlparse
 
-from ..ir.protocol import S3_ENDPOINT_ENV, CorruptBlob, seal, unseal
+from ..ir.protocol import S3_ENDPOINT_ENV, SEAL_TAG, CorruptBlob, seal, unseal
 from .polling import Backoff
 
 
@@ -125,6 +125,19 @@ class SealedStore(Channel):
         return self._create(key, seal(data))
 
 
+#: the name prefix of a DirectoryChannel's temporary files (a value being written, then renamed into place)
+_TEMPORARY = ".put."
+
+
+def _sealed(path: Path) -> bool:
+    """Whether the file at `path` starts as every value a SealedStore writes does (`protocol.seal`)."""
+    try:
+        with path.open("rb") as file:
+            return file.read(len(SEAL_TAG)) == SEAL_TAG
+    except OSError:
+        return False
+
+
 class DirectoryChannel(SealedStore):
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
@@ -147,7 +160,7 @@ class DirectoryChannel(SealedStore):
         if path.parent not in self._folders:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._folders.add(path.parent)
-        fd, temp = tempfile.mkstemp(prefix=".put.", dir=path.parent)
+        fd, temp = tempfile.mkstemp(prefix=_TEMPORARY, dir=path.parent)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         return path, temp
@@ -170,11 +183,24 @@ class DirectoryChannel(SealedStore):
         self._path(key).unlink(missing_ok=True)
 
     def delete_prefix(self, prefix: str) -> int:
+        """Only what this class wrote: sealed values, and its temporary files of writes cut short; then
+        the folders left empty. A file of anyone else's (the user's, in a folder they named as storage)
+        stays, and so do the folders holding one; a symbolic link is neither followed nor removed."""
         folder = self._path(prefix.rstrip("/"))
-        if not folder.is_dir():
+        if not folder.is_dir() or folder.is_symlink():
             return 0
-        count = sum(1 for p in folder.rglob("*") if p.is_file())
-        shutil.rmtree(folder, ignore_errors=True)
+        count = 0
+        for here, dirs, files in os.walk(folder, topdown=False):
+            for name in files:
+                path = Path(here, name)
+                if not path.is_symlink() and (name.startswith(_TEMPORARY) or _sealed(path)):
+                    path.unlink(missing_ok=True)
+                    count += 1
+            for name in dirs:
+                with contextlib.suppress(OSError):  # not empty (the user's file), or a link
+                    Path(here, name).rmdir()
+        with contextlib.suppress(OSError):
+            folder.rmdir()
         self._folders = {f for f in self._folders if not f.is_relative_to(folder)}
         return count
 

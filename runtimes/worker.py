@@ -26,6 +26,7 @@ that region's storage (`protocol.PEERS_ENV`), reached through a WAN channel per 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -54,7 +55,7 @@ from ..ir.workflow import SYNC_STEP_KIND, StepKind, Workflow
 from .checkpoints import Checkpoints
 from .data import data_name
 from .emulation import CpuShare, EmulatedChannel, Resources, wan_channel, wan_link
-from .failures import Aborted, Diverged, ModelFailed, RegionLeft
+from .failures import Aborted, Diverged, ModelFailed, RegionLeft, StorageWriteFailed
 from .function_channel import FunctionChannel
 from .pipeline_steps import PipelineSteps
 from .region_sync import RegionSync
@@ -127,6 +128,7 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
         # how long a meet waits for another region before going on without it; None (an invocation that
         # does not say, e.g. a deployed region's state machine): until the key timeout, then fail
         self.region_timeout = None
+        self.key_timeout = DEFAULT_KEY_TIMEOUT_S
         self.planned_replicas = [f.replicas for f in functions]
         self.departed = set()  # regions this worker has seen leave (they contribute no more)
         self.server = self.sync.server
@@ -213,19 +215,35 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
         self.window = one_f_one_b_windows(counts)[self.stage]
         self.weight = weight if weight is not None else dict(self.peers)[self.region]
         self.region_timeout = region_timeout
+        self.key_timeout = timeout
         if not 0 <= replica < self.replicas:
             raise ValueError(f"replica {replica}: {self.function.name} has replicas 0..{self.replicas - 1}")
         if not 0 <= start < stop:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
         self.meets = self._meets(iterations, rounds, since or 0, first_round or 0)
         self.iterations = iterations or self.planned[0] or self.workflow.run.iterations
-        began, wall = time.monotonic(), time.time()
         self.namespace = protocol.namespace(run, self.region)
         if self.channel.namespace != self.namespace:
             self.channel.written.clear()  # another run's keys: not this invocation's to sweep
             self.departed.clear()
         self.channel.namespace = self.namespace
+        self.channel.write_failure = None  # a new invocation tries storage again
         self.replica = replica
+        try:
+            return self._run_range(start, stop, replica, timeout, time_limit_s, attempt)
+        except StorageWriteFailed as exc:
+            # Recorded where storage still takes it (its neighbours stop waiting), and returned rather
+            # than raised: the controller reads why from the result, which needs no storage.
+            record = protocol.AbortRecord("failed", str(exc), start, self.stage, self.function.name)
+            with contextlib.suppress(Exception):
+                self.channel.inner.claim(protocol.abort_key(self.namespace), record.encode())
+            self._ready = None
+            return InvocationResult("failed", self.function.name, replica, start, stage=self.stage, reason=str(exc))
+
+    def _run_range(
+        self, start: int, stop: int, replica: int, timeout: float, time_limit_s: float | None, attempt: int | None
+    ) -> InvocationResult:
+        began, wall = time.monotonic(), time.time()
         done_key = protocol.done_key(self.namespace, self.function.name, replica, start)
         done = self.channel.try_get(done_key)
         if done is not None:  # it already ran: change nothing

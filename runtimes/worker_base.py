@@ -76,6 +76,7 @@ class WorkerBase:
     peers: list[tuple[str, float]]
     weight: float
     region_timeout: float | None
+    key_timeout: float  # the invocation's: how long any wait for a key may take
     planned_replicas: list[int]
     departed: set[str]
     server: str | None

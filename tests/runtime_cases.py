@@ -14,6 +14,8 @@ from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, retrace, run_front_end
 from cloudless.ir.catalog import load_catalog
+from cloudless.ir.files import BUILD_MARKER, build_manifest
+from cloudless.ir.folders import write_storage_marker
 from cloudless.ir.graph import dumps
 from cloudless.ir.protocol import InvocationResult
 from cloudless.ir.workflow import Function, StepKind, Workflow
@@ -55,12 +57,17 @@ def write_packages(
         global_batch=global_batch,
         schedule=schedule,  # type: ignore[arg-type]
     )
-    # as a compile writes them; ir/graph.json names the trained model file's keys
-    write_build({**package_files(lowered), "ir/graph.json": dumps(result.graph.to_json()).encode()}, build)
+    # as a compile writes them; ir/graph.json names the trained model file's keys; the manifest
+    # (cloudless-build.json) records every file's digest, which cloudless-run checks
+    files = {**package_files(lowered), "ir/graph.json": dumps(result.graph.to_json()).encode()}
+    write_build({**files, BUILD_MARKER: build_manifest(files)}, build)
     return lowered.workflow
 
 
 def write_training_data(result: FrontEnd, channel: DirectoryChannel, region: str) -> int:
+    """Stage the training data into a storage folder, marked as cloudless-run marks one it uses (so that
+    `--storage` accepts it)."""
+    write_storage_marker(channel.root)
     return int(stage_data(channel, region, result.model_file.path)["train"])
 
 

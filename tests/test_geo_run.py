@@ -58,8 +58,13 @@ def compile_geo(compile_cli, build: Path, sync: str) -> dict:
     return workflow
 
 
+#: builds `rewrite_workflow` edited: no longer what the compile wrote, `run_geo` runs them with --no-verify-build
+EDITED: set[Path] = set()
+
+
 def rewrite_workflow(build: Path, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Apply `change` to the build's workflow: workflow.yaml and every package's function.json."""
+    EDITED.add(build.resolve())
     workflow = yaml.safe_load((build / "workflow.yaml").read_text())
     change(workflow)
     (build / "workflow.yaml").write_text(yaml.safe_dump(workflow, sort_keys=False))
@@ -94,7 +99,8 @@ def as_sync(workflow: dict[str, Any]) -> None:
 
 
 def run_geo(build: Path, out: Path, *options: str) -> dict[str, Any]:
-    assert run_main([str(build), "--out", str(out), "-q", *options]) == 0
+    edited = ["--no-verify-build"] if build.resolve() in EDITED else []
+    assert run_main([str(build), "--out", str(out), "-q", *options, *edited]) == 0
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -152,7 +158,7 @@ def test_model_average_across_regions_matches_plain_pytorch(compile_cli, tmp_pat
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
     check_regions_ran_their_steps(typed, out, metrics, "model-average")
     # Each region in its own storage; every read of a peer's model crossed the WAN, counted.
-    assert sorted(p.name for p in (out / "storage").iterdir()) == sorted(REGIONS.split(","))
+    assert sorted(p.name for p in (out / "storage").iterdir() if p.is_dir()) == sorted(REGIONS.split(","))
     check_costed(metrics, workflow)
     a, b = REGIONS.split(",")
     assert metrics["cost"]["wan"][f"{a}->{b}"]["gets"] >= rounds  # at least one read per round

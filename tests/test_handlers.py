@@ -124,6 +124,17 @@ def test_bad_invocations_get_a_clear_error(two_stage_build, tmp_path, monkeypatc
         handler.handler({"iteration": 0}, None)
 
 
+def test_the_wait_for_staged_data_honours_the_invocations_timeout(two_stage_build, tmp_path, monkeypatch) -> None:
+    """No data was staged: the invocation's own timeout (2 s here) bounds the wait for it, not the
+    600 s default."""
+    build, workflow = two_stage_build
+    monkeypatch.setenv(STORAGE_ENV, str(tmp_path / "storage"))
+    handler = load_handler(build / workflow.regions[0].functions[0].package, "handler_no_data")
+    with pytest.raises(Exception, match=r"data/.*meta.* did not appear within 2 s") as raised:
+        handler.handler({"iteration": 0, "stop": 1, "timeout": 2}, None)
+    assert type(raised.value).__name__ == "KeyTimeout"
+
+
 def test_openfaas_requests_without_the_token_are_refused(two_stage_build, tmp_path, monkeypatch) -> None:
     """A missing or wrong token, or no token secret at all: 401 with one fixed message, before the body is
     read, and nothing is written to storage. The right token runs the request (the test above)."""

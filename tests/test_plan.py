@@ -26,10 +26,10 @@ from cloudless.compiler.simulate import simulate
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir import plan as ir_plan
 from cloudless.ir.catalog import AWS_REGIONS, aws_region_of, load_catalog
-from cloudless.ir.files import load_plan, plan_text, save_plan
+from cloudless.ir.files import load_plan, load_workflow, plan_text, save_plan
 from cloudless.ir.graph import dumps
 from cloudless.ir.plan import HEADER_KEYS, BaselinePlan, TrainingPlan, document_classes, json_key
-from cloudless.ir.schema import SchemaError, load_schema, validate
+from cloudless.ir.schema import SchemaError, load_schema, read_yaml, validate
 
 from .conftest import MODELS, SAMPLES
 
@@ -237,6 +237,33 @@ def test_catalog_values_a_generated_build_would_reject_are_catalog_errors(
     code, stdout, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "-c", str(bad))
     assert code == 2 and stdout == "" and stderr.startswith(f"cloudless-compile: error: {bad}: {message}")
     assert stderr.count("\n") == 1 and not (tmp_path / "b").exists()
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path: Path, compile_cli) -> None:
+    """YAML's last-wins for a repeated key is refused: a catalog whose second gb_second is 1000x the first
+    is one error naming the file, the second line and the first, through the CLI too (exit 2, before any
+    pass); a workflow.yaml read back is held to the same rule."""
+    text = _default_catalog_text()
+    first = "      gb_second: 0.0000166667\n"
+    assert first in text
+    bad = tmp_path / "catalog.yaml"
+    bad.write_text(text.replace(first, first + "      gb_second: 0.0166667\n", 1))
+    line = text[: text.index(first)].count("\n") + 1
+    message = f"{bad}:{line + 1}: key 'gb_second' given twice (first at line {line})"
+    with pytest.raises(SchemaError, match=f"^{re.escape(message)}$"):
+        load_catalog(bad)
+    code, stdout, stderr = compile_cli(str(MODELS / "tricky.py"), "-o", str(tmp_path / "b"), "-c", str(bad))
+    assert (code, stdout, stderr) == (2, "", f"cloudless-compile: error: {message}\n")
+    assert not (tmp_path / "b").exists()
+    # nested mappings and flow style alike; a key repeated in different mappings is no repeat
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("a: {x: 1, y: 2}\nb:\n  x: 1\n  c: {z: 1, z: 2}\n")
+    with pytest.raises(SchemaError, match=f"^{re.escape(str(nested))}:4: key 'z' given twice \\(first at line 4\\)$"):
+        read_yaml(nested.read_text(), str(nested))
+    workflow = tmp_path / "workflow.yaml"
+    workflow.write_text("apiVersion: cloudless/v1\nkind: Workflow\nkind: Workflow\n")
+    with pytest.raises(SchemaError, match=f"^{re.escape(str(workflow))}:3: key 'kind' given twice"):
+        load_workflow(workflow)
 
 
 def test_non_aws_regions_may_have_any_name(tmp_path: Path) -> None:

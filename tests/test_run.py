@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,9 @@ def test_a_model_that_raises_stops_the_run_at_once_without_retries(
     )
     stage_py.write_text(head + failing + rest.split("\n", 1)[1])
     began = time.monotonic()
-    code = run_main([str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--key-timeout", "600"])
+    # the stage.py edited here is not what the compile wrote: run it anyway
+    argv = [str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--key-timeout", "600"]
+    code = run_main([*argv, "--no-verify-build"])
     took = time.monotonic() - began
     err = capsys.readouterr().err
     assert code == 1
@@ -211,8 +214,17 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
         ("--retries", "-1", "--retries -1: expected at least 0"),
         ("--time-limit", "-5", "--time-limit -5.0: expected a positive number of seconds"),
         ("--key-timeout", "nan", "--key-timeout nan: expected a positive number of seconds"),
-        ("--bandwidth", "0", "--bandwidth 0.0: expected a positive number of megabytes per second"),
-        ("--latency-ms", "-1", "--latency-ms -1.0: expected a number of milliseconds, 0 or more"),
+        (
+            "--bandwidth",
+            "0",
+            "--bandwidth 0.0: expected megabytes per second from 0.001 to 1e+06 (1 kB/s to 1 TB/s: any real "
+            "network's is within)",
+        ),
+        (
+            "--latency-ms",
+            "-1",
+            "--latency-ms -1.0: expected milliseconds from 0 to 600000 (10 minutes: any real network's is within)",
+        ),
         ("--run-id", "data", "--run-id: expected a name without '/' or '..', other than '.' and 'data', got 'data'"),
     ):
         assert run_main([str(build), "--out", str(tmp_path / "out"), option, value]) == 2
@@ -418,3 +430,205 @@ def test_a_full_disk_ends_the_run_with_one_line(mlp_build: Path, tmp_path: Path)
     assert lines[0].startswith("cloudless-run: the run failed: "), err
     assert "No space left on device" in lines[0], err
     assert _function_processes(mlp_build) == []
+
+
+# --- issue 32: --storage guarded, the build's digests checked, emulation figures in range -----------------
+
+
+@pytest.fixture(scope="module")
+def one_stage(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Workflow, Any]:
+    """The MLP as one function for 2 iterations (a run takes a few seconds), as a compile writes it
+    (cloudless-build.json included); the front end's result alongside."""
+    result = front_end()
+    n_blocks = len(result.chain.blocks)
+    build = tmp_path_factory.mktemp("one_stage") / "build"
+    workflow = write_packages(result, build, [(0, n_blocks - 1, 1)], micro_batch=8, global_batch=16, iterations=2)
+    return build, workflow, result
+
+
+def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_storage_folder_of_the_users_is_refused_and_nothing_is_written(
+    one_stage, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--storage gets -o/--out's protection: a folder holding files Cloudless did not write, the current
+    folder, one holding the build, '' and a file are each one line (exit 2), before anything is written."""
+    build, _, _ = one_stage
+    mine = tmp_path / "mine"
+    (mine / "run" / "aws-us-east-1").mkdir(parents=True)
+    (mine / "run" / "aws-us-east-1" / "notes.txt").write_text("my notes\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    out = tmp_path / "out"
+    for storage, expected in (
+        (
+            str(mine),
+            f"--storage {mine}: holds files Cloudless did not write; expected a new or empty folder, or one an "
+            "earlier run used",
+        ),
+        ("", "--storage '': empty; expected a folder, s3://bucket/prefix or redis://host:port/db"),
+        (".", "--storage .: is the current folder; choose a new folder inside it"),
+        (str(tmp_path), f"--storage {tmp_path}: contains the current folder; choose a new folder"),
+        (
+            str(build),
+            f"--storage {build}: holds {build / 'workflow.yaml'}, an input of this command; choose a new folder",
+        ),
+        (
+            str(a_file),
+            f"--storage {a_file}: is a file; expected a folder (a new one, an empty one, or one an earlier run used)",
+        ),
+        (f"{a_file}/storage", f"--storage {a_file}/storage: {a_file} is a file; expected a folder"),
+    ):
+        code = run_main([str(build), "--out", str(out), "--model", str(MLP), "-q", "--storage", storage])
+        assert (code, _one_line(capsys)) == (2, f"cloudless-run: {expected}"), storage
+        assert not out.exists(), storage  # nothing half-written: not even the run's output folder
+    assert (mine / "run" / "aws-us-east-1" / "notes.txt").read_text() == "my notes\n"
+    assert sorted(p.name for p in work.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs /sys, where nobody may make a folder")
+def test_a_storage_folder_that_cannot_be_written_is_one_line(one_stage, tmp_path: Path, capsys) -> None:
+    build, _, _ = one_stage
+    storage = Path("/sys/cloudless-storage-test")
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(MLP), "-q", "--storage", str(storage)]) == 2
+    assert _one_line(capsys).startswith(f"cloudless-run: --storage {storage}: cannot be written: ")
+    assert not out.exists() and not storage.exists()
+
+
+def test_the_clean_up_deletes_only_the_keys_the_run_wrote(one_stage, tmp_path: Path, capsys) -> None:
+    """A storage folder an earlier run used (the staged data), with files of the user's inside the run's
+    own namespace: the run's end deletes its keys and keeps every one of the user's files."""
+    build, workflow, result = one_stage
+    region = workflow.regions[0].name
+    storage = tmp_path / "storage"
+    write_training_data(result, DirectoryChannel(storage), region)  # as a run stages it: the folder is marked
+    namespace = storage / "mine" / region
+    notes = [namespace / "notes.txt", namespace / "state" / "notes.txt"]
+    for note in notes:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text("my notes\n")
+    argv = [str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q"]
+    assert run_main([*argv, "--storage", str(storage), "--run-id", "mine"]) == 0, capsys.readouterr().err
+    assert all(note.read_text() == "my notes\n" for note in notes)
+    assert sorted(p for p in namespace.rglob("*") if p.is_file()) == sorted(notes)  # the run's keys: gone
+    assert any((storage / "data").rglob("*"))  # the staged data stays for the next run
+
+
+def _listed(build: Path, suffix: str) -> Path:
+    from cloudless.ir.files import read_manifest
+
+    (path,) = [build / p for p in read_manifest(build) or {} if p.endswith(suffix)]
+    return path
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _edit_micro_batch(path: Path) -> None:
+    spec = json.loads(path.read_text())
+    spec["workflow"]["run"]["micro_batch"] *= 2
+    path.write_text(json.dumps(spec, indent=1, sort_keys=True))
+
+
+@pytest.mark.parametrize(
+    ("suffix", "damage", "what"),
+    [
+        ("/weights.safetensors", _flip_a_byte, "differs from what cloudless-compile wrote"),
+        ("/function.json", _edit_micro_batch, "differs from what cloudless-compile wrote"),
+        ("/stage.py", lambda p: p.write_text(p.read_text() + "\nimport os\nos.system('true')\n"), "differs from"),
+        ("/handler.py", lambda p: p.unlink(), "is missing"),
+    ],
+    ids=["weights-bit-flipped", "micro-batch-edited", "code-appended", "file-deleted"],
+)
+def test_an_edited_build_is_refused_before_anything_runs(
+    one_stage, tmp_path: Path, capsys, suffix: str, damage: Callable[[Path], None], what: str
+) -> None:
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(one_stage[0], build)
+    path = _listed(build, suffix)
+    damage(path)
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(MLP), "-q"]) == 2
+    line = _one_line(capsys)
+    relative = path.relative_to(build).as_posix()
+    assert line.startswith(f"cloudless-run: {build}: {relative} {what}"), line
+    assert line.endswith("; recompile, or pass --no-verify-build to run it anyway"), line
+    assert not out.exists()  # before staging data, before any invocation
+
+
+def test_a_build_without_its_manifest_is_refused(one_stage, tmp_path: Path, capsys) -> None:
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(one_stage[0], build)
+    (build / "cloudless-build.json").unlink()
+    assert run_main([str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q"]) == 2
+    assert _one_line(capsys) == (
+        f"cloudless-run: {build}: no cloudless-build.json (the digests of what cloudless-compile wrote); "
+        "recompile, or pass --no-verify-build to run it anyway"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_files_a_run_writes_into_the_build_are_not_flagged(one_stage, tmp_path: Path, capsys) -> None:
+    """A run's output inside the build (BUILD/run, its logs) is not the compile's: the next run of the
+    build gets past the check (here to --resume's own refusal: nothing to resume)."""
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(one_stage[0], build)
+    assert run_main([str(build), "--model", str(MLP), "-q"]) == 0, capsys.readouterr().err
+    assert (build / "run" / "metrics.json").is_file() and any((build / "run" / "logs").rglob("*.log"))
+    capsys.readouterr()
+    assert run_main([str(build), "--model", str(MLP), "-q", "--resume", "nothing"]) == 2
+    assert "--resume nothing: " in _one_line(capsys)
+
+
+def test_no_verify_build_runs_a_build_edited_by_hand(one_stage, tmp_path: Path, capsys) -> None:
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(one_stage[0], build)
+    stage_py = _listed(build, "/stage.py")
+    stage_py.write_text(stage_py.read_text() + "\n# edited by hand\n")
+    argv = [str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q"]
+    assert run_main(argv) == 2
+    assert "stage.py differs from what cloudless-compile wrote" in _one_line(capsys)
+    assert run_main([*argv, "--no-verify-build"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_emulation_figures_beyond_physical_bounds_are_one_line(one_stage, tmp_path: Path, capsys) -> None:
+    """--bandwidth 1e-300 or --latency-ms 1e100 used to overflow inside every function: refused up front."""
+    build, _, _ = one_stage
+    bandwidth = "expected megabytes per second from 0.001 to 1e+06 (1 kB/s to 1 TB/s: any real network's is within)"
+    latency = "expected milliseconds from 0 to 600000 (10 minutes: any real network's is within)"
+    for option, value, expected in (
+        ("--bandwidth", "1e-300", f"--bandwidth 1e-300: {bandwidth}"),
+        ("--bandwidth", "0.0009", f"--bandwidth 0.0009: {bandwidth}"),
+        ("--bandwidth", "2e6", f"--bandwidth 2000000.0: {bandwidth}"),
+        ("--bandwidth", "inf", f"--bandwidth inf: {bandwidth}"),
+        ("--bandwidth", "-3", f"--bandwidth -3.0: {bandwidth}"),
+        ("--latency-ms", "1e100", f"--latency-ms 1e+100: {latency}"),
+        ("--latency-ms", "600001", f"--latency-ms 600001.0: {latency}"),
+        ("--latency-ms", "nan", f"--latency-ms nan: {latency}"),
+        ("--latency-ms", "-1", f"--latency-ms -1.0: {latency}"),
+    ):
+        out = tmp_path / "out"
+        assert run_main([str(build), "--out", str(out), "--model", str(MLP), option, value]) == 2
+        assert _one_line(capsys) == f"cloudless-run: {expected}", (option, value)
+        assert not out.exists()

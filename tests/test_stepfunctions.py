@@ -20,7 +20,7 @@ import torch
 
 from cloudless.codegen.platforms import LAMBDA_RETRY_ERRORS, lambda_function_name, logical_id, render_region, workers
 from cloudless.ir import protocol
-from cloudless.ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, ExecutionInput
+from cloudless.ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, RUN_STOPPED_ERROR, ExecutionInput
 from cloudless.ir.protocol import STORAGE_ENV
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.run import main as run_main
@@ -243,11 +243,15 @@ def test_an_invocation_runs_a_range_of_iterations_and_continues_where_the_time_l
     assert len(stub.payloads) == 3 * len(ranges)
 
 
-def test_a_diverged_worker_fails_the_execution_with_its_reason() -> None:
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [("diverged", "loss is nan at iteration 1"), ("failed", "storage refused a write (k): OSError: disk full")],
+)
+def test_a_worker_that_stopped_the_run_fails_the_execution_with_its_reason(status: str, reason: str) -> None:
     workflow = make_workflow((1, 1, 1))
-    stub = Barrier(3, reply={1: {"status": "diverged", "stop": 1, "reason": "loss is nan at iteration 1"}})
+    stub = Barrier(3, reply={1: {"status": status, "stop": 1, "reason": reason}})
     execution = Execution(definition(workflow, EAST), {"run": "r", "stop": 3}, stub, name="diverges")
     with pytest.raises(ExecutionFailed) as failed:
         execution.run()
-    assert (failed.value.error, failed.value.cause) == ("Cloudless.RunStopped", "loss is nan at iteration 1")
+    assert (failed.value.error, failed.value.cause) == (RUN_STOPPED_ERROR, reason)
     assert {p["start"] for p in stub.payloads} == {0, 1}

@@ -277,3 +277,23 @@ def test_directory_keys_stay_inside(tmp_path: Path, key: str) -> None:
         channel.put(key, b"x")
     with pytest.raises(ValueError, match="inside the channel"):
         channel.try_get(key)
+
+
+def test_a_folder_channel_deletes_only_what_it_wrote(tmp_path: Path) -> None:
+    """The end-of-run clean-up of a folder: the values it wrote and its temporary files go; a file of the
+    user's in the same folders stays (and the folders holding it), and a link is neither followed nor removed."""
+    channel = DirectoryChannel(tmp_path / "storage")
+    for key in ("run/a/it0/x", "run/a/state/s0/it2", "run/a/alive"):
+        channel.put(key, b"v")
+    prefix = tmp_path / "storage" / "run" / "a"
+    (prefix / "it0" / ".put.abc123").write_bytes(b"half a value")  # a write cut short
+    (prefix / "notes.txt").write_text("mine\n")
+    (prefix / "state" / "s0" / "notes.txt").write_text("mine too\n")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "precious").write_bytes(seal(b"looks like a value"))
+    (prefix / "link").symlink_to(outside, target_is_directory=True)
+    assert channel.delete_prefix("run/a/") == 4
+    left = sorted(p.relative_to(prefix).as_posix() for p in prefix.rglob("*"))
+    assert left == ["link", "notes.txt", "state", "state/s0", "state/s0/notes.txt"]
+    assert (outside / "precious").is_file()

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import jsonschema
 import yaml
 
-from ...ir.files import BUILD_MARKER, file_digest, read_manifest
+from ...ir.files import BUILD_MARKER, digest_of, read_manifest
 from ...ir.schema import SchemaError, load_schema
 
 #: Lambda function and state machine names (letters, digits, '-' and '_')
@@ -99,8 +99,7 @@ class BuildContext:
     def digest(self, path: str) -> str | None:
         """The file's digest now; None if it is not there."""
         if path not in self._digests:
-            file = self.root / path
-            self._digests[path] = file_digest(file.read_bytes()) if file.is_file() else None
+            self._digests[path] = digest_of(self.root / path)  # as cloudless-run checks it
         return self._digests[path]
 
     def edited(self, path: str) -> bool:
