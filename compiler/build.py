@@ -25,7 +25,7 @@ from ..codegen.report import render_report
 from ..ir.blocks import BlockChain
 from ..ir.catalog import load_catalog
 from ..ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
-from ..ir.folders import FolderError, check_output_folder, run_lock, run_outputs
+from ..ir.folders import FolderError, check_output_folder, run_lock, run_outputs, shortened
 from ..ir.graph import OpGraph, dumps
 from ..ir.plan import TrainingPlan
 from .lower import Lowered
@@ -157,14 +157,22 @@ def write_build(
     """
     check_output_folder(output, "build", protected=protected)
     resolved = output.resolve()
-    resolved.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{resolved.name}.", dir=resolved.parent))
+    try:
+        resolved.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{resolved.name}.", dir=resolved.parent))
+    except OSError as exc:  # a read-only mount, a folder of another user's
+        raise FolderError(f"-o {shortened(str(output))}: cannot be written: {exc.strerror or exc}") from None
     moved: list[str] = []  # run outputs now in staging, to move back if the swap fails
     try:
-        for path, data in files.items():
-            target = staging / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+        try:
+            for path, data in files.items():
+                target = staging / path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+        except OSError as exc:  # a full disk: the half-written staging folder goes (finally)
+            raise FolderError(
+                f"-o {shortened(str(output))}: the build could not be written: {exc.strerror or exc}"
+            ) from None
         if check is not None:
             check(staging)
         if not resolved.exists():

@@ -13,6 +13,7 @@ the optimizer as a torch.optim class and its options, the loss as generated torc
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -344,6 +345,7 @@ def lower_plan(
             targets=target_count,
             loss=LOSS_MODULE,
             adapter=adapter,
+            model_sha256=hashlib.sha256(model_file.path.read_bytes()).hexdigest(),
         ),
         regions=tuple(regions),
         steps=tuple(steps),

@@ -51,7 +51,26 @@ def check_output_folder(path: Path, kind: Kind, *, protected: Sequence[Path] = (
     being written by a live run). `protected` are the command's inputs: a folder holding one is refused.
     """
     option, shown = OPTION[kind], str(path)
-    where = f"{option} {shown}"
+    where = f"{option} {shortened(shown)}"
+    try:
+        _check_output_folder(path, kind, shown, where, protected)
+    except (OSError, RuntimeError) as exc:  # a path too long, a loop of links (RuntimeError before 3.13), EACCES
+        raise FolderError(f"{where}: cannot be used: {_reason(exc)}") from None
+
+
+def shortened(text: str, limit: int = 120) -> str:
+    """A path for a one-line message: a very long one by its two ends."""
+    return text if len(text) <= limit else f"{text[: limit // 2]}…{text[-limit // 2 :]}"
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc)
+    return "a loop of symbolic links" if "loop" in text.lower() else text
+
+
+def _check_output_folder(path: Path, kind: Kind, shown: str, where: str, protected: Sequence[Path]) -> None:
     resolved = path.resolve()
     _check_not_precious(resolved, where, protected)
     if resolved.exists() and not resolved.is_dir():
@@ -191,9 +210,13 @@ def is_run_output(folder: Path) -> bool:
 
 
 def write_run_marker(out: Path) -> None:
-    """Mark `out` (made if missing) as a run output, so that later runs and recompiles recognise it."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_MARKER).write_text(json.dumps({"kind": "cloudless-run", "format": 1}, indent=1) + "\n")
+    """Mark `out` (made if missing) as a run output, so that later runs and recompiles recognise it;
+    FolderError if it cannot be written (a read-only mount)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RUN_MARKER).write_text(json.dumps({"kind": "cloudless-run", "format": 1}, indent=1) + "\n")
+    except OSError as exc:
+        raise FolderError(f"--out {shortened(str(out))}: cannot be written: {_reason(exc)}") from None
 
 
 def active_run(out: Path) -> int | None:

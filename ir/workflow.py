@@ -417,6 +417,8 @@ class DataSpec:
     loss: str
     #: "peft": build_model() returns a peft model, whose adapter the run also saves as peft does
     adapter: Literal["peft"] | None = None
+    #: the model file's sha256 when it was compiled: a run finds that file, or says it found another
+    model_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -427,11 +429,20 @@ class DataSpec:
         }
         if self.adapter is not None:  # emitted only when there is one: builds without stay as they were
             data["adapter"] = self.adapter
+        if self.model_sha256 is not None:
+            data["model_sha256"] = self.model_sha256
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> DataSpec:
-        return cls(data["model_file"], tuple(data["inputs"]), int(data["targets"]), data["loss"], data.get("adapter"))
+        return cls(
+            data["model_file"],
+            tuple(data["inputs"]),
+            int(data["targets"]),
+            data["loss"],
+            data.get("adapter"),
+            data.get("model_sha256"),
+        )
 
 
 @dataclass(frozen=True)

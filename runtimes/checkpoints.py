@@ -2,8 +2,9 @@
 
 The parameters, buffers and optimizer state before iteration i are at `protocol.state_key` (replica 0
 writes them every `checkpoint_every` iterations and when an invocation returns), with a record of the
-newest (`protocol.latest_state_key`); a damaged checkpoint falls back to an earlier whole one. What a
-function wrote for iterations nobody can need any more is swept (`protocol.sweep_before`).
+newest (`protocol.latest_state_key`); a damaged checkpoint falls back to an earlier whole one, and a
+damaged record is only a hint that failed: the checkpoints themselves are looked for. What a function
+wrote for iterations nobody can need any more is swept (`protocol.sweep_before`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class Checkpoints(WorkerBase):
     def save_state(self, iteration: int, start: int = 0) -> None:
         """Checkpoint at `iteration` during an invocation that started at `start`."""
         self.channel.put(self.state_key(iteration), pack(self._state()))
-        record = self._record()
-        between = [i for i in record.get("between", []) if isinstance(i, int) and i != iteration]
+        record = self._record() or {}
+        listed = record.get("between")
+        between = [i for i in listed if isinstance(i, int) and i != iteration] if isinstance(listed, list) else []
         if iteration % self.checkpoint_every:
             between.append(iteration)
         # A range-end checkpoint before this invocation's start (an earlier invocation's end, which
@@ -56,13 +58,18 @@ class Checkpoints(WorkerBase):
         record = {"latest": iteration, "between": sorted(i for i in between if i >= horizon)}
         self.channel.put(protocol.latest_state_key(self.namespace, self.stage), json.dumps(record).encode())
 
-    def _record(self) -> dict[str, Any]:
-        """The stage's checkpoint record (`protocol.latest_state_key`); empty when none is readable."""
+    def _record(self) -> dict[str, Any] | None:
+        """The stage's checkpoint record (`protocol.latest_state_key`): None when there is none, {} when it
+        is damaged (not sealed whole, not JSON, not an object): the caller then finds the checkpoints
+        themselves, and the next checkpoint writes a good record."""
+        key = protocol.latest_state_key(self.namespace, self.stage)
         try:
-            record = json.loads(self.channel.try_get(protocol.latest_state_key(self.namespace, self.stage)) or b"{}")
-        except ValueError:
+            data = self.channel.try_get(key)
+            record = None if data is None else json.loads(data)
+        except (CorruptBlob, ValueError) as exc:
+            print(f"cloudless: the checkpoint record {self.channel.describe(key)} is damaged ({exc})", file=sys.stderr)
             return {}
-        return record if isinstance(record, dict) else {}
+        return record if isinstance(record, dict) or record is None else {}
 
     def load_state(self, iteration: int, timeout: float) -> None:
         if iteration == 0:
@@ -94,19 +101,29 @@ class Checkpoints(WorkerBase):
         A first attempt starts at `start` (nothing of its range ran yet) without asking storage; a retry
         reads the stage's record of its newest checkpoint (`protocol.latest_state_key`) and checks that
         one, and the next few multiples of checkpoint_every after it, exist: a few reads, however long
-        the range (it once scanned every multiple of the range from the top down)."""
+        the range. Only if the record is damaged, or names no checkpoint that is there, does it scan the
+        range's multiples of checkpoint_every from the top down (the record is a hint)."""
         if attempt == 0:
             return start
-        recorded = self._record().get("latest")
-        if not isinstance(recorded, int):  # no record: this stage has no checkpoint in this run
+        record = self._record()
+        if record is None:  # no record: this stage has no checkpoint in this run
             return start
         every = self.checkpoint_every
+        recorded = record.get("latest")
+        if not isinstance(recorded, int) or isinstance(recorded, bool):
+            recorded = stop  # damaged: it may have named any of the range's checkpoints
         below = min(recorded, stop - 1)  # the newest may lie past this range (a later range's): look below
         below -= below % every
-        candidates = {recorded - recorded % every + k * every for k in range(1, self.RECORD_LAG + 1)}
-        candidates |= {recorded} | {below - k * every for k in range(self.RECORD_LAG + 1)}
-        for iteration in sorted(candidates, reverse=True):
+        hinted = {recorded - recorded % every + k * every for k in range(1, self.RECORD_LAG + 1)}
+        hinted |= {recorded} | {below - k * every for k in range(self.RECORD_LAG + 1)}
+        for iteration in sorted(hinted, reverse=True):
             if start < iteration < stop and self.channel.exists(self.state_key(iteration)):
+                return iteration
+        if recorded <= start:  # the record says: no checkpoint in this range yet
+            return start
+        # It names one in (or past) this range that is gone, or it is damaged: the checkpoints that are there
+        for iteration in range(below - (self.RECORD_LAG + 1) * every, start, -every):
+            if self.channel.exists(self.state_key(iteration)):
                 return iteration
         return start
 

@@ -152,8 +152,19 @@ def write_split(
             return
         diverge()
         n_inputs, n_targets = leaves or (0, 0)
-        values: dict[str, Any] = {f"input_{j}": torch.stack([s[0][j] for s in shard]) for j in range(n_inputs)}
-        values.update({f"target_{j}": torch.stack([s[1][j] for s in shard]) for j in range(n_targets)})
+        columns = {f"input_{j}": [s[0][j] for s in shard] for j in range(n_inputs)}
+        columns.update({f"target_{j}": [s[1][j] for s in shard] for j in range(n_targets)})
+        values: dict[str, Any] = {}
+        for column, tensors in columns.items():
+            shapes = sorted({tuple(t.shape) for t in tensors})
+            if len(shapes) > 1:  # torch.stack's own error names neither the split nor the samples
+                first = index * shard_samples
+                raise ValueError(
+                    f"the {split} split of {region}: {column.replace('_', ' ')} of samples {first}.."
+                    f"{first + len(tensors) - 1} has shapes {', '.join(map(str, shapes[:3]))}; every sample's "
+                    "must have one shape (pad or crop them in load_shard)"
+                )
+            values[column] = torch.stack(tensors)
         values[SHARD_DIGEST] = digest
         channel.put(data_key(region, split, shard_name(index)), pack(values))
         shard.clear()

@@ -47,7 +47,7 @@ from .data import data_name
 from .invokers import Handle, Invocation, Invoker
 from .retrying_channel import RetryingChannel
 from .run_state import RunError, RunMetrics, RunSettings
-from .staging import DataError, describe_staged, model_file_state, stage_data
+from .staging import DataError, describe_staged, model_file_state, recorded_model_file, stage_data
 from .storage import Channel, open_channel
 
 #: Step Functions' limit on an execution's name
@@ -320,8 +320,8 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
         return fail(str(exc))
     run_id = args.run_id or protocol.new_run_id()
     channels: dict[str, Channel] = {}
-    model = args.model or Path(workflow.data.model_file)
     try:
+        model = recorded_model_file(workflow, args.model)
         for region in workflow.regions:
             channels[region.name] = RetryingChannel(open_channel(stacks[region.name].storage(workflow)))
             staged = stage_data(

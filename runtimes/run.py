@@ -16,8 +16,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -55,6 +57,7 @@ from .staging import (
     evaluate,
     frozen_weights,
     model_file_state,
+    recorded_model_file,
     save_peft_adapter,
     stage_data,
     trained_state,
@@ -481,16 +484,31 @@ def final_model(
     return state
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a `kill`, a container or CI stopping the job): the run stops as Ctrl-C stops it."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # Only the main thread may set a handler (a caller running main in a thread keeps the default).
+    handles = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if handles else None
     try:
         return _main(argv)
-    except KeyboardInterrupt:
-        # The controller has killed its invocations; storage keeps what they wrote.
-        print("cloudless-run: interrupted; the run's functions were stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        # The controller has killed its invocations; storage keeps what they wrote (--resume).
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"cloudless-run: {how}; the run's functions were stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
     except StorageError as exc:  # before or after the run itself (staging, the final model)
         print(f"cloudless-run: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if handles:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -621,7 +639,7 @@ def _train(
         counters = {name: EmulatedChannel(open_channel(where)) for name, where in locations.items()}
         channels: dict[str, Channel] = {name: RetryingChannel(counter) for name, counter in counters.items()}
         channel: Channel = channels[region]
-        model = args.model or Path(workflow.data.model_file)
+        model = recorded_model_file(workflow, args.model)
         staged = {
             entry.name: stage_data(
                 channels[entry.name], entry.name, model, sources=entry.data_sources, name=data_name(entry)
@@ -709,10 +727,13 @@ def _train(
             print(f"{describe_staged(data)}{f' in {name}' if len(regions) > 1 else ''}", flush=True)
     failure: RunError | StorageError | None = None
     counted = {name: dict(counter.counts) for name, counter in counters.items()}
+    interrupted: KeyboardInterrupt | None = None
     try:
         records = controller.run()
     except (RunError, StorageError) as exc:
         failure, records = exc, controller.records
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: metrics.json says how far it got, then main says why
+        interrupted, failure, records = exc, RunError("interrupted"), controller.records
     seconds = time.time() - began
     test = None
     stayed = {name: at for name, at in controller.ends.items() if not controller.plans[name].left} or totals
@@ -733,7 +754,7 @@ def _train(
     metrics = RunMetrics(
         run_id=settings.run_id,
         invoker=args.invoker,
-        status="done" if failure is None else "failed",
+        status="done" if failure is None else "interrupted" if interrupted is not None else "failed",
         seconds=seconds,
         error=None if failure is None else str(failure),
         measured=measured,
@@ -753,6 +774,8 @@ def _train(
             controller.clean_up()  # the trained model is in OUT; the staged data stays for the next run
         except Exception as exc:  # noqa: BLE001 - any back end's error: the run itself is done
             print(f"cloudless-run: could not delete the run's keys from {shown(storage)}: {exc}", file=sys.stderr)
+    if interrupted is not None:
+        raise interrupted
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
         return 1

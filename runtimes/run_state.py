@@ -99,7 +99,7 @@ class RunMetrics:
 
     run_id: str
     invoker: str  # as --invoker named it: "local", "openfaas", "lambda" (with --stack: the driver)
-    status: str  # "done" or "failed"
+    status: str  # "done", "failed", or "interrupted" (Ctrl-C, SIGTERM: the keys stay for --resume)
     seconds: float
     error: str | None = None
     regions: dict[str, dict[str, Any]] = field(default_factory=dict)  # several regions, or a stack's

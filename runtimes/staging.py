@@ -113,6 +113,26 @@ def _samples(module: ModuleType, path: Path, region: str, split: str, first: int
         yield sample
 
 
+def recorded_model_file(workflow: Workflow, given: Path | None) -> Path:
+    """The model file to read the data (and the adapter's base) from: `given` (--model), else the file
+    workflow.yaml names, resolved from the current folder as the compiler was run, and refused (DataError)
+    when it is not there or is not the file the build was compiled from (its sha256)."""
+    if given is not None:
+        return given
+    path = Path(workflow.data.model_file)
+    fix = "run cloudless-run from the folder cloudless-compile ran in, or pass --model PATH"
+    if not path.is_file():
+        raise DataError(f"{path}: the model file workflow.yaml names is not in {Path.cwd()}; {fix}")
+    recorded = workflow.data.model_sha256
+    found = hashlib.sha256(path.read_bytes()).hexdigest()
+    if recorded is not None and found != recorded:
+        raise DataError(
+            f"{path}: not the model file the build was compiled from (sha256 {found[:12]}… here, {recorded[:12]}… "
+            f"in workflow.yaml); {fix} (--model {path} trains on this one)"
+        )
+    return path
+
+
 class StagedData(TypedDict):
     """What `stage_data` did: the samples of each split (for a missing test split, why it is missing),
     and per staged split the fingerprint of its content and whether it was staged, re-staged (the

@@ -263,3 +263,45 @@ def test_staged_samples_are_checked_against_the_examples(tmp_path: Path, version
             stage_data(channel, "r", model, shard_samples=SHARD)
         assert str(caught.value) == f"{model}: load_shard('r', 'train')[0]: {message}"
         assert channel.writes == []
+
+
+def test_samples_of_different_shapes_are_one_error_naming_them(tmp_path: Path) -> None:
+    """Ragged data (a sequence not padded): the split, the samples and their shapes, not torch.stack's error."""
+    from cloudless.runtimes.storage import DirectoryChannel
+
+    samples = [([torch.zeros(3)], [torch.tensor(0)]), ([torch.zeros(4)], [torch.tensor(1)])]
+    with pytest.raises(ValueError) as raised:
+        write_split(DirectoryChannel(tmp_path), "here", "train", iter(samples), shard_samples=8)
+    assert str(raised.value) == (
+        "the train split of here: input 0 of samples 0..1 has shapes (3,), (4,); every sample's must have one "
+        "shape (pad or crop them in load_shard)"
+    )
+
+
+def test_a_run_finds_the_model_file_it_was_compiled_from_or_says_which_it_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """workflow.yaml names the model file as the compiler was given it, with its sha256: run from another
+    folder, the run finds none or another file of that name, and says so instead of training on it."""
+    from cloudless.ir.files import load_workflow
+    from cloudless.runtimes.staging import recorded_model_file
+
+    from .conftest import ROOT
+
+    workflow = load_workflow(ROOT / "tests" / "golden" / "mlp_digits" / "workflow.yaml")
+    assert workflow.data.model_file == "samples/mlp_digits.py" and workflow.data.model_sha256 is not None
+    monkeypatch.chdir(tmp_path)
+    fix = "run cloudless-run from the folder cloudless-compile ran in, or pass --model PATH"
+    with pytest.raises(DataError) as missing:
+        recorded_model_file(workflow, None)
+    assert str(missing.value) == (
+        f"samples/mlp_digits.py: the model file workflow.yaml names is not in {tmp_path}; {fix}"
+    )
+    other = tmp_path / "samples" / "mlp_digits.py"
+    other.parent.mkdir()
+    other.write_text("# another project's model file of the same name\n")
+    with pytest.raises(DataError, match=r"^samples/mlp_digits.py: not the model file the build was compiled from "):
+        recorded_model_file(workflow, None)
+    assert recorded_model_file(workflow, other) == other  # --model: the user's choice
+    other.write_bytes((ROOT / "samples" / "mlp_digits.py").read_bytes())
+    assert recorded_model_file(workflow, None) == Path("samples/mlp_digits.py")

@@ -117,6 +117,9 @@ def test_bad_invocations_get_a_clear_error(two_stage_build, tmp_path, monkeypatc
         assert reply["statusCode"] == 400 and "start: expected an integer, got 'zero'" in error
         reply = handler.handle(SimpleNamespace(body=b'{"iteration": 0, "replica": 5}', headers=AUTHORIZED), None)
         assert reply["statusCode"] == 400 and "replicas 0..1" in json.loads(reply["body"])["error"]
+        deep = b"[" * 100_000 + b"]" * 100_000  # deeper than Python's stack
+        reply = handler.handle(SimpleNamespace(body=deep, headers=AUTHORIZED), None)
+        assert reply["statusCode"] == 400 and "not JSON" in json.loads(reply["body"])["error"]
     with pytest.raises(ValueError, match="expected a JSON object"):
         handler.handler(["iteration", 0], None)
     monkeypatch.delenv(STORAGE_ENV)

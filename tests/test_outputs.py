@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -134,6 +134,50 @@ def test_a_folder_holding_a_protected_input_is_refused(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "project")
     assert "an input of this command" in refused(tmp_path / "link", protected=[model])
     check_output_folder(tmp_path / "project" / "build", "build", protected=[model])
+
+
+def test_a_path_the_system_cannot_use_is_one_line(tmp_path: Path) -> None:
+    """A loop of links, a name longer than the file system takes: the option and why, shortened."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert refused(tmp_path / "a") == f"-o {tmp_path / 'a'}: cannot be used: a loop of symbolic links"
+    assert refused(tmp_path / "a" / "out", "run").endswith(": cannot be used: a loop of symbolic links")
+    long = tmp_path / ("x" * 4500)
+    message = refused(long, "run")
+    assert message.startswith("--out ") and message.endswith(": cannot be used: File name too long")
+    assert "…" in message and len(message) < 200
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """A tmpfs mounted with the given options (a real read-only or full folder); skipped where this process
+    may not mount one."""
+    mounted: list[Path] = []
+
+    def make(options: str) -> Path:
+        folder = tmp_path / f"mount{len(mounted)}"
+        folder.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(mount: Callable[[str], Path]) -> None:
+    read_only = mount("ro,size=1m")
+    with pytest.raises(FolderError, match=r"^-o .*/b: cannot be written: Read-only file system$"):
+        write_build({"plan.json": b"{}\n"}, read_only / "b")
+    with pytest.raises(FolderError, match=r"^--out .*/out: cannot be written: Read-only file system$"):
+        write_run_marker(read_only / "out")
+    full = mount("size=64k")
+    with pytest.raises(FolderError, match=r"^-o .*/b: the build could not be written: No space left on device$"):
+        write_build({"plan.json": b"{}\n", "weights.safetensors": bytes(1 << 20)}, full / "b")
+    assert list(full.iterdir()) == []  # no half-written build, no staging folder
 
 
 def test_a_stray_file_in_an_earlier_build_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

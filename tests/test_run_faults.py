@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from cloudless.ir.folders import RUN_LOCK
 from tests.conftest import _start_redis, _stop
 from tests.runtime_cases import MLP, front_end, write_packages
 
@@ -162,3 +163,22 @@ def test_a_controller_paused_mid_run_catches_up_at_once(long_pipeline: Path, tmp
     steps = [b["time"] - a["time"] for a, b in zip(metrics["progress"][:-1], metrics["progress"][1:], strict=True)]
     assert steps.count(0.0) > 10, "the pause swept no report: pause longer"
     assert metrics["samples_per_s"] == pytest.approx(64 / statistics.median([s for s in steps if s > 0]), rel=1e-3)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_sigterm_stops_a_run_as_ctrl_c_does(long_pipeline: Path, tmp_path: Path, stop: signal.Signals) -> None:
+    """One line, the functions stopped, metrics.json saying how far it got, no stale lock, the keys kept."""
+    out, storage = tmp_path / "out", tmp_path / "storage"
+    code, stderr = run_and_meddle(
+        long_pipeline, out, ["--storage", str(storage), "--run-id", "stopped"], lambda p: p.send_signal(stop)
+    )
+    how = "terminated (SIGTERM)" if stop == signal.SIGTERM else "interrupted"
+    assert (code, stderr.strip().splitlines()[-1]) == (
+        128 + stop if stop == signal.SIGTERM else 130,
+        f"cloudless-run: {how}; the run's functions were stopped",
+    ), stderr
+    assert "Traceback" not in stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and 3 <= len(metrics["progress"]) < ITERATIONS
+    assert not (out / RUN_LOCK).exists()
+    assert any(p.is_file() for p in (storage / "stopped").rglob("*")), "the run's keys were deleted"

@@ -43,6 +43,8 @@ def handle(event, context):
         request = json.loads(event.body or b"{}")
     except ValueError as exc:
         return _error(400, "the body is not JSON", exc)
+    except RecursionError:  # [[[[... nested deeper than Python's stack: no invocation is
+        return _error(400, "the body is not JSON", ValueError("nested too deep; expected an invocation object"))
     try:
         return _reply(200, handle_request(HERE, request))
     except ValueError as exc:
