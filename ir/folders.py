@@ -129,11 +129,16 @@ def check_storage_folder(path: Path, where: str, *, protected: Sequence[Path] = 
 
 def is_storage_folder(folder: Path) -> bool:
     """Whether `folder` carries a readable storage marker."""
+    return _marked(folder, STORAGE_MARKER, "cloudless-storage")
+
+
+def _marked(folder: Path, marker: str, kind: str) -> bool:
+    """Whether `folder` holds the marker file `marker` of `kind` (readable JSON saying so)."""
     try:
-        document = json.loads((folder / STORAGE_MARKER).read_text())
+        document = json.loads((folder / marker).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(document, dict) and document.get("kind") == "cloudless-storage"
+    return isinstance(document, dict) and document.get("kind") == kind
 
 
 def write_storage_marker(folder: Path, where: str | None = None) -> None:
@@ -202,11 +207,7 @@ def run_outputs(build: Path) -> list[Path]:
 
 def is_run_output(folder: Path) -> bool:
     """Whether `folder` carries a readable run marker."""
-    try:
-        document = json.loads((folder / RUN_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(document, dict) and document.get("kind") == "cloudless-run"
+    return _marked(folder, RUN_MARKER, "cloudless-run")
 
 
 def write_run_marker(out: Path) -> None:

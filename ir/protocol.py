@@ -62,6 +62,10 @@ STORAGE_ENV = "CLOUDLESS_STORAGE"
 PEERS_ENV = "CLOUDLESS_PEERS"
 #: another S3-protocol endpoint than AWS S3 (boto3's endpoint_url)
 S3_ENDPOINT_ENV = "CLOUDLESS_S3_ENDPOINT"
+#: a Redis storage's password, for a redis:// URL without one (a command line is visible in `ps`): the
+#: password itself, or the path of a file holding it (one line)
+REDIS_PASSWORD_ENV = "CLOUDLESS_REDIS_PASSWORD"
+REDIS_PASSWORD_FILE_ENV = "CLOUDLESS_REDIS_PASSWORD_FILE"
 #: set only by `cloudless-run --emulate`: the function's link and CPU share, as Resources JSON
 EMULATE_ENV = "CLOUDLESS_EMULATE"
 #: the OpenFaaS secret holding storage credentials as NAME=value lines, and where OpenFaaS mounts it

@@ -12,7 +12,8 @@ The data is shared by every run on the same storage, and the model file that giv
 between runs, so a split is fingerprinted: `meta` holds a sha256 of the samples' content (every
 leaf's dtype, shape and bytes, in order, and the sample count) and one digest per shard, each shard
 carries its own digest, and `write_split` rewrites only what differs. Readers open `meta` first and
-read shards by it, so a re-staging deletes `meta` before it touches a shard and writes it last.
+read shards by it, so a re-staging deletes `meta` before it touches a shard and writes it last. What it
+would reuse it reads back first: a shard (or `meta`) that is damaged or gone is re-staged, never reused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..ir.protocol import DATA_META, data_key, shard_name
+from ..ir.protocol import DATA_META, CorruptBlob, data_key, shard_name
 from ..ir.schedule import SHARD_SAMPLES
 from ..ir.workflow import Region
 from .storage import Channel
@@ -57,6 +58,8 @@ class WrittenSplit:
     samples: int
     fingerprint: str
     action: Staging
+    #: why it was re-staged when the stored data was damaged (a shard or meta corrupt or gone), else ""
+    reason: str = ""
 
 
 def data_name(region: Region) -> str:
@@ -80,14 +83,38 @@ def _content(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> Iterato
 
 def read_meta(channel: Channel, region: str, split: str) -> dict[str, Any] | None:
     """The split's `meta` as stored; {} when it is unreadable (so it is replaced), None when absent."""
-    raw = channel.try_get(data_key(region, split, DATA_META))
-    if raw is None:
-        return None
+    return _meta(channel, region, split)[0]
+
+
+def _meta(channel: Channel, region: str, split: str) -> tuple[dict[str, Any] | None, str]:
+    """`read_meta`, and why it is unreadable ("" when it is not)."""
+    key = data_key(region, split, DATA_META)
     try:
+        raw = channel.try_get(key)
+        if raw is None:
+            return None, ""
         meta = json.loads(raw)
+    except CorruptBlob as exc:
+        return {}, str(exc)
     except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
+        return {}, f"{channel.describe(key)} is not JSON"
+    return (meta, "") if isinstance(meta, dict) else ({}, f"{channel.describe(key)} is not a JSON object")
+
+
+def _shard_damage(channel: Channel, key: str, digest: str) -> str | None:
+    """Why the stored shard at `key` is not the whole shard of digest `digest` (corrupt, gone, another
+    shard's), or None: staging reads back what it would reuse, as a run's functions will read it."""
+    try:
+        data = channel.try_get(key)
+    except CorruptBlob as exc:
+        return str(exc)
+    if data is None:
+        return f"{channel.describe(key)} is missing"
+    try:
+        stored = unpack(data).get(SHARD_DIGEST)
+    except Exception as exc:  # noqa: BLE001 - whatever safetensors or JSON raise for bytes that do not decode
+        return f"{channel.describe(key)} does not decode: {type(exc).__name__}: {exc}"
+    return None if stored == digest else f"{channel.describe(key)} holds other data than the split's meta records"
 
 
 def delete_shards(channel: Channel, region: str, split: str, first: int = 0) -> None:
@@ -120,12 +147,13 @@ def write_split(
 
     One pass, one shard in memory: each shard's digest is compared with the stored `meta`'s, and
     shards are written from the first that differs (all of them with `force`, or when `meta` has no
-    digests: staged by an older version). Before that first write `meta` is deleted, and the new one
+    digests: staged by an older version), or whose stored copy is damaged or gone (each shard it would
+    reuse is read back: the reason is returned). Before that first write `meta` is deleted, and the new one
     is written last, after any surplus shards of a larger earlier staging are deleted: a reader opens
     `meta` first, so it waits for the staging, or reads one staging, never a mix. Same content: no
     writes at all. `provenance` (say, the model file's digest) is recorded but never compared."""
     meta_key = data_key(region, split, DATA_META)
-    previous = read_meta(channel, region, split)
+    previous, damage = _meta(channel, region, split)
     stored = None if force or previous is None else previous.get("shard_digests")
     if not (previous and previous.get("shard_samples") == shard_samples and isinstance(stored, list)):
         stored = []  # nothing comparable: every shard is written
@@ -143,13 +171,17 @@ def write_split(
             diverged = True
 
     def flush() -> None:
-        nonlocal part
+        nonlocal part, damage
         index, digest = len(digests), part.hexdigest()
         digests.append(digest)
         part = hashlib.sha256()
+        key = data_key(region, split, shard_name(index))
         if not diverged and index < len(stored) and stored[index] == digest:
-            shard.clear()  # storage holds this shard already
-            return
+            found = _shard_damage(channel, key, digest)
+            if found is None:
+                shard.clear()  # storage holds this shard already
+                return
+            damage = found
         diverge()
         n_inputs, n_targets = leaves or (0, 0)
         columns = {f"input_{j}": [s[0][j] for s in shard] for j in range(n_inputs)}
@@ -166,7 +198,7 @@ def write_split(
                 )
             values[column] = torch.stack(tensors)
         values[SHARD_DIGEST] = digest
-        channel.put(data_key(region, split, shard_name(index)), pack(values))
+        channel.put(key, pack(values))
         shard.clear()
 
     for raw_inputs, raw_targets in samples:
@@ -206,7 +238,7 @@ def write_split(
     if provenance:
         meta["staged_from"] = dict(provenance)
     channel.put(meta_key, json.dumps(meta, sort_keys=True).encode())
-    return WrittenSplit(count, meta["fingerprint"], "staged" if previous is None else "restaged")
+    return WrittenSplit(count, meta["fingerprint"], "staged" if previous is None else "restaged", damage)
 
 
 class SplitReader:

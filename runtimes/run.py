@@ -17,14 +17,11 @@ import json
 import math
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlparse
 
 import torch
 from safetensors.torch import save_file
@@ -44,12 +41,12 @@ from ..ir.folders import (
 from ..ir.schema import SchemaError
 from ..ir.workflow import Function, Workflow
 from .controller import Controller
-from .cost import data_moves, measured_cost
 from .data import data_name
 from .elastic import CapacityChange, RegionFailure, check_regions
 from .emulation import EmulatedChannel, Resources
 from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvoker
 from .retrying_channel import RetryingChannel, StorageError
+from .run_outputs import chrome_trace, several_regions_figures, summarise
 from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
 from .staging import (
     DataError,
@@ -64,6 +61,7 @@ from .staging import (
     untouched_tensors,
 )
 from .storage import Channel, open_channel
+from .storage_locations import shown, storage_folders, storage_locations
 from .tensors import unpack
 
 #: the emulated figures a network can have (--bandwidth, --latency-ms): beyond them a figure is a typo, and
@@ -205,16 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def shown(location: str) -> str:
-    """A storage location as printed: a password in it (redis://:secret@host) never is."""
-    parsed = urlparse(location)
-    if parsed.password is None:
-        return location
-    host = parsed.hostname or ""
-    netloc = f"{parsed.username or ''}:***@{host}" + (f":{parsed.port}" if parsed.port else "")
-    return parsed._replace(netloc=netloc).geturl()
-
-
 def fail(message: str) -> int:
     print(f"cloudless-run: {message}", file=sys.stderr)
     return 2
@@ -263,193 +251,6 @@ def resources_of(workflow: Workflow, args: argparse.Namespace) -> Callable[[Func
         )
 
     return resources
-
-
-def chrome_trace(record: RegionRun, workflow: Workflow, origin: float) -> dict[str, Any]:
-    """The timeline: one process row per function, one thread row per replica; each invocation with
-    the forward/backward of each micro-batch, sync, step and checkpoint inside it."""
-    functions = {f.name: f for _, f in workflow.functions()}
-    events: list[dict[str, Any]] = []
-    for name, function in sorted(functions.items(), key=lambda kv: kv[1].stage):
-        pid = function.stage
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"stage {pid}: {name}"}})
-        for replica in range(function.replicas):
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": pid, "tid": replica, "args": {"name": f"replica {replica}"}}
-            )
-
-    def span(name: str, pid: int, tid: int, began: float, ended: float, cat: str, **args: Any) -> dict[str, Any]:
-        return {
-            "ph": "X",
-            "name": name,
-            "cat": cat,
-            "pid": pid,
-            "tid": tid,
-            "ts": round((began - origin) * 1e6),
-            "dur": max(1, round((ended - began) * 1e6)),
-            "args": args,
-        }
-
-    for inv in record.invocations:
-        pid = functions[inv["function"]].stage
-        events.append(
-            span(
-                f"invocation from {inv['start']} (attempt {inv['attempt']}, {inv['status']})",
-                pid,
-                inv["replica"],
-                inv["launched"],
-                inv["ended"],
-                "invocation",
-                error=inv["error"],
-            )
-        )
-    for result in record.results:
-        pid = functions[result.function].stage
-        for name, began, ended in result.spans:
-            cat = name.split()[0]
-            events.append(span(name, pid, result.replica, began, ended, cat))
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def summarise(
-    record: RegionRun, workflow: Workflow, settings: RunSettings, seconds: float, test: dict | None
-) -> dict[str, Any]:
-    times = [p.time for p in record.progress]
-    # A report rebuilt from an invocation's result (its own was lost or swept) has no time of its own:
-    # it repeats the one before, and its zero step is no measurement.
-    steps = [b - a for a, b in zip(times[:-1], times[1:], strict=True) if b > a]
-    iteration_s = statistics.median(steps) if steps else None
-    storage: dict[str, dict[str, int]] = {}
-    for result in record.results:
-        counts = storage.setdefault(result.function, {})
-        for k, v in result.storage.items():
-            counts[k] = counts.get(k, 0) + v
-    batch = workflow.run.global_batch
-    return {
-        "run_id": settings.run_id,
-        "iterations": settings.iterations,
-        "global_batch": batch,
-        "seconds": round(seconds, 3),
-        "median_iteration_s": round(iteration_s, 6) if iteration_s else None,
-        "samples_per_s": round(batch / iteration_s, 3) if iteration_s else None,
-        "final_loss": next((p.loss for p in reversed(record.progress) if not math.isnan(p.loss)), None),
-        "test": test,
-        "invocations": len(record.invocations),
-        "retries": record.retries,
-        "faults_injected": record.faults,
-        "storage_requests": storage,
-        "lost_reports": record.lost_reports,
-        "progress": [
-            {"iteration": p.iteration, "loss": None if math.isnan(p.loss) else p.loss, "time": round(p.time, 6)}
-            for p in record.progress
-        ],
-        "invocation_log": record.invocations,
-    }
-
-
-def several_regions_figures(
-    args: argparse.Namespace,
-    workflow: Workflow,
-    controller: Controller,
-    records: dict[str, RegionRun],
-    locations: dict[str, str],
-    counters: dict[str, EmulatedChannel],
-    counted: dict[str, dict[str, int]],
-) -> dict[str, Any]:
-    """What a run of several regions measured beyond each region's figures: the elastic events, the
-    model-averaging rounds, where each region's storage was, the measured cost, ASGD-GA's pushes."""
-    figures: dict[str, Any] = {"inter_region": workflow.sync.inter_region}
-    if controller.events:
-        figures["elastic"] = controller.events
-    if workflow.sync.inter_region == "model-average":
-        figures["rounds"] = controller.round_members()
-    figures["storage"] = {name: shown(where) for name, where in locations.items()}
-    figures["wan_emulated"] = bool(args.emulate)
-    requests = {
-        name: {k: v - counted[name].get(k, 0) for k, v in counter.counts.items()} for name, counter in counters.items()
-    }
-    figures["cost"] = measured_cost(
-        workflow,
-        {name: r.invocations for name, r in records.items()},
-        {name: r.results for name, r in records.items()},
-        controller=requests,
-        data_moves=data_moves(workflow, controller.storage),
-    )
-    if workflow.sync.inter_region == "asgd-ga":
-        pushes = [push.to_json() for push in controller.asgd_pushes()]
-        figures["asgd_pushes"] = pushes
-        figures["asgd_staleness"] = {
-            "bound": workflow.sync.staleness_bound,
-            "max": max((p["staleness"] for p in pushes), default=0),
-            "rebased": sum(p["rebased"] for p in pushes),
-        }
-    return figures
-
-
-def _given_storage(workflow: Workflow, given: list[str] | None) -> tuple[list[str], list[str], dict[str, str]]:
-    """The storage's region names (ASGD-GA's server too), and --storage's plain locations and REGION=URL
-    ones by region; ValueError for a REGION=URL of no region of the workflow, or an empty location."""
-    names = [r.name for r in workflow.regions]
-    if len(names) > 1 and workflow.sync.server and workflow.sync.server not in names:
-        names.append(workflow.sync.server)
-    plain = [g for g in given or () if g.split("=", 1)[0] not in names]
-    named = dict(g.split("=", 1) for g in given or () if g.split("=", 1)[0] in names)
-    for g in plain:
-        head, equals, _ = g.partition("=")
-        if equals and head and "/" not in head and ":" not in head:  # REGION=URL of an unknown region
-            raise ValueError(f"--storage {g}: no region {head!r} in the workflow; it has {', '.join(names)}")
-    for g in given or ():
-        location = g if g in plain else g.split("=", 1)[1]
-        if not location.strip() or location.strip() == "file://":  # '' would be the current folder
-            raise ValueError(
-                f"--storage {g or repr(g)}: empty; expected a folder, s3://bucket/prefix or redis://host:port/db"
-            )
-    if len(plain) > 1:
-        raise ValueError(f"--storage: {len(plain)} plain locations; give one, or REGION=URL per region")
-    return names, plain, named
-
-
-def storage_locations(workflow: Workflow, given: list[str] | None, out: Path) -> dict[str, str]:
-    """Per region (and ASGD-GA's server) its storage location, from --storage (see its help);
-    ValueError for a REGION=URL of no region of the workflow, or an empty location."""
-    names, plain, named = _given_storage(workflow, given)
-    base = plain[0] if plain else str((out / "storage").resolve())
-    if len(names) == 1:
-        return {names[0]: named.get(names[0], base)}
-    return {name: named.get(name) or region_location(base, name) for name in names}
-
-
-def local_folder(location: str) -> Path | None:
-    """The folder a storage location names (a path, or file://PATH); None for s3:// and redis://."""
-    parsed = urlparse(location)
-    if parsed.scheme == "file":
-        return Path(parsed.path)
-    return Path(location) if parsed.scheme == "" else None
-
-
-def storage_folders(workflow: Workflow, given: list[str] | None, out: Path) -> list[tuple[str, Path, bool]]:
-    """The folders the run's storage lives in, each as (how to name it in a message, folder, whether the
-    user named it): each folder --storage gives (a plain one holds every region under it), and OUT/storage
-    when a region's storage is the default. Each is marked (STORAGE_MARKER) as Cloudless's."""
-    names, plain, named = _given_storage(workflow, given)
-    folders = [
-        (f"--storage {text}", folder, True)
-        for text, location in [(g, g) for g in plain] + [(f"{n}={u}", u) for n, u in named.items()]
-        if (folder := local_folder(location)) is not None
-    ]
-    if not plain and any(not named.get(name) for name in names):
-        folders.append((str(out / "storage"), out / "storage", False))
-    return folders
-
-
-def region_location(base: str, region: str) -> str:
-    """A region's own part of one storage location: a sub-folder, or a sub-prefix of the bucket's
-    prefix or of the Redis key prefix (after '#')."""
-    parsed = urlparse(base)
-    if parsed.scheme in ("redis", "rediss"):
-        url, _, prefix = base.partition("#")
-        return f"{url}#{prefix.strip('/') + '/' if prefix.strip('/') else ''}{region}"
-    return f"{base.rstrip('/')}/{region}"
 
 
 def final_model(

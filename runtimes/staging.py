@@ -136,12 +136,13 @@ def recorded_model_file(workflow: Workflow, given: Path | None) -> Path:
 class StagedData(TypedDict):
     """What `stage_data` did: the samples of each split (for a missing test split, why it is missing),
     and per staged split the fingerprint of its content and whether it was staged, re-staged (the
-    stored data differed) or reused."""
+    stored data differed, or was damaged: `reason` says how) or reused."""
 
     train: int
     test: int | str
     fingerprint: dict[str, str]
     action: dict[str, Staging]
+    reason: dict[str, str]
 
 
 def stage_data(
@@ -169,6 +170,7 @@ def stage_data(
     counts: dict[str, int | str] = {}
     fingerprints: dict[str, str] = {}
     actions: dict[str, Staging] = {}
+    reasons: dict[str, str] = {}
     for split in ("train", "test"):
         where = name if name and split == "train" else region
         if split == "train" and sources:
@@ -185,12 +187,17 @@ def stage_data(
             counts[split] = str(exc)  # no test split: the run trains but reports no test figures
             continue
         counts[split], fingerprints[split], actions[split] = written.samples, written.fingerprint, written.action
-    return StagedData(train=int(counts["train"]), test=counts["test"], fingerprint=fingerprints, action=actions)
+        if written.reason:
+            reasons[split] = written.reason
+    return StagedData(
+        train=int(counts["train"]), test=counts["test"], fingerprint=fingerprints, action=actions, reason=reasons
+    )
 
 
 def describe_staged(staged: StagedData) -> str:
     """One line for the run's banner: per split its samples, short fingerprint and what was done, so
-    that a user sees when the data changed (re-staged) or which data a run trained on."""
+    that a user sees when the data changed or was damaged (re-staged, and why) or which data a run
+    trained on."""
     parts = []
     for split, samples in (("train", staged["train"]), ("test", staged["test"])):
         if isinstance(samples, str):
@@ -199,7 +206,8 @@ def describe_staged(staged: StagedData) -> str:
             continue
         fingerprint = staged["fingerprint"][split]
         short = fingerprint[: len(FINGERPRINT_PREFIX) + 12]
-        parts.append(f"{split} {samples} samples ({short}, {staged['action'][split]})")
+        why = staged["reason"].get(split)
+        parts.append(f"{split} {samples} samples ({short}, {staged['action'][split]}{f': {why}' if why else ''})")
     return "data: " + ", ".join(parts)
 
 

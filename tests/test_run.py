@@ -382,7 +382,7 @@ def test_storage_that_stops_answering_ends_the_run_with_one_line(mlp_build: Path
 
 
 def test_a_storage_password_is_never_printed() -> None:
-    from cloudless.runtimes.run import shown
+    from cloudless.runtimes.storage_locations import shown
 
     assert shown("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
     assert shown("redis://user:s3cret@cache.internal/2#runs") == "redis://user:***@cache.internal/2#runs"

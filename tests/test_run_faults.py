@@ -81,7 +81,8 @@ def assert_stopped_by(code: int, stderr: str, out: Path, cause: str) -> None:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert code == 1, stderr
     assert lines[-1].startswith("cloudless-run: the run failed: "), stderr
-    assert "storage refused a write" in lines[-1] and cause in lines[-1], lines[-1]
+    # a function's write, or (when it comes first) one of the controller's own: either way the cause
+    assert ("storage refused a write" in lines[-1] or "storage failed" in lines[-1]) and cause in lines[-1], lines[-1]
     assert "did not appear within" not in stderr  # the cause, not a key timeout
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "failed" and cause in metrics["error"]
@@ -116,6 +117,16 @@ def test_a_full_folder_mid_run_stops_the_run_with_its_cause(long_pipeline: Path,
     code, stderr = run_until_storage_fails(long_pipeline, tmp_path / "out", str(small_tmpfs), fill)
     assert_stopped_by(code, stderr, tmp_path / "out", "No space left on device")
     assert any((small_tmpfs / "full").rglob("*")), "the run's keys were deleted: --resume has nothing to go on"
+
+
+def test_a_folder_made_read_only_mid_run_stops_the_run_with_its_cause(
+    long_pipeline: Path, small_tmpfs: Path, tmp_path: Path
+) -> None:
+    def read_only() -> None:  # root writes through file modes: the mount itself goes read-only
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+
+    code, stderr = run_until_storage_fails(long_pipeline, tmp_path / "out", str(small_tmpfs), read_only)
+    assert_stopped_by(code, stderr, tmp_path / "out", "Read-only file system")
 
 
 def test_redis_at_its_memory_limit_mid_run_stops_the_run_with_its_cause(long_pipeline: Path, tmp_path: Path):

@@ -25,8 +25,9 @@ from cloudless.ir.workflow import (
 )
 from cloudless.runtimes.cost import measured_cost, wan_pairs
 from cloudless.runtimes.emulation import Resources, wan_channel, wan_link
-from cloudless.runtimes.run import resources_of, storage_locations
+from cloudless.runtimes.run import resources_of
 from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.storage_locations import storage_locations
 
 PRICES = RegionPrices(
     gb_second=2e-5,
