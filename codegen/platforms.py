@@ -24,7 +24,6 @@ The bucket is a resource of the SAM stack, named by CloudFormation: no fixed, gu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 import re
@@ -36,7 +35,14 @@ from typing import Any
 import jinja2
 
 from ..ir.catalog import AWS_REGION_PREFIX, DISTRIBUTED_MAP_MAX_CONCURRENCY, INLINE_MAP_MAX_CONCURRENCY
-from ..ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, RUN_STOPPED_ERROR, logical_id
+from ..ir.deployment import (
+    CARRIED_FIELDS,
+    EXECUTION_FIELDS,
+    RUN_STOPPED_ERROR,
+    bounded_name,
+    lambda_function_name,
+    logical_id,
+)
 from ..ir.protocol import PEERS_ENV, S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
 from ..ir.workflow import Function, Region, Workflow
 from .images import OPENFAAS_BUILD_ARGS, image_name, image_tag
@@ -60,8 +66,7 @@ TIMEOUT_MARGIN_S = 10
 #: keys that are not written yet.
 S3_OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 
-#: Lambda's limit on a function name (letters, digits, '-' and '_'), and Step Functions' on a state machine's
-LAMBDA_NAME_LIMIT = 64
+#: Step Functions' limit on a state machine's name (Lambda's on a function's: ir/deployment.py)
 STATE_MACHINE_NAME_LIMIT = 80
 #: the SAM template's logical id of the run's bucket
 BUCKET_RESOURCE = "RunBucket"
@@ -156,23 +161,9 @@ def iterations_per_invocation(iteration_s: float | None, time_limit_s: float, ch
     return max(1, min(checkpoint_every, int(RANGE_SHARE_OF_TIME_LIMIT * time_limit_s / iteration_s)))
 
 
-def _bounded_name(name: str, limit: int) -> str:
-    """`name`, or when longer than `limit` its start and 8 hex digits of its SHA-256 (still unique)."""
-    if len(name) <= limit:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[: limit - 9].rstrip('-_')}-{digest}"
-
-
-def lambda_function_name(function_name: str, region: str) -> str:
-    """The deployed Lambda function of a stage's function in a region: `<function>-<region>` (the run, the
-    stage and the catalog region: mlp-digits-s0-aws-us-east-1), at most LAMBDA_NAME_LIMIT characters."""
-    return _bounded_name(f"{function_name}-{region}", LAMBDA_NAME_LIMIT)
-
-
 def state_machine_name(workflow: Workflow, region: str) -> str:
     """The region's state machine: `<run>-<region>`, at most STATE_MACHINE_NAME_LIMIT characters."""
-    return _bounded_name(f"{workflow.run.name}-{region}", STATE_MACHINE_NAME_LIMIT)
+    return bounded_name(f"{workflow.run.name}-{region}", STATE_MACHINE_NAME_LIMIT)
 
 
 def stack_name(workflow: Workflow, region: str) -> str:
@@ -265,7 +256,7 @@ def region_bucket(workflow: Workflow, region: str) -> str:
     several regions one per region, `<bucket>-<region>` (at most BUCKET_NAME_LIMIT characters)."""
     if len(workflow.regions) == 1:
         return workflow.storage.bucket
-    return _bounded_name(f"{workflow.storage.bucket}-{region}", BUCKET_NAME_LIMIT)
+    return bounded_name(f"{workflow.storage.bucket}-{region}", BUCKET_NAME_LIMIT)
 
 
 def peer_regions(workflow: Workflow, region: str) -> list[str]:

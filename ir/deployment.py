@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -15,6 +16,25 @@ STATE_MACHINE_OUTPUT = "IterationStateMachineArn"
 #: the error an execution fails with when a worker stopped the run (diverged, aborted, storage refused a
 #: write): its cause is the worker's reason, and no retry of the execution can mend it
 RUN_STOPPED_ERROR = "Cloudless.RunStopped"
+
+
+#: Lambda's limit on a function name (letters, digits, '-' and '_')
+LAMBDA_NAME_LIMIT = 64
+
+
+def bounded_name(name: str, limit: int) -> str:
+    """`name`, or when longer than `limit` its start and 8 hex digits of its SHA-256 (still unique)."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: limit - 9].rstrip('-_')}-{digest}"
+
+
+def lambda_function_name(function_name: str, region: str) -> str:
+    """The deployed Lambda function of a stage's function in a region: `<function>-<region>` (the run, the
+    stage and the catalog region: mlp-digits-s0-aws-us-east-1), at most LAMBDA_NAME_LIMIT characters: what
+    the SAM template names it, and what `cloudless-run --invoker lambda` invokes."""
+    return bounded_name(f"{function_name}-{region}", LAMBDA_NAME_LIMIT)
 
 
 def logical_id(function_name: str) -> str:

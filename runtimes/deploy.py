@@ -190,12 +190,35 @@ class Driver:
         threads = [threading.Thread(target=region_run, args=(r,), daemon=True) for r in self.regions]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(0.2)
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.2)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the executions would go on (and bill) without us
+            stopped = self.stop_executions()
+            print(f"cloudless-run: stopped {stopped} running execution(s) of the run", file=sys.stderr)
+            raise
         if errors:
             raise errors[0]
         return self.regions
+
+    def stop_executions(self) -> int:
+        """StopExecution for every execution of the run still running (a function invoked by one finishes
+        the range it runs; nothing new starts); how many were stopped."""
+        stopped = 0
+        for region, followed in self.regions.items():
+            for record in followed.executions:
+                if "status" in record:
+                    continue
+                try:
+                    self.clients[region].stop_execution(
+                        executionArn=record["arn"], error="Cloudless.Interrupted", cause="cloudless-run was stopped"
+                    )
+                    stopped += 1
+                except Exception as exc:  # noqa: BLE001 - botocore's errors (one ended meanwhile): say, go on
+                    why = _one_line(exc)
+                    print(f"cloudless-run: {region}: could not stop {record['name']}: {why}", file=sys.stderr)
+        return stopped
 
     def _region(self, region: str) -> None:
         followed, client = self.regions[region], self.clients[region]
@@ -231,6 +254,9 @@ class Driver:
             record["error"] = f"{described.get('error', '')}: {described.get('cause', '')}".strip(": ")
             if described.get("error") == RUN_STOPPED_ERROR:  # a worker stopped the run: no retry mends it
                 raise RunError(f"{region}: execution {name} stopped: {described.get('cause') or 'no cause given'}")
+            aborted = followed.channel.try_get(protocol.abort_key(protocol.namespace(self.run_id, region)))
+            if aborted is not None:  # a function recorded why (its model's code raised): a retry would too
+                raise RunError(f"{region}: {protocol.AbortRecord.decode(aborted).message}")
             if followed.retries >= self.retries:
                 raise RunError(
                     f"{region}: execution {name} {described['status'].lower()}: {record['error'] or 'no cause given'} "

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from ..ir import protocol
 from ..ir.arguments import OneLineParser
+from ..ir.deployment import lambda_function_name
 from ..ir.files import BUILD_MARKER, build_difference, load_workflow
 from ..ir.folders import (
     STORAGE_MARKER,
@@ -230,6 +231,11 @@ def openfaas_token(token_file: Path | None) -> str:
         # It travels in an HTTP header: printable ASCII only, and one word.
         raise ValueError(f"{where}: expected one word of printable ASCII (e.g. openssl rand -hex 32)")
     return token
+
+
+def deployed_lambda_names(workflow: Workflow, region: str) -> dict[str, str]:
+    """Each function of the region by the name its SAM template deploys it under (mlp-digits-s0-aws-us-east-1)."""
+    return {f.name: lambda_function_name(f.name, region) for f in workflow.region(region).functions}
 
 
 def resources_of(workflow: Workflow, args: argparse.Namespace) -> Callable[[Function], Resources | None]:
@@ -475,7 +481,7 @@ def _train(
     elif args.invoker == "openfaas":
         invoker = OpenFaaSInvoker(args.gateway, channel, namespace, token=token)
     else:
-        invoker = LambdaInvoker(channel, namespace)
+        invoker = LambdaInvoker(channel, namespace, deployed_lambda_names(workflow, region))
     every = args.log_every or max(1, iterations // 20)
     began = time.time()
     # Per region: (time, iterations done) of the last line; the rate excludes start-up.

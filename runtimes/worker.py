@@ -60,7 +60,7 @@ from .function_channel import FunctionChannel
 from .pipeline_steps import PipelineSteps
 from .region_sync import RegionSync
 from .replica_sync import ReplicaSync
-from .storage import Channel, open_channel
+from .storage import Channel, KeyTimeout, open_channel
 
 #: the span of synchronous cross-region SGD's reduce (not "sync": that is the scatter-reduce's)
 CROSS_REGION_SPAN = "cross-region-reduce"
@@ -73,6 +73,10 @@ def load_module(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+#: how much longer than the other invocation's time limit a duplicate waits for its result
+DUPLICATE_GRACE_S = 60.0
 
 
 class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
@@ -251,7 +255,15 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
         if attempt is not None and not self.channel.claim(
             protocol.claim_key(self.namespace, self.function.name, replica, start, attempt), str(wall).encode()
         ):
-            return InvocationResult("duplicate", self.function.name, replica, start, stage=self.stage)
+            # Another invocation of this attempt runs the range (a platform's retry of a call it thought
+            # lost): answer with its result once it ends, so that whoever reads this answer (Step Functions'
+            # next range starts at the workers' stop) goes on from where it really stopped.
+            wait = timeout if time_limit_s is None else time_limit_s + DUPLICATE_GRACE_S
+            try:
+                ran = self.channel.get(done_key, wait)
+            except KeyTimeout:  # it died without a result: nothing of the range is known done
+                return InvocationResult("duplicate", self.function.name, replica, start, stage=self.stage, stop=start)
+            return dataclasses.replace(InvocationResult.decode(ran), duplicate=True)
         spans: list[list[Any]] = []
         resume = self._resume_point(start, stop, attempt)
         if self._ready != (self.namespace, replica, resume):
@@ -469,6 +481,15 @@ def open_peers(peers_json: str) -> dict[str, Channel]:
     return {region: open_channel(location) for region, location in peers.items()}
 
 
+def cap_threads(cpu_millis: int) -> None:
+    """Deployed, torch would start one thread per core of the machine under the function, however small
+    the function's CPU share (a 0.58-vCPU Lambda on a host of dozens of cores): as many threads as the
+    share's whole vCPUs, at least one. A caller that set OMP_NUM_THREADS (the local invoker's --threads)
+    keeps its own."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, math.ceil(cpu_millis / 1000)))
+
+
 def handle_request(package: Path, event: Any, storage: str | None = None) -> dict[str, Any]:
     """Run the invocation `event` (`protocol.Invocation`'s wire form) on the function in `package`;
     a warm process reuses its worker. A bad event or no storage is a ValueError (a bad request)."""
@@ -488,6 +509,7 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
         emulate = os.environ.get(EMULATE_ENV)
         resources = Resources.from_json(json.loads(emulate)) if emulate else None
         worker = StageWorker(package, open_channel(location), resources=resources, peers=open_peers(peers_json))
+        cap_threads(worker.function.cpu_millis)
     try:
         return worker.run(
             invocation.start,

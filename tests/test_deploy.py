@@ -54,12 +54,20 @@ class StepFunctionsService:
     """What moto cannot do: run the executions the driver starts. Each RUNNING execution of the machine
     is run by the ASL interpreter in a thread; its end is written back into moto's record of it."""
 
-    def __init__(self, machine_arn: str, definition: dict[str, Any], invoke: Any, fail_first: int = 0) -> None:
+    def __init__(
+        self,
+        machine_arn: str,
+        definition: dict[str, Any],
+        invoke: Any,
+        fail_first: int = 0,
+        on_failure: Any = None,
+    ) -> None:
         from moto.stepfunctions.models import stepfunctions_backends
 
         self.backend = stepfunctions_backends[ACCOUNT][AWS_REGION]
         self.machine_arn, self.definition, self.invoke = machine_arn, definition, invoke
         self.fail_first = fail_first  # this many executions fail at once (a worker's error, say)
+        self.on_failure = on_failure  # called with the execution's input as one fails (what its worker wrote)
         self.ran: list[Execution] = []
         self.handled: set[str] = set()
         self.stopped = threading.Event()
@@ -87,6 +95,8 @@ class StepFunctionsService:
         self.ran.append(execution)
         if self.fail_first > 0:
             self.fail_first -= 1
+            if self.on_failure is not None:
+                self.on_failure(json.loads(record.execution_input))
             record.error, record.cause, record.status = "States.TaskFailed", "injected", "FAILED"
             record.stop_date = datetime.now(UTC)
             return
@@ -236,6 +246,58 @@ def test_a_failed_execution_is_started_again_with_the_next_attempt(
     model = load_file(out / "model.safetensors")
     for name, value in expected_model.items():
         torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_an_execution_whose_worker_recorded_an_abort_is_not_retried(two_stages, stack, tmp_path: Path) -> None:
+    """A function whose model code raised records why (the abort record) and fails its invocation, which
+    fails the execution with the function's error: the driver reads the record and stops, no retry."""
+    from cloudless.ir import protocol
+    from cloudless.runtimes.storage import open_channel
+
+    build, workflow, _ = two_stages
+    outputs, definition, invoke = stack
+    region = workflow.regions[0].name
+    channel = open_channel(f"s3://{outputs['BucketName']}/{workflow.storage.prefix}")
+    why = "iteration 0: the forward of stage 1 raised ValueError: boom"
+
+    def model_failed(document: dict[str, Any]) -> None:
+        record = protocol.AbortRecord("failed", why, 0, 1, workflow.regions[0].functions[1].name)
+        channel.claim(protocol.abort_key(protocol.namespace(document["run"], region)), record.encode())
+
+    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, invoke, 1, model_failed):
+        out = tmp_path / "out"
+        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "raises", "--out", str(out), "-q"]
+        assert run_main([*argv, "--model", str(MLP), "--retries", "3"]) == 1
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["error"] == f"{region}: {why}"
+    assert [e["status"] for e in metrics["regions"][region]["executions"]] == ["FAILED"]
+
+
+def test_ctrl_c_stops_the_running_execution(two_stages, stack, tmp_path: Path, capsys) -> None:
+    """Interrupted, the driver stops the execution it started (StopExecution) instead of leaving it to run
+    and bill, and says so."""
+    import signal
+
+    from moto.stepfunctions.models import stepfunctions_backends
+
+    build, _, _ = two_stages
+    outputs, definition, invoke = stack
+    backend = stepfunctions_backends[ACCOUNT][AWS_REGION]
+
+    def slow(function: str, payload: Any) -> Any:  # a worker still at work when Ctrl-C comes
+        interrupt.set()
+        time.sleep(2)
+        return invoke(function, payload)
+
+    interrupt = threading.Event()
+    threading.Thread(target=lambda: interrupt.wait(60) and signal.raise_signal(signal.SIGINT), daemon=True).start()
+    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, slow):
+        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "stopped", "--out", str(tmp_path)]
+        assert run_main([*argv, "--model", str(MLP), "-q"]) == 130
+    (execution,) = backend.describe_state_machine(outputs["IterationStateMachineArn"]).executions
+    assert execution.status == "ABORTED"
+    err = capsys.readouterr().err
+    assert "cloudless-run: stopped 1 running execution(s) of the run" in err
 
 
 def test_a_stack_that_is_not_there_or_not_the_runs(two_stages, stack, tmp_path: Path, capsys) -> None:

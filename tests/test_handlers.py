@@ -192,3 +192,24 @@ def test_error_replies_name_no_path_of_the_machine(two_stage_build, tmp_path, mo
     assert scrub("<path>", "see file:///home/app/function/x") == "see <path>"
     for kept in ("s3://bucket/run/aws-us-east-1/it0/act/s0/mb0 did not appear", "redis://host:6379/0#run", "1/2"):
         assert scrub("<path>", kept) == kept
+
+
+@pytest.mark.parametrize(("cpu_millis", "threads"), [(580, 1), (1000, 1), (1770, 2), (5790, 6)])
+def test_a_deployed_function_runs_as_many_torch_threads_as_its_cpu_share(cpu_millis: int, threads: int) -> None:
+    """No OMP_NUM_THREADS (a Lambda or OpenFaaS container): threads from the function's CPU share, not from
+    the host's cores; with it (the local invoker's --threads), its value."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import torch; torch.set_num_threads(7); from cloudless.runtimes.worker import cap_threads; "
+        f"cap_threads({cpu_millis}); print(torch.get_num_threads())"
+    )
+    bare = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", probe], env=bare, capture_output=True, text=True, check=True)
+    assert int(done.stdout) == threads
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env={**bare, "OMP_NUM_THREADS": "3"}, capture_output=True, text=True, check=True
+    )
+    assert int(done.stdout) == 7  # the caller's choice stands

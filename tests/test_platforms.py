@@ -968,3 +968,17 @@ def lambda_role() -> str:
         return iam.get_role(RoleName="cloudless")["Role"]["Arn"]
     except iam.exceptions.NoSuchEntityException:
         return iam.create_role(RoleName="cloudless", AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]
+
+
+def test_cloudless_run_invokes_the_lambda_functions_by_the_names_sam_deploys() -> None:
+    """`cloudless-run --invoker lambda` without --stack: the names the template gives the functions."""
+    from cloudless.runtimes.run import deployed_lambda_names
+
+    workflow = make_workflow()
+    template = yaml.safe_load(render_region(workflow, EAST, {"sam"})[f"regions/{EAST}/template.yaml"])
+    deployed = {
+        resource["Properties"]["FunctionName"]
+        for resource in template["Resources"].values()
+        if resource["Type"] == "AWS::Serverless::Function"
+    }
+    assert set(deployed_lambda_names(workflow, EAST).values()) == deployed and len(deployed) == 3

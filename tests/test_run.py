@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,9 @@ def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
     # The same attempt delivered again (a platform's at-least-once delivery) while it ran: claimed.
     again = StageWorker(package, DirectoryChannel(storage))
     (storage / "r" / region.name / "done" / "mlp-digits-s0" / "r0" / "from0").unlink()
-    assert again.run(0, 2, 0, run="r", attempt=0).status == "duplicate"
+    # ... whose own result never comes (it died): nothing of the range is known done, not "stopped at 0"
+    lost = again.run(0, 2, 0, run="r", attempt=0, timeout=1)
+    assert (lost.status, lost.stop) == ("duplicate", 0)
     # A retry (a new attempt): it resumes from the last checkpoint and recomputes the same bytes.
     retried = again.run(0, 2, 0, run="r", attempt=1)
     assert retried.stop == 2 and retried.resumed == 1
@@ -122,6 +125,15 @@ def test_duplicate_invocations_change_nothing(tmp_path: Path) -> None:
     # After it finished, any further copy returns the recorded result and runs nothing.
     repeat = StageWorker(package, DirectoryChannel(storage)).run(0, 2, 0, run="r", attempt=2)
     assert repeat.duplicate is True and repeat.losses == retried.losses
+    # A copy delivered while the original runs answers with the original's result once it is there: where
+    # it really stopped (Step Functions starts the next range at the workers' stop).
+    with ThreadPoolExecutor(2) as pool:
+        original = pool.submit(StageWorker(package, DirectoryChannel(storage)).run, 0, 2, 0, run="s", attempt=0)
+        claim = storage / "s" / region.name / "claim"
+        while not original.done() and not any(p.is_file() for p in claim.rglob("*")):
+            time.sleep(0.01)
+        copy = pool.submit(StageWorker(package, DirectoryChannel(storage)).run, 0, 2, 0, run="s", attempt=0)
+        assert (copy.result().stop, copy.result().duplicate) == (original.result().stop, True) == (2, True)
 
 
 def test_short_invocations_leave_no_range_end_checkpoints_behind(tmp_path: Path) -> None:

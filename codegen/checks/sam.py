@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ...ir.catalog import AWS_REGIONS
+from ...ir.deployment import LAMBDA_NAME_LIMIT
 from ...ir.workflow import Region, Workflow
-from ..platforms import LAMBDA_NAME_LIMIT, aws_region, logical_id
+from ..platforms import aws_region, logical_id
 from .base import AWS_NAME, build_relative, fail, load_yaml
 from .state_machine import check_state_machine
 
