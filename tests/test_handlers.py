@@ -194,22 +194,23 @@ def test_error_replies_name_no_path_of_the_machine(two_stage_build, tmp_path, mo
         assert scrub("<path>", kept) == kept
 
 
-@pytest.mark.parametrize(("cpu_millis", "threads"), [(580, 1), (1000, 1), (1770, 2), (5790, 6)])
-def test_a_deployed_function_runs_as_many_torch_threads_as_its_cpu_share(cpu_millis: int, threads: int) -> None:
+def test_a_deployed_function_runs_as_many_torch_threads_as_its_cpu_share() -> None:
     """No OMP_NUM_THREADS (a Lambda or OpenFaaS container): threads from the function's CPU share, not from
     the host's cores; with it (the local invoker's --threads), its value."""
     import os
     import subprocess
     import sys
 
+    shares = (580, 1000, 1770, 5790)
     probe = (
-        "import torch; torch.set_num_threads(7); from cloudless.runtimes.worker import cap_threads; "
-        f"cap_threads({cpu_millis}); print(torch.get_num_threads())"
+        "import torch; from cloudless.runtimes.worker import cap_threads\n"
+        f"for share in {shares}:\n"
+        "    torch.set_num_threads(7); cap_threads(share); print(torch.get_num_threads())"
     )
     bare = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run([sys.executable, "-c", probe], env=bare, capture_output=True, text=True, check=True)
-    assert int(done.stdout) == threads
+    assert [int(x) for x in done.stdout.split()] == [1, 1, 2, 6]
     done = subprocess.run(
         [sys.executable, "-c", probe], env={**bare, "OMP_NUM_THREADS": "3"}, capture_output=True, text=True, check=True
     )
-    assert int(done.stdout) == 7  # the caller's choice stands
+    assert [int(x) for x in done.stdout.split()] == [7, 7, 7, 7]  # the caller's choice stands
