@@ -258,7 +258,7 @@ class StageWorker(Checkpoints, PipelineSteps, ReplicaSync, RegionSync):
             # Another invocation of this attempt runs the range (a platform's retry of a call it thought
             # lost): answer with its result once it ends, so that whoever reads this answer (Step Functions'
             # next range starts at the workers' stop) goes on from where it really stopped.
-            wait = timeout if time_limit_s is None else time_limit_s + DUPLICATE_GRACE_S
+            wait = timeout if time_limit_s is None else min(timeout, time_limit_s + DUPLICATE_GRACE_S)
             try:
                 ran = self.channel.get(done_key, wait)
             except KeyTimeout:  # it died without a result: nothing of the range is known done
