@@ -246,10 +246,20 @@ class Driver:
                 aborted = followed.channel.try_get(protocol.abort_key(protocol.namespace(self.run_id, region)))
                 if aborted is not None:
                     raise RunError(f"{region}: {protocol.AbortRecord.decode(aborted).message}")
-                self._follow(region, int(output.get("iteration", followed.stop)))
-                if int(output.get("iteration", followed.stop)) >= followed.stop:
+                reached = int(output.get("iteration", followed.stop))
+                self._follow(region, reached)
+                if reached >= followed.stop:
                     return
-                document = document.continued(output)
+                following = document.continued(output)
+                if reached <= document.start:
+                    # No progress: every round's workers answered as duplicates of an invocation of this
+                    # attempt that holds the range's claim and died without a result. A new attempt
+                    # claims anew (from the newest checkpoint, as after a failed execution).
+                    if followed.retries >= self.retries:
+                        raise RunError(f"{region}: execution {name} made no progress from iteration {reached}")
+                    followed.retries += 1
+                    following = replace(following, attempt=document.attempt + 1)
+                document = following
                 continue
             record["error"] = f"{described.get('error', '')}: {described.get('cause', '')}".strip(": ")
             if described.get("error") == RUN_STOPPED_ERROR:  # a worker stopped the run: no retry mends it

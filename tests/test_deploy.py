@@ -248,6 +248,34 @@ def test_a_failed_execution_is_started_again_with_the_next_attempt(
         torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_an_execution_that_made_no_progress_is_followed_by_a_new_attempt(
+    two_stages, expected_model, stack, tmp_path: Path
+) -> None:
+    """Attempt 0's claims are held by invocations that died without a result: every worker answers as their
+    duplicate (stop = start), the execution ends where it began. The driver starts attempt 1, which
+    trains what plain PyTorch trains."""
+    build, workflow, _ = two_stages
+    torch.set_num_threads(1)
+    outputs, definition, invoke = stack
+
+    def claims_held(function: str, payload: Any) -> Any:
+        if payload["attempt"] == 0:
+            return {"status": "duplicate", "stop": payload["start"], "reason": ""}
+        return invoke(function, payload)
+
+    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, claims_held):
+        out = tmp_path / "out"
+        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "held", "--out", str(out), "-q"]
+        assert run_main([*argv, "--model", str(MLP), "--retries", "1"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    executions = metrics["regions"][workflow.regions[0].name]["executions"]
+    assert [(e["input"]["attempt"], e["input"]["start"]) for e in executions][:2] == [(0, 0), (1, 0)]
+    model = load_file(out / "model.safetensors")
+    for name, value in expected_model.items():
+        torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_an_execution_whose_worker_recorded_an_abort_is_not_retried(two_stages, stack, tmp_path: Path) -> None:
     """A function whose model code raised records why (the abort record) and fails its invocation, which
     fails the execution with the function's error: the driver reads the record and stops, no retry."""
