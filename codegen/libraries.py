@@ -25,6 +25,8 @@ TORCH_NAMESPACES = frozenset(
 _OP_CALL = re.compile(r"\btorch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)")
 #: the preamble line a stage imports a registering module with
 _IMPORT_LINE = re.compile(r"^import ([\w.]+)  # registers (torch\.ops\.[\w.]+(?:, torch\.ops\.[\w.]+)*)$", re.M)
+#: any preamble line importing a library: for its ops (`# registers`) or its classes (`# defines`)
+_LIBRARY_LINE = re.compile(r"^import ([\w.]+)  # (?:registers|defines) ", re.M)
 
 
 class LibraryOpError(ValueError):
@@ -77,6 +79,17 @@ def import_lines(source: str) -> list[str]:
 def imported_registrations(source: str) -> dict[str, list[str]]:
     """Module -> the ops a stage's preamble says its import registers."""
     return {m.group(1): m.group(2).split(", ") for m in _IMPORT_LINE.finditer(source)}
+
+
+def library_imports(source: str) -> list[str]:
+    """The library modules a stage's preamble imports (for ops it calls or classes it rebuilds)."""
+    return sorted({m.group(1) for m in _LIBRARY_LINE.finditer(source)})
+
+
+def unimported_classes(source: str) -> list[str]:
+    """The library classes a stage rebuilds (`_rebuild(module.Class, ...)`) from modules it does not import."""
+    imported = set(library_imports(source))
+    return sorted({f"{m}.{name}" for m, name in re.findall(r"_rebuild\(([\w.]+)\.(\w+),", source) if m not in imported})
 
 
 def unregistered_ops(source: str) -> list[str]:

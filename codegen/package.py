@@ -34,7 +34,7 @@ from safetensors.torch import save
 
 from ..ir.workflow import Function, Workflow
 from .images import LAMBDA_BASE_IMAGE, PYTHON_VERSION
-from .libraries import imported_registrations, library_pins
+from .libraries import library_imports, library_pins
 
 #: PyTorch's index of CPU builds, and its page of torch's files: torch comes from there only (PyPI's torch
 #: for Linux x86_64 is the CUDA build, gigabytes larger, and functions have no GPU)
@@ -170,8 +170,8 @@ def render_function_package(
         "pypi_index": PYPI_INDEX,
         "pins": PYPI_PINS,
     }
-    # the libraries whose ops the stage (or its loss) calls: their registering modules' packages
-    registering = sorted({m for code in (stage_source, loss_source or "") for m in imported_registrations(code)})
+    # the libraries whose ops or modules the stage (or its loss) uses: their modules' packages
+    registering = sorted({m for code in (stage_source, loss_source or "") for m in library_imports(code)})
     libraries = library_pins(registering, IMAGE_MARKERS, _INSTALLED_OTHERWISE) if registering else ()
     context["libraries"] = libraries
     env = _environment()

@@ -36,14 +36,23 @@ _LIBRARY_MARKERS = (
 
 
 def user_frame(exc: BaseException, prefer: Path | None = None) -> traceback.FrameSummary | None:
-    """The innermost traceback frame in `prefer` (the model file), else in any non-library file.
+    """The innermost traceback frame in `prefer` (the model file, or its folder), else in any
+    non-library file.
 
     That is the line a user can act on, rather than the torch internals below it.
     """
     frames = traceback.extract_tb(exc.__traceback__)
     if prefer is not None:
         wanted = str(prefer.resolve())
-        matching = [f for f in frames if _resolved(f.filename) == wanted]
+        folder = prefer.is_dir()
+        matching = [
+            f
+            for f in frames
+            if _resolved(f.filename) == wanted
+            or folder
+            and _resolved(f.filename).startswith(wanted + "/")
+            and not any(m in f.filename for m in _LIBRARY_MARKERS)
+        ]
         if matching:
             return matching[-1]
     own = str(Path(__file__).resolve().parent.parent)

@@ -346,7 +346,7 @@ def generate_stages(
         inlined = inline_leaf_modules(part, graph, program)
         tensors = {}
         state = {}
-        for name in _stage_tensor_names(inlined.module):
+        for name in _stage_tensor_names(inlined.module, program):
             tensor = fetch_attr(inlined.module, name)
             info = graph.parameters.get(name)
             trainable = info.trainable if info else isinstance(tensor, nn.Parameter) and tensor.requires_grad
@@ -384,12 +384,23 @@ def generate_stages(
     return tuple(stages)
 
 
-def _stage_tensor_names(module: torch.fx.GraphModule) -> list[str]:
+def _stage_tensor_names(module: torch.fx.GraphModule, program: TracedProgram) -> list[str]:
     names: list[str] = []
     for node in module.graph.nodes:
         if node.op == "get_attr" and isinstance(fetch_attr(module, str(node.target)), torch.Tensor):
             if node.target not in names:
                 names.append(str(node.target))
+        if node.op == "call_module":  # a library module: its tensors sit where the stage rebuilds it
+            library = module.get_submodule(str(node.target))
+            for local, tensor in [*library.named_parameters(), *library.named_buffers()]:
+                name = f"{node.target}.{local}"
+                if program.tensor_name(tensor, name) != name:
+                    raise CompileError(
+                        f"{name} is also {program.tensor_name(tensor, name)}: a library module run as its own code "
+                        "cannot share a tensor with another module"
+                    )
+                if name not in names:
+                    names.append(name)
     return names
 
 

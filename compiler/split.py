@@ -7,7 +7,8 @@ parameters it uses, so a tied parameter used in two stages appears in both and i
 summed.
 
 `inline_leaf_modules` replaces the remaining `call_module` nodes by the ATen code torch.export
-traces for them, so that the stage's source imports nothing but torch.
+traces for them, so that the stage's source imports nothing but torch; a library module whose code
+has no graph (library_modules.py) stays a call of the module, which the stage rebuilds.
 
 A higher-order op (a `torch.no_grad()` or `torch.autocast` region, as torch.export keeps it) is one
 node whose sub-graph modules are attributes read by get_attr nodes: a stage holds those it calls,
@@ -29,6 +30,7 @@ from ..ir import OpGraph
 from .annotate import fetch_attr, node_tensors
 from .coarsen import compute_positions, crossing_values
 from .errors import CompileError
+from .library_modules import is_data_dependent, is_library_class
 from .trace import TracedProgram, export_module
 
 
@@ -111,7 +113,8 @@ def _stage_tensors(module: fx.GraphModule, program: TracedProgram) -> list[str]:
     return found
 
 
-_EXPORT_CACHE: dict[Any, tuple[fx.GraphModule, pytree.TreeSpec]] = {}
+#: a leaf's export, or None for a library module that has no graph (it stays a call of the module)
+_EXPORT_CACHE: dict[Any, tuple[fx.GraphModule, pytree.TreeSpec] | None] = {}
 
 
 def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram) -> StagePart:
@@ -138,6 +141,9 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
             try:
                 exported = export_module(leaf, tuple(args), dict(kwargs))
             except Exception as exc:
+                if is_library_class(type(leaf)) and is_data_dependent(exc):
+                    _EXPORT_CACHE[key] = None  # no graph: the stage runs the library's own code
+                    continue
                 raise CompileError(
                     f"module {node.target} ({type(leaf).__name__}) cannot be turned into torch-only code: "
                     f"torch.export failed ({type(exc).__name__}); leave it out of --leaf-module"
@@ -150,7 +156,10 @@ def inline_leaf_modules(part: StagePart, graph: OpGraph, program: TracedProgram)
                 )
             spec = leaf_program.graph._codegen.pytree_info.out_spec
             _EXPORT_CACHE[key] = (leaf_program, spec)
-        leaf_program, out_spec = _EXPORT_CACHE[key]
+        cached = _EXPORT_CACHE[key]
+        if cached is None:
+            continue
+        leaf_program, out_spec = cached
         flat_args = pytree.tree_leaves((node.args, node.kwargs))
         placeholders = [n for n in leaf_program.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(flat_args):

@@ -38,6 +38,7 @@ from .errors import (
     frame_source,
     user_frame,
 )
+from .library_modules import call_library_modules, failing_library_class, library_calls_left, opaque_library_modules
 
 TracerName = Literal["fx", "export"]
 
@@ -172,10 +173,16 @@ def trace_model(
             fx_exc = exc
         if tracer == "fx":
             raise _trace_failure(model_path, fx_exc, None) from fx_exc
-    try:
-        program = _trace_export(model, example_inputs)
-    except Exception as exc:
-        raise _trace_failure(model_path, fx_exc, exc) from exc
+    library: list[type] = []  # classes whose modules run as the library's code (data-dependent loops)
+    while True:
+        try:
+            program = _trace_export(model, example_inputs, library)
+            break
+        except Exception as exc:
+            found = failing_library_class(exc, model)
+            if found is None or found in library:
+                raise _trace_failure(model_path, fx_exc, exc) from exc
+            library.append(found)
     for node, op in unsupported_higher_order_ops(program.module, TRACEABLE_HIGHER_ORDER_OPS):
         raise _higher_order_failure(model_path, node, op)
     if any(n.target is torch.ops.higher_order.wrap_with_autocast for n in program.module.graph.nodes):
@@ -267,9 +274,13 @@ def export_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         return torch.export.export(module, args, kwargs or {}, strict=False)
 
 
-def _trace_export(model: nn.Module, example_inputs: tuple[Any, ...]) -> TracedProgram:
-    exported = export_module(model, tuple(example_inputs))
+def _trace_export(model: nn.Module, example_inputs: tuple[Any, ...], library: list[type]) -> TracedProgram:
+    with opaque_library_modules(model, example_inputs, library) as found:
+        exported = export_module(model, tuple(example_inputs))
     module = exported.module()
+    call_library_modules(module, found)
+    if library_calls_left(module):
+        raise TypeError("a library module is called inside a torch.no_grad() or torch.autocast region")
     graph = module.graph
     for node in list(graph.nodes):
         # The export's checks of what it saw: its guards, and the dtype asserts it puts before a
@@ -365,8 +376,8 @@ def _trace_failure(model_path: Path, fx_exc: BaseException | None, export_exc: B
     """One message: where the model's code broke tracing, why, and the usual fix."""
     frame = None
     for exc in (export_exc, fx_exc):
-        if exc is not None and frame is None:
-            frame = user_frame(exc, model_path)
+        if exc is not None and frame is None:  # the innermost line of the model's folder: its own modules too
+            frame = user_frame(exc, model_path.parent)
     where = frame_location(frame) if frame else display_path(model_path)
     line = f" at `{frame_source(frame)}`" if frame and frame_source(frame) else ""
     reasons = []
@@ -384,8 +395,8 @@ def _trace_failure(model_path: Path, fx_exc: BaseException | None, export_exc: B
         # a loop or shape that follows tensor values has no graph at all: a leaf module would fail the same way
         fixes = (
             "replace the branch on a tensor's value with torch.where(...) or torch.cond(...); code whose loop count "
-            "or shapes follow tensor values (a mixture of experts' loop over the experts hit) has no graph: use "
-            "the library's vectorised form (transformers: leave experts_implementation at its default)"
+            "or shapes follow tensor values (a mixture of experts' loop over the experts hit) has no graph: "
+            "vectorise it, or make its module part of an installed package, whose modules run as their own code"
         )
     if isinstance(fx_exc, RegionNotTraceable) and export_exc is None:
         fixes = "trace with --tracer auto or --tracer export, which keep the region"

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..codegen.libraries import library_ops
+from ..codegen.libraries import library_imports, library_ops
 from .chain import run_chain
 from .errors import CompileError, VerificationError, describe
 
@@ -122,8 +122,12 @@ _FRESH_CHECK = """
 import json, re, sys
 for label, source in json.load(sys.stdin):
     try:
-        exec(compile(source, "<" + label + ">", "exec"), {"__name__": "stage"})
+        namespace = {"__name__": "stage"}
+        exec(compile(source, "<" + label + ">", "exec"), namespace)
         import torch
+        if "Stage" in namespace:  # builds its library modules, if any, from their classes
+            with torch.device("meta"):
+                namespace["Stage"]()
         for namespace, name in re.findall(r"\\btorch\\.ops\\.([A-Za-z_]\\w*)\\.([A-Za-z_]\\w*)", source):
             getattr(getattr(torch.ops, namespace), name)
     except Exception as exc:
@@ -133,11 +137,12 @@ for label, source in json.load(sys.stdin):
 
 
 def check_library_ops_resolve(modules: Sequence[tuple[str, str]]) -> None:
-    """When a generated module calls a library's op (torch.ops outside torch's own namespaces): load
+    """When a generated module calls a library's op (torch.ops outside torch's own namespaces) or
+    rebuilds a library's module: load
     every module in a fresh interpreter, as a function does, and look each op up there, where only
     what the module imports is imported (this process has the model's libraries loaded: a stage that
     forgot one would pass here and fail in its function). CompileError naming the module and the op."""
-    if not any(library_ops(source) for _, source in modules):
+    if not any(library_ops(source) or library_imports(source) for _, source in modules):
         return
     result = subprocess.run(
         [sys.executable, "-c", _FRESH_CHECK],

@@ -38,8 +38,19 @@ def case(name: str, *args: str, cwd: Path = ROOT, env: dict[str, str] | None = N
 
 def meddled(name: str, storage: str, meddle, *extra: str) -> None:
     """A run of 400 iterations that `meddle(process)` disturbs once it trained 3."""
-    command = [str(BIN / "cloudless-run"), str(BUILD), "--iterations", "400", "--storage", storage,
-               "--out", str(WORK / f"out-{name.replace(' ', '-')}"), "--log-every", "1", *extra]
+    command = [
+        str(BIN / "cloudless-run"),
+        str(BUILD),
+        "--iterations",
+        "400",
+        "--storage",
+        storage,
+        "--out",
+        str(WORK / f"out-{name.replace(' ', '-')}"),
+        "--log-every",
+        "1",
+        *extra,
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert process.stdout is not None
     for line in process.stdout:
@@ -79,16 +90,24 @@ def fill(_: object) -> None:
 meddled("1 full folder mid-run", str(full), fill)
 ro = WORK / "ro"
 mount(ro, "size=64m")
-meddled("1 folder made read-only mid-run", str(ro),
-        lambda _: subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True))
+meddled(
+    "1 folder made read-only mid-run",
+    str(ro),
+    lambda _: subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True),
+)
 redis_dir = WORK / "redis"
 redis_dir.mkdir()
 port = 16399
-server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir",
-                           str(redis_dir)], stdout=subprocess.DEVNULL)
+server = subprocess.Popen(
+    ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(redis_dir)],
+    stdout=subprocess.DEVNULL,
+)
 time.sleep(1)
-meddled("1 redis at maxmemory mid-run", f"redis://127.0.0.1:{port}/0",
-        lambda _: run("redis-cli", "-p", str(port), "config", "set", "maxmemory", "1"))
+meddled(
+    "1 redis at maxmemory mid-run",
+    f"redis://127.0.0.1:{port}/0",
+    lambda _: run("redis-cli", "-p", str(port), "config", "set", "maxmemory", "1"),
+)
 server.terminate()
 
 # 2. --storage unguarded
@@ -114,8 +133,13 @@ case("3 code appended to stage.py", str(BIN / "cloudless-run"), str(edited), "-q
 
 # 4. waits: the staged data's wait honours the payload's timeout
 package = next(p for p in (BUILD / "regions").glob("*/functions/*-s0"))
-case("4 handler payload timeout 2 s, no staged data", str(BIN / "python"), str(package / "handler.py"),
-     json.dumps({"iteration": 0, "stop": 1, "timeout": 2}), env={"CLOUDLESS_STORAGE": str(WORK / "empty")})
+case(
+    "4 handler payload timeout 2 s, no staged data",
+    str(BIN / "python"),
+    str(package / "handler.py"),
+    json.dumps({"iteration": 0, "stop": 1, "timeout": 2}),
+    env={"CLOUDLESS_STORAGE": str(WORK / "empty")},
+)
 
 
 def pause(process: subprocess.Popen[str]) -> None:
@@ -127,6 +151,7 @@ def pause(process: subprocess.Popen[str]) -> None:
 meddled("4 controller paused 30 s (seconds include the pause)", str(WORK / "paused"), pause)
 metrics = json.loads((WORK / "out-4-controller-paused-30-s-(seconds-include-the-pause)" / "metrics.json").read_text())
 RESULTS.append(("4   its samples/s", None, 0.0, str(metrics["samples_per_s"])))
+
 
 # 5. recovery: a damaged newest-checkpoint record, a damaged staged shard
 def stop_after_checkpoint(process: subprocess.Popen[str]) -> None:
@@ -140,31 +165,95 @@ def stop_after_checkpoint(process: subprocess.Popen[str]) -> None:
 meddled("5   (a run stopped after its checkpoint at 100)", str(WORK / "rec"), stop_after_checkpoint, "--run-id", "rec")
 latest = next((WORK / "rec" / "rec").rglob("state/s0/latest"))
 latest.write_bytes(b"garbage")
-case("5 --resume with a damaged state/s0/latest", str(BIN / "cloudless-run"), str(BUILD), "--iterations", "400",
-     "--storage", str(WORK / "rec"), "--resume", "rec", "--out", str(WORK / "out-5-stopped-after"), "-q")
+case(
+    "5 --resume with a damaged state/s0/latest",
+    str(BIN / "cloudless-run"),
+    str(BUILD),
+    "--iterations",
+    "400",
+    "--storage",
+    str(WORK / "rec"),
+    "--resume",
+    "rec",
+    "--out",
+    str(WORK / "out-5-stopped-after"),
+    "-q",
+)
 shard = next((WORK / "rec" / "data").rglob("shard-00000"))
 damaged = bytearray(shard.read_bytes())
 damaged[len(damaged) // 2] ^= 0xFF
 shard.write_bytes(bytes(damaged))
 began = time.monotonic()
-restaged = run(str(BIN / "cloudless-run"), str(BUILD), "--iterations", "20", "--storage", str(WORK / "rec"),
-               "--out", str(WORK / "out-5b"))
-RESULTS.append(("5 a damaged staged shard", restaged.returncode, time.monotonic() - began,
-                restaged.stdout.strip().splitlines()[-1][:300]))
-RESULTS.append(("5   its staging line", None, 0.0,
-                next((x for x in restaged.stdout.splitlines() if "stag" in x and "shard" in x), "(none)")[:300]))
+restaged = run(
+    str(BIN / "cloudless-run"),
+    str(BUILD),
+    "--iterations",
+    "20",
+    "--storage",
+    str(WORK / "rec"),
+    "--out",
+    str(WORK / "out-5b"),
+)
+RESULTS.append(
+    (
+        "5 a damaged staged shard",
+        restaged.returncode,
+        time.monotonic() - began,
+        restaged.stdout.strip().splitlines()[-1][:300],
+    )
+)
+RESULTS.append(
+    (
+        "5   its staging line",
+        None,
+        0.0,
+        next((x for x in restaged.stdout.splitlines() if "stag" in x and "shard" in x), "(none)")[:300],
+    )
+)
 
 # 8. a Redis password from a file (never on the command line)
 secret = WORK / "redis.pass"
 secret.write_text("s3cret-pass\n")
-locked = subprocess.Popen(["redis-server", "--port", "16398", "--save", "", "--appendonly", "no", "--requirepass",
-                           "s3cret-pass", "--dir", str(redis_dir)], stdout=subprocess.DEVNULL)
+locked = subprocess.Popen(
+    [
+        "redis-server",
+        "--port",
+        "16398",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--requirepass",
+        "s3cret-pass",
+        "--dir",
+        str(redis_dir),
+    ],
+    stdout=subprocess.DEVNULL,
+)
 time.sleep(1)
-case("8 redis without its password", str(BIN / "cloudless-run"), str(BUILD), "--iterations", "5", "--storage",
-     "redis://127.0.0.1:16398/0", "--out", str(WORK / "out-8a"))
-case("8 redis, password from CLOUDLESS_REDIS_PASSWORD_FILE", str(BIN / "cloudless-run"), str(BUILD), "--iterations",
-     "5", "--storage", "redis://127.0.0.1:16398/0", "--out", str(WORK / "out-8b"),
-     env={"CLOUDLESS_REDIS_PASSWORD_FILE": str(secret)})
+case(
+    "8 redis without its password",
+    str(BIN / "cloudless-run"),
+    str(BUILD),
+    "--iterations",
+    "5",
+    "--storage",
+    "redis://127.0.0.1:16398/0",
+    "--out",
+    str(WORK / "out-8a"),
+)
+case(
+    "8 redis, password from CLOUDLESS_REDIS_PASSWORD_FILE",
+    str(BIN / "cloudless-run"),
+    str(BUILD),
+    "--iterations",
+    "5",
+    "--storage",
+    "redis://127.0.0.1:16398/0",
+    "--out",
+    str(WORK / "out-8b"),
+    env={"CLOUDLESS_REDIS_PASSWORD_FILE": str(secret)},
+)
 locked.terminate()
 
 # 6. silently wrong configuration
@@ -174,8 +263,16 @@ lines = text.splitlines(keepends=True)
 at = next(i for i, line in enumerate(lines) if line.strip().startswith("gb_second:"))
 twice = lines[at].replace(lines[at].split(":", 1)[1], " 1.0\n")  # the same key again, 60,000x the price
 catalog.write_text("".join([*lines[: at + 1], twice, *lines[at + 1 :]]))
-case("6 a catalog key given twice", str(BIN / "cloudless-compile"), "samples/mlp_digits.py", "--catalog",
-     str(catalog), "-o", str(WORK / "b2"), "-q")
+case(
+    "6 a catalog key given twice",
+    str(BIN / "cloudless-compile"),
+    "samples/mlp_digits.py",
+    "--catalog",
+    str(catalog),
+    "-o",
+    str(WORK / "b2"),
+    "-q",
+)
 elsewhere = WORK / "elsewhere"
 (elsewhere / "samples").mkdir(parents=True)
 (elsewhere / "samples" / "mlp_digits.py").write_text("# another file of that name\n")

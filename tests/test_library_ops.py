@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cloudless.codegen.libraries import import_lines, library_ops, unregistered_ops
+from cloudless.codegen.libraries import import_lines, library_ops, unimported_classes, unregistered_ops
+from cloudless.codegen.library_objects import REBUILD_SOURCE, LibraryObjects
 from cloudless.codegen.validate import BuildCheckError, check_build
 from cloudless.compiler.errors import CompileError
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
@@ -148,11 +149,15 @@ MIXTRAL = """
 
 
 @pytest.mark.slow
-def test_mixtral_with_its_grouped_mm_op_trains_in_a_replicated_pipeline_as_plain_pytorch(
-    compile_cli, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("experts", ["default", "eager"])
+def test_mixtral_trains_in_a_replicated_pipeline_as_plain_pytorch(compile_cli, tmp_path: Path, experts: str) -> None:
+    """Default experts call the grouped_mm op transformers registers; eager experts loop over the experts a
+    batch hits (no graph), so each experts module runs as the library's code, rebuilt in its stage."""
     path = tmp_path / "model.py"
-    path.write_text(textwrap.dedent(MIXTRAL))
+    source = textwrap.dedent(MIXTRAL)
+    if experts == "eager":
+        source = source.replace("use_cache=False,", 'use_cache=False, experts_implementation="eager",')
+    path.write_text(source)
     front = run_front_end(FrontEndOptions(path, profile_repeats=0))
     last = len(front.chain.blocks) - 1
     build = tmp_path / "build"
@@ -160,20 +165,22 @@ def test_mixtral_with_its_grouped_mm_op_trains_in_a_replicated_pipeline_as_plain
         front, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=2, global_batch=8, iterations=3
     )
     sources = {f.package: (build / f.package / "stage.py").read_text() for f in workflow.regions[0].functions}
-    assert any("torch.ops.transformers.grouped_mm_fallback" in source for source in sources.values())
+    marker = "torch.ops.transformers.grouped_mm_fallback" if experts == "default" else "# defines MixtralExperts"
+    assert all(marker in source for source in sources.values())
     for package, source in sources.items():
-        assert unregistered_ops(source) == [], package
-        if library_ops(source):
-            requirements = (build / package / "requirements-libraries.txt").read_text()
-            assert f"transformers=={__import__('transformers').__version__}\n" in requirements
-            assert "requirements-libraries.txt" in (build / package / "Dockerfile").read_text()
-            assert "transformers==" in (build / package / "requirements.txt").read_text()
-    # every op resolves in a fresh interpreter, and the run (fresh processes) trains as plain PyTorch
+        assert unregistered_ops(source) == [] and unimported_classes(source) == [], package
+        requirements = (build / package / "requirements-libraries.txt").read_text()
+        assert f"transformers=={__import__('transformers').__version__}\n" in requirements
+        assert "requirements-libraries.txt" in (build / package / "Dockerfile").read_text()
+        assert "transformers==" in (build / package / "requirements.txt").read_text()
+    # every op resolves and every library module builds in a fresh interpreter, and the run (fresh
+    # processes) trains as plain PyTorch
     check_library_ops_resolve(sorted(sources.items()))
     out = tmp_path / "out"
     assert run_main([str(build), "--out", str(out), "--model", str(path), "-q"]) == 0
     params = load_file(out / "model.safetensors")
     expected = reference_training(front, workflow, workflow.regions[0].name)
+    assert params.keys() == expected.keys()
     for name, value in params.items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
     assert json.loads((out / "metrics.json").read_text())["status"] == "done"
@@ -182,7 +189,184 @@ def test_mixtral_with_its_grouped_mm_op_trains_in_a_replicated_pipeline_as_plain
     code, _, stderr = compile_cli(str(path), "-o", str(compiled), "--repeats", "1", "-q")
     assert code == 0, stderr
     check_build(compiled)
-    stage = next(p for p in compiled.glob("regions/*/functions/*/stage.py") if library_ops(p.read_text()))
-    stage.write_text("\n".join(line for line in stage.read_text().splitlines() if "# registers" not in line))
-    with pytest.raises(BuildCheckError, match=r"stage\.py: key \(imports\): calls torch\.ops\.transformers"):
+    stage = next(compiled.glob("regions/*/functions/*/stage.py"))
+    stage.write_text(
+        "\n".join(
+            line
+            for line in stage.read_text().splitlines()
+            if "# registers" not in line and "# defines MixtralExperts" not in line
+        )
+    )
+    wanted = r"calls torch\.ops\.transformers" if experts == "default" else r"rebuilds transformers\.models\.mixtral"
+    with pytest.raises(BuildCheckError, match=r"stage\.py: key \(imports\): " + wanted):
         check_build(compiled)
+
+
+#: a package installed as pip installs one (its code and a dist-info), with a module whose forward loops
+#: over the experts its input picks (a data-dependent loop: no graph), takes a keyword argument and
+#: returns a tuple; its attributes hold a number, a string, a dtype, a function and a child module
+ROUTED_PACKAGE = """
+    import torch
+    from torch import nn
+
+
+    class Routed(nn.Module):
+        def __init__(self, width: int, experts: int) -> None:
+            super().__init__()
+            self.gate = nn.Linear(width, experts)
+            self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+            self.scale, self.label, self.dtype, self.act = 0.5, "routed", torch.float32, torch.tanh
+
+        def forward(self, x, *, temperature=1.0):
+            probs = torch.softmax(self.gate(x) / temperature, -1)
+            choice = probs.argmax(-1)
+            out = torch.zeros_like(x)
+            for e in choice.unique():
+                rows = (choice == e).nonzero().squeeze(1)
+                out = out.index_add(0, rows, self.act(self.experts[int(e)](x[rows])) * probs[rows, int(e)][:, None])
+            return out * self.scale, choice
+"""
+
+ROUTED_MODEL = """
+    import torch
+    from torch import nn
+
+    from routedlib.moe import Routed
+
+    TRAINING = {"global_batch_size": 8, "micro_batch_sizes": [4], "iterations": 3, "learning_rate": 0.1}
+
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.routed, self.b = nn.Linear(6, 8), Routed(8, 3), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h, _ = self.routed(torch.relu(self.a(x)), temperature=2.0)
+            return self.b(h)
+
+
+    def build_model() -> nn.Module:
+        torch.manual_seed(0)
+        return Net()
+
+
+    def example_inputs(batch_size: int):
+        return (torch.randn(batch_size, 6, generator=torch.Generator().manual_seed(0)),)
+
+
+    def example_targets(batch_size: int):
+        return torch.randint(0, 3, (batch_size,), generator=torch.Generator().manual_seed(1))
+
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, count: int) -> None:
+            self.inputs, self.targets = example_inputs(count), example_targets(count)
+
+        def __len__(self) -> int:
+            return len(self.targets)
+
+        def __getitem__(self, i: int):
+            return (self.inputs[0][i],), self.targets[i]
+
+
+    def load_shard(region: str, split: str) -> Rows:
+        return Rows(32 if split == "train" else 8)
+"""
+
+
+def _install_routedlib(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """routedlib 0.1, installed into `site` (on sys.path here and in the run's function processes)."""
+    (site / "routedlib").mkdir(parents=True)
+    (site / "routedlib" / "__init__.py").write_text("")
+    (site / "routedlib" / "moe.py").write_text(textwrap.dedent(ROUTED_PACKAGE))
+    info = site / "routedlib-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: routedlib\nVersion: 0.1\n")
+    (info / "top_level.txt").write_text("routedlib\n")
+    (info / "RECORD").write_text("routedlib/__init__.py,,\nroutedlib/moe.py,,\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+
+
+@pytest.mark.slow
+def test_a_library_module_with_a_data_dependent_loop_runs_as_its_own_code_and_trains_as_plain_pytorch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _install_routedlib(tmp_path / "site", monkeypatch)
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(ROUTED_MODEL))
+    front = run_front_end(FrontEndOptions(path, profile_repeats=0))
+    routed = [n for n in front.program.module.graph.nodes if n.op == "call_module"]
+    assert [str(n.target) for n in routed] == ["routed"] and routed[0].kwargs == {"temperature": 2.0}
+    last = len(front.chain.blocks) - 1
+    build = tmp_path / "build"
+    workflow = write_packages(
+        front, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=4, global_batch=8, iterations=3
+    )
+    sources = [(f.package, (build / f.package / "stage.py").read_text()) for f in workflow.regions[0].functions]
+    (holder,) = [source for _, source in sources if "_rebuild(" in source]
+    assert "import routedlib.moe  # defines Routed" in holder
+    assert "'scale': 0.5, 'label': 'routed', 'dtype': torch.float32, 'act': torch.tanh" in holder
+    assert "'routed.experts.2.weight': ((8, 8), 'float32', 'parameter')" in holder
+    assert "routedlib==0.1" in (build / workflow.regions[0].functions[0].package / "requirements.txt").read_text() or (
+        "routedlib==0.1" in "".join((build / p / "requirements.txt").read_text() for p, _ in sources)
+    )
+    check_library_ops_resolve(sources)
+    out = tmp_path / "out"
+    assert run_main([str(build), "--out", str(out), "--model", str(path), "-q"]) == 0
+    params = load_file(out / "model.safetensors")
+    expected = reference_training(front, workflow, workflow.regions[0].name)
+    assert params.keys() == expected.keys()
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    built = front.model_file.build_model().state_dict()
+    assert not torch.equal(params["routed.gate.weight"], built["routed.gate.weight"])  # the library's code trained
+    assert any(
+        not torch.equal(params[f"routed.experts.{e}.weight"], built[f"routed.experts.{e}.weight"]) for e in range(3)
+    )
+
+
+def test_a_data_dependent_loop_in_the_models_own_folder_is_one_error_naming_the_line_and_fix(
+    compile_cli, tmp_path: Path
+) -> None:
+    (tmp_path / "mine.py").write_text(textwrap.dedent(ROUTED_PACKAGE))
+    (tmp_path / "model.py").write_text(textwrap.dedent(ROUTED_MODEL).replace("from routedlib.moe", "from mine"))
+    code, _, stderr = compile_cli(str(tmp_path / "model.py"), "-o", str(tmp_path / "build"))
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert "for e in choice.unique()" in stderr and "installed package" in stderr, stderr
+    assert not (tmp_path / "build").exists()
+
+
+def test_a_library_module_is_rebuilt_from_literals_and_what_cannot_be_written_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _install_routedlib(tmp_path / "site", monkeypatch)
+    from routedlib.moe import Routed
+
+    module = Routed(4, 2)
+    objects = LibraryObjects()
+    expression = objects.module(module, "net.routed")
+    assert objects.import_lines() == [
+        "import routedlib.moe  # defines Routed",
+        "import torch",
+        "import torch.nn.modules.container",
+        "import torch.nn.modules.linear",
+    ]
+    namespace: dict[str, object] = {"torch": torch, "routedlib": __import__("routedlib.moe")}
+    exec(REBUILD_SOURCE, namespace)
+    rebuilt = eval(expression, namespace)
+    assert type(rebuilt) is Routed and type(rebuilt.experts) is torch.nn.ModuleList
+    assert (rebuilt.scale, rebuilt.label, rebuilt.dtype, rebuilt.act) == (0.5, "routed", torch.float32, torch.tanh)
+    assert dict(rebuilt.named_parameters()) == {}  # its tensors are the stage's, loaded from the weights
+    rebuilt.load_state_dict(module.state_dict(), strict=False, assign=True)
+    module.act = lambda x: x
+    with pytest.raises(ValueError, match=r"net\.routed\.act: .*cannot be imported by name"):
+        LibraryObjects().module(module, "net.routed")
+    module.act, module.table = torch.tanh, torch.ones(2)
+    with pytest.raises(ValueError, match=r"net\.routed\.table is a tensor that is neither a parameter nor a buffer"):
+        LibraryObjects().module(module, "net.routed")
+    del module.table
+    module.register_forward_hook(lambda *_: None)
+    with pytest.raises(ValueError, match=r"net\.routed has forward hooks"):
+        LibraryObjects().module(module, "net.routed")

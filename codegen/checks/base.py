@@ -162,11 +162,3 @@ def lookup(document: Any, key: str) -> Any:
 def shorten(value: Any, limit: int = 80) -> str:
     text = "(nothing)" if value is MISSING else repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def function_key_of(document: dict[str, Any], region: int, name: str) -> str:
-    """workflow.yaml's key of a region's function (Workflow.from_json sorts them by stage)."""
-    for index, function in enumerate(document["regions"][region]["functions"]):
-        if function["name"] == name:
-            return f"regions/{region}/functions/{index}"
-    raise KeyError(name)

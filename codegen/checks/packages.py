@@ -10,16 +10,18 @@ import typing
 from typing import Any
 
 from ...ir.workflow import Function, Region, Workflow
+from ...ir.workflow_rules import function_key
 from ..libraries import (
     LibraryOpError,
     canonical_name,
     distribution_of,
-    imported_registrations,
+    library_imports,
+    unimported_classes,
     unregistered_ops,
 )
 from ..package import VENDORED_MODULES
 from ..stage_source import TensorKind
-from .base import EDITED, MISSING, BuildContext, fail, function_key_of, shorten
+from .base import EDITED, MISSING, BuildContext, fail, shorten
 
 #: safetensors dtype -> (the torch dtype name a generated stage's TENSORS gives, bytes per element)
 _SAFETENSORS_DTYPES = {
@@ -97,7 +99,8 @@ def check_packages(context: BuildContext, document: dict[str, Any], workflow: Wo
 
 def _check_library_ops(context: BuildContext, workflow: Workflow, function: Function, last: bool) -> None:
     """Every op the stage (and the loss) calls resolves in the function: torch's own, or a library's
-    that a module the code imports registers, from a package requirements.txt installs."""
+    that a module the code imports registers, from a package requirements.txt installs; every library
+    class it rebuilds is imported the same way."""
     installed = {
         canonical_name(line.split("==")[0])
         for line in (context.root / function.package / "requirements.txt").read_text().splitlines()
@@ -114,7 +117,15 @@ def _check_library_ops(context: BuildContext, workflow: Workflow, function: Func
                 f"calls {', '.join(unregistered)}, which nothing the file imports registers: the function would fail "
                 f"at its first forward{context.note(file)}",
             )
-        for module in imported_registrations(source):
+        unimported = unimported_classes(source)
+        if unimported:
+            fail(
+                file,
+                "(imports)",
+                f"rebuilds {', '.join(unimported)} without importing its module: the function would fail as it "
+                f"starts{context.note(file)}",
+            )
+        for module in library_imports(source):
             try:
                 distribution = distribution_of(module)
             except LibraryOpError:
@@ -123,7 +134,7 @@ def _check_library_ops(context: BuildContext, workflow: Workflow, function: Func
                 fail(
                     f"{function.package}/requirements.txt",
                     distribution,
-                    f"missing: {file} imports {module} (it registers the ops the stage calls), which this "
+                    f"missing: {file} imports {module} (the stage calls its ops or runs its modules), which this "
                     f"package does not install{context.note(file)}",
                 )
 
@@ -236,7 +247,7 @@ def _check_stage_module(
     function's `frozen_parameters` (the worker neither trains, syncs nor checkpoints them)."""
     file = f"{function.package}/stage.py"
     constants = _module_constants(context, file, ("INPUTS", "OUTPUTS", "TENSORS"))
-    key = function_key_of(document, r, function.name)
+    key = function_key(document, r, function.name)
     for name, expected in (("INPUTS", function.inputs), ("OUTPUTS", function.outputs)):
         found = _names(constants[name])
         if found is None:
@@ -372,7 +383,7 @@ def _check_shared(
     it: the stages that list it sum their gradients, and one left out would train its copy apart."""
     shared = {name for function in region.functions for name in function.shared_parameters}
     for function in region.functions:
-        key = f"{function_key_of(document, r, function.name)}/shared_parameters"
+        key = f"{function_key(document, r, function.name)}/shared_parameters"
         held = {name for name, (_, _, kind) in tensors[function.stage].items() if kind == "parameter"}
         for name in function.shared_parameters:
             if name not in held:

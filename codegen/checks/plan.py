@@ -8,7 +8,8 @@ from typing import Any
 
 from ...ir.plan import PlannedStage, TrainingPlan
 from ...ir.workflow import Workflow
-from .base import EDITED, BuildContext, fail, function_key_of, schema_check, shorten
+from ...ir.workflow_rules import function_key
+from .base import EDITED, BuildContext, fail, schema_check, shorten
 
 
 def check_plan(context: BuildContext, document: dict[str, Any], workflow: Workflow) -> None:
@@ -72,7 +73,7 @@ def check_plan(context: BuildContext, document: dict[str, Any], workflow: Workfl
         where, stages = planned[region.name]
         agree(where, len(stages), f"regions/{r}/functions", len(region.functions))
         for position, (stage, function) in enumerate(zip(stages, region.functions, strict=True)):
-            key = function_key_of(document, r, function.name)
+            key = function_key(document, r, function.name)
             here = f"{where}/{position}"
             agree(f"{here}/index", stage.index, f"{key}/stage", function.stage)
             agree(f"{here}/blocks", list(stage.blocks), f"{key}/blocks", list(function.blocks))
