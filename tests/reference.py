@@ -150,6 +150,8 @@ def plain_sync(model_file: ModelFile, workflow: Workflow, iterations: int) -> di
                 total.copy_(total + weight * grad)
         for total, p in zip(totals, params, strict=True):
             p.grad = total
+        if workflow.run.max_grad_norm is not None:  # the mean gradient's norm, as one process would clip it
+            torch.nn.utils.clip_grad_norm_(params, workflow.run.max_grad_norm)
         trainers[0].set_learning_rate(iteration)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +165,16 @@ def test_model_average_across_regions_matches_plain_pytorch(compile_cli, tmp_pat
     assert metrics["cost"]["wan"][f"{a}->{b}"]["gets"] >= rounds  # at least one read per round
 
 
+@pytest.mark.parametrize("clip", [None, pytest.param(0.05, marks=pytest.mark.slow)])
 def test_sync_across_regions_matches_plain_pytorch_and_every_region_holds_the_same_bits(
-    compile_cli, tmp_path: Path
+    compile_cli, tmp_path: Path, clip: float | None
 ) -> None:
+    """With TRAINING["max_grad_norm"], each region clips the cross-region mean gradient by its global
+    norm (every stage's, after the reduce), as one process clips the mean gradient."""
     build, out = tmp_path / "build", tmp_path / "run"
     workflow = compile_geo(compile_cli, build, "sync")
+    if clip is not None:
+        workflow = rewrite_workflow(build, lambda w: w["run"].update(max_grad_norm=clip))
     iterations = 12  # of the plan's, every region alike (run.iterations is a region's under sync)
     metrics = run_geo(build, out, "--iterations", str(iterations), "--run-id", "s", "--keep-storage")
     typed = Workflow.from_json(workflow)
@@ -178,6 +184,11 @@ def test_sync_across_regions_matches_plain_pytorch_and_every_region_holds_the_sa
     got = load_file(out / "model.safetensors")
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    if clip is not None:  # the clipping bites: without it, the parameters differ
+        unclipped = plain_sync(
+            load_model_file(GEO), replace(typed, run=replace(typed.run, max_grad_norm=None)), iterations
+        )
+        assert any(not torch.allclose(got[name], unclipped[name], rtol=1e-3, atol=1e-5) for name in unclipped)
     # Every region took the same steps: bit-identical parameters in each region's own storage.
     states = []
     for region in typed.regions:
