@@ -51,6 +51,8 @@ def build_files(
     }
     if plan is not None and plan_options is not None and timeline is not None and lowered is not None:
         files.update(_planned_files(plan, timeline, lowered, targets, graph, plan_options))
+    elif plan is not None:  # planned only (--plan-only): no stages, so no packages to describe
+        files["plan.json"] = plan_text(plan).encode()
     return dict(sorted({**files, BUILD_MARKER: build_manifest(files)}.items()))
 
 

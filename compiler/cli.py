@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         "samples): --no-verify skips it",
     )
     parser.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="plan from shapes: build the model with stand-ins for its weights (one element per parameter; a "
+        "block's weights are made only while the profile times it), plan, and write plan.json and ir/ (no "
+        "function packages, no report); the plan is the one a full compile makes (see docs/usage.md)",
+    )
+    parser.add_argument(
         "--stages",
         type=int,
         help="plan exactly N pipeline stages (the MILP still chooses the cuts, tiers and replicas; --max-stages "
@@ -299,7 +306,11 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     planning = args.repeats > 0 or args.profile is not None
     # verified unless --no-verify when a plan is made; without one (front end only), with --verify
-    verify = args.verify if args.verify is not None else planning
+    verify = args.verify if args.verify is not None else planning and not args.plan_only
+    if args.plan_only and (args.verify or not planning):
+        problem = "--verify (stand-ins hold no weights to compare)" if args.verify else "--repeats 0 (nothing to plan)"
+        console.print(f"cloudless-compile: error: --plan-only cannot go with {problem}", markup=False)
+        return 2
     options = CompileOptions(
         FrontEndOptions(
             model_path=args.model,
@@ -309,7 +320,9 @@ def _main(argv: Sequence[str] | None) -> int:
             tracer=args.tracer,
             profile_repeats=max(args.repeats, 0),
             profile_from=args.profile,
+            stand_ins=args.plan_only,
         ),
+        packages=not args.plan_only,
         plan=plan_options if planning else None,
         verify_stages=(args.stages or DEFAULT_VERIFY_STAGES) if verify else 0,
         targets=targets,

@@ -99,6 +99,9 @@ def opaque_library_modules(
 ) -> Iterator[LibraryCalls]:
     """While open, each module of `model` of one of `classes` is one op for torch.export."""
     found = LibraryCalls({name: m for name, m in model.named_modules() if type(m) in classes})
+    if not found.modules:
+        yield found
+        return
     recorded: dict[str, list[Any]] = {}
     hooks = [
         module.register_forward_hook(lambda _m, _a, out, path=path: recorded.setdefault(path, []).append(out))

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from ..ir.workflow import PRECISIONS, ParameterGroup
 from .errors import ModelFileError, describe, display_path, frame_location, name_as_typed, user_frame
+from .stand_ins import parameters_on_meta, replace_with_stand_ins
 
 TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "global_batch_size": int,
@@ -92,9 +93,15 @@ class ModelFile:
         where = frame_location(frame) if frame else display_path(self.path)
         return ModelFileError(f"{where}: {message}")
 
-    def instantiate(self, batch_size: int) -> tuple[nn.Module, tuple[Any, ...], Any]:
-        """Build the model and one micro-batch of example inputs and targets, type-checked."""
-        model = self.call("build_model")
+    def instantiate(self, batch_size: int, *, stand_ins: bool = False) -> tuple[nn.Module, tuple[Any, ...], Any]:
+        """Build the model and one micro-batch of example inputs and targets, type-checked. `stand_ins`:
+        the model's parameters are stand-ins of their shapes, not weights (stand_ins.py)."""
+        if stand_ins:
+            with parameters_on_meta():
+                model = self.call("build_model")
+            replace_with_stand_ins(model)
+        else:
+            model = self.call("build_model")
         if not isinstance(model, nn.Module):
             raise ModelFileError(
                 f"{display_path(self.path)}: build_model() returned {type(model).__name__}; expected a torch.nn.Module"

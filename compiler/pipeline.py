@@ -67,6 +67,8 @@ class FrontEndOptions:
     profile_repeats: int = 3
     #: reuse the block times of an earlier build's ir/blocks.json instead of measuring
     profile_from: Path | None = None
+    #: build the model with stand-ins for its weights (stand_ins.py): plan from shapes
+    stand_ins: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class CompileOptions:
     plan: PlanOptions | None = None
     #: stages --verify splits into when there is no plan (0: no verification)
     verify_stages: int = 0
+    #: split the plan into stages and write their function packages (False: the plan, report and ir/ only)
+    packages: bool = True
     targets: frozenset[str] = TARGETS
     #: the build folder (None: the build's files are returned, not written)
     output: Path | None = None
@@ -134,12 +138,12 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
     # The stages run at the plan's micro-batch: trace again at that size when the profile's differs
     # (torch.export bakes the traced sizes into reshapes; a stage traced at 2 fails on 8 rows).
     runs_at = front
-    if planned is not None and planned.solution.plan.micro_batch != front.chain.batch_size:
+    if planned is not None and options.packages and planned.solution.plan.micro_batch != front.chain.batch_size:
         with timed("retrace"):
             runs_at = retrace(front, planned.solution.plan.micro_batch, options.front)
     ranges: list[tuple[int, int]] = []
     split_from = ""
-    if planned is not None:
+    if planned is not None and options.packages:
         ranges = [(s.first, s.last) for s in planned.solution.plan.stages]
         split_from = "the plan's split"
     elif options.verify_stages > 0:
@@ -164,7 +168,7 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
             verify.batch_size = runs_at.graph.batch_size
             verify.split_from = split_from
     lowered = None
-    if planned is not None:
+    if planned is not None and options.packages:
         with timed("lower"):
             trainings, inter_region = region_trainings(planned)
             problem = planned.problem
@@ -195,7 +199,7 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
     with timed("load"):
         model_file = load_model_file(options.model_path)
         batch_size = options.batch_size or _default_batch_size(model_file)
-        model, example_inputs, targets = model_file.instantiate(batch_size)
+        model, example_inputs, targets = model_file.instantiate(batch_size, stand_ins=options.stand_ins)
         flat_inputs = pytree.tree_leaves(example_inputs)
         # A schedule the functions cannot follow is an error now, not after tracing, profiling and
         # planning (lowering records it over the run's iterations, known only then with epochs).

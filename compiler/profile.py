@@ -42,10 +42,12 @@ from torch.utils import _pytree as pytree
 
 from ..ir import BlockChain, MachineInfo, OpGraph
 from ..ir.blocks import ProfileStability
+from .annotate import node_tensors
 from .chain import run_chain
 from .coarsen import block_cuts
 from .errors import CompileError, display_path
 from .split import partition
+from .stand_ins import is_stand_in, run_blocks_one_by_one
 from .trace import TracedProgram
 
 _R = TypeVar("_R")
@@ -198,7 +200,7 @@ def measure_runs(
     inputs = dict(zip(program.input_names, flat_inputs, strict=True))
     seed = 0
 
-    def run_once() -> tuple[list[float], list[float]]:
+    def run_chained() -> tuple[list[float], list[float]]:
         nonlocal seed
         for p in program.module.parameters():
             p.grad = None
@@ -211,12 +213,43 @@ def measure_runs(
             on_run()
         return times
 
+    held = [[t for n in p.module.graph.nodes for t in node_tensors(p.module, n)] for p in parts]
+    keys = block_keys(graph, chain)
+
+    def run_one_by_one() -> tuple[list[float], list[float]]:
+        torch.manual_seed(0)
+        times = run_blocks_one_by_one(stages, signatures, held, keys, inputs, loss_of)
+        if on_run:
+            on_run()
+        return times
+
+    # planned from shapes (stand-ins for the weights): a block at a time, its weights materialised
+    run_once = run_one_by_one if any(is_stand_in(p) for p in program.module.parameters()) else run_chained
+
     a, b = torch.randn(REFERENCE_SIZE, REFERENCE_SIZE), torch.randn(REFERENCE_SIZE, REFERENCE_SIZE)
     try:
         return repeat_until_stable(run_once, lambda: time_probe(a, b), repeats)
     finally:
         for p in program.module.parameters():
             p.grad = None
+
+
+def block_keys(graph: OpGraph, chain: BlockChain) -> list[Any]:
+    """Per block, what its time follows: its operations, their output shapes and the shapes of the
+    parameters they use (identical layers have equal keys; the last block's loss makes it its own)."""
+    nodes = {n.name: n for n in graph.nodes}
+    keys: list[Any] = []
+    for block in chain.blocks:
+        key = tuple(
+            (
+                nodes[name].target,
+                tuple((m.shape, m.dtype) for m in nodes[name].outputs),
+                tuple((graph.parameters[p].shape, graph.parameters[p].dtype) for p in nodes[name].params),
+            )
+            for name in block.nodes
+        )
+        keys.append(key if block.index < len(chain.blocks) - 1 else ("last", key))
+    return keys
 
 
 def _autocast(call: Callable[..., _R], bf16_mixed: bool) -> Callable[..., _R]:

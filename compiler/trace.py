@@ -194,7 +194,8 @@ def trace_model(
 
 
 def _memory(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+    # the storage itself, not its address: a model built on the meta device has none
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _state_names(model: nn.Module) -> dict[str, str]:

@@ -1,0 +1,146 @@
+"""Scale benchmark: compile wall time and peak memory (max RSS) against parameter count.
+
+    .venv/bin/python bench/scale_bench.py [--shapes gpt2 tinyllama llama3-8b llama-70b] [--full gpt2 tinyllama]
+
+Each shape is a transformers config (no download) in a generated model file, compiled in a fresh
+process (its own max RSS), micro-batch 1 x 128 tokens:
+- `--plan-only` (stand-ins for the weights, a block's weights at a time): every shape;
+- the full compile (the weights built, traced, profiled, split and written into the build): the
+  shapes named by `--full` (the 8B's 32 GB of fp32 weights do not fit this 24 GB machine).
+Printed per run: parameters, weight bytes, path, wall seconds, peak GB, stages planned, and the
+ratio of peak memory to the weights' bytes. Issue 29's targets: a 70B shape plans with peak <= 16 GB;
+the 1.1B peaks <= 4 GB; compile time at most linear in layer count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES: dict[str, tuple[str, dict[str, int | float]]] = {
+    "gpt2": ("GPT2", {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}),
+    "tinyllama": (
+        "Llama",
+        {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+         "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048},
+    ),
+    "llama3-8b": (
+        "Llama",
+        {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    ),
+    "llama-70b": (
+        "Llama",
+        {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+         "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    ),
+}  # fmt: skip
+
+MODEL = """
+import torch
+import transformers
+from torch import nn
+
+# SGD: weights and gradients per function (Adam's two more copies would not fit a 70B layer in 10 GB)
+TRAINING = {{"global_batch_size": 64, "micro_batch_sizes": [1], "iterations": 100}}
+VOCAB = {vocab}
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.{family}Config(**{config}, use_cache=False)
+    return transformers.{family}{head}(config)
+
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=1e-4)
+
+
+def example_inputs(batch_size: int):
+    return (torch.randint(0, VOCAB, (batch_size, 128), generator=torch.Generator().manual_seed(0)),)
+
+
+def example_targets(batch_size: int):
+    return torch.randint(0, VOCAB, (batch_size, 128), generator=torch.Generator().manual_seed(1))
+
+
+def loss_fn(output, target):
+    return nn.functional.cross_entropy(output.logits.reshape(-1, VOCAB), target.reshape(-1))
+"""
+
+#: runs the compile in this process and prints its max RSS (bytes) last
+RUNNER = (
+    "import resource, sys\n"
+    "from cloudless.compiler.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)\n"
+    "sys.exit(code)\n"
+)
+
+
+def model_file(folder: Path, shape: str) -> Path:
+    family, config = SHAPES[shape]
+    head = "LMHeadModel" if family == "GPT2" else "ForCausalLM"
+    path = folder / f"{shape.replace('-', '_')}.py"
+    vocab = config["vocab_size"]
+    path.write_text(MODEL.format(family=family, head=head, config=repr(config), vocab=vocab))
+    return path
+
+
+def parameter_count(shape: str) -> int:
+    import torch
+    import transformers
+
+    family, config = SHAPES[shape]
+    with torch.device("meta"):
+        model = getattr(transformers, f"{family}{'LMHeadModel' if family == 'GPT2' else 'ForCausalLM'}")(
+            getattr(transformers, f"{family}Config")(**config)
+        )
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def compile_once(path: Path, out: Path, plan_only: bool) -> dict[str, object]:
+    command = [sys.executable, "-c", RUNNER, str(path), "-o", str(out), "-q", "--repeats", "2"]
+    command += ["--plan-only"] if plan_only else ["--no-verify"]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    peak = next((int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("MAXRSS")), 0)
+    stages = None
+    if result.returncode == 0:
+        stages = len(json.loads((out / "plan.json").read_text())["stages"])
+    error = "" if result.returncode == 0 else (result.stderr.strip().splitlines() or ["?"])[-1][:160]
+    return {"wall_s": wall, "peak": peak, "stages": stages, "error": error}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--full", nargs="*", default=["gpt2", "tinyllama"], choices=list(SHAPES))
+    args = parser.parse_args()
+    print(f"{'shape':<10} {'params':>8} {'weights GB':>10} {'path':<9} {'wall s':>7} {'peak GB':>8} "
+          f"{'peak/weights':>12} {'stages':>6}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        for shape in args.shapes:
+            path = model_file(folder, shape)
+            count = parameter_count(shape)
+            weights = count * 4
+            runs = [("plan-only", True)] + ([("full", False)] if shape in args.full else [])
+            for name, plan_only in runs:
+                got = compile_once(path, folder / f"{shape}-{name}", plan_only)
+                peak = int(got["peak"])  # type: ignore[call-overload]
+                line = (
+                    f"{shape:<10} {count / 1e9:>7.2f}B {weights / 1e9:>10.2f} {name:<9} {got['wall_s']:>7.0f} "
+                    f"{peak / 1e9:>8.2f} {peak / weights:>12.2f} {got['stages'] or '-':>6}"
+                )
+                print(line + (f"  error: {got['error']}" if got["error"] else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()

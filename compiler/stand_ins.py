@@ -1,0 +1,140 @@
+"""Plan from shapes: the model's parameters as stand-ins, never its weights.
+
+`build_model()` runs with every parameter sent to the meta device as it is registered (one
+parameter's memory at a time; buffers stay real, their values matter: rotary frequencies, masks),
+and each is then replaced by a *stand-in*: a real CPU parameter of its shape and dtype whose one
+element is expanded (stride 0) over the shape. Tracing, annotation and the loss check run on
+stand-ins as on weights: the graph, shapes, FLOPs, saved activations and bytes come out the same
+(tests/test_stand_ins.py compares the annotated graphs), at one element per parameter.
+
+Values are another matter: a kernel given a stride-0 weight may copy it first, which a timing would
+count. The profile therefore materialises one block's parameters at a time (random values of their
+shape and dtype), runs that block's forward and backward, and puts the stand-ins back
+(`run_blocks_one_by_one`): peak memory follows the largest block, not the model. Blocks with the same
+operations on the same shapes are timed once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """While open, every parameter a module registers goes to the meta device."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def stand_in(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `shape` and `dtype` holding one element (its own storage: tensors are told
+    apart by their storage)."""
+    return torch.zeros(1, dtype=dtype).expand(*shape) if len(shape) else torch.zeros((), dtype=dtype)
+
+
+def replace_with_stand_ins(model: nn.Module) -> int:
+    """Replace each meta parameter of `model` by a stand-in (a tied parameter by one stand-in); the
+    bytes its weights would take."""
+    made: dict[int, nn.Parameter] = {}
+    total = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(stand_in(param.shape, param.dtype), requires_grad=param.requires_grad)
+                total += param.numel() * param.element_size()
+            module._parameters[name] = made[id(param)]
+    return total
+
+
+def is_stand_in(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 1 and tensor.untyped_storage().nbytes() <= tensor.element_size()
+
+
+@contextmanager
+def materialised(parameters: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While open, each stand-in among `parameters` holds random values of its shape (a normal
+    sample: what a kernel computes on does not change its time); the stand-ins come back after."""
+    swapped = []
+    for param in dict.fromkeys(parameters):  # a tied parameter once
+        if is_stand_in(param):
+            real = torch.empty(param.shape, dtype=param.dtype)
+            real.normal_() if real.is_floating_point() else real.zero_()
+            swapped.append((param, param.data))
+            param.data = real
+    try:
+        yield
+    finally:
+        for param, data in swapped:
+            param.data = data
+            param.grad = None
+
+
+def _received(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def run_blocks_one_by_one(
+    stages: Sequence[Callable[..., tuple[Any, ...]]],
+    signatures: Sequence[tuple[Sequence[str], Sequence[str]]],
+    parameters: Sequence[Sequence[torch.Tensor]],
+    keys: Sequence[Any],
+    model_inputs: dict[str, Any],
+    loss_of: Callable[[tuple[Any, ...]], torch.Tensor],
+) -> tuple[list[float], list[float]]:
+    """Each stage's forward and backward seconds, one stage at a time with its `parameters`
+    materialised: its forward on the previous stage's outputs, then its backward from the loss (the
+    last) or from a gradient of ones for its outputs. A stage whose key an earlier stage had is not
+    run: it takes that stage's times, and its outputs (of the same shapes) go on to the next."""
+    values: dict[str, Any] = dict(model_inputs)
+    forward_s: list[float] = []
+    backward_s: list[float] = []
+    #: key -> the times of the first stage with it, and its outputs (what the next stage takes)
+    timed: dict[Any, tuple[float, float, tuple[Any, ...]]] = {}
+    for s, (stage, (inputs, outputs)) in enumerate(zip(stages, signatures, strict=True)):
+        last = s == len(stages) - 1
+        key = (keys[s], len(inputs), len(outputs))
+        if key in timed and not last:  # an identical block: its times, and outputs of its shapes
+            f, b, result = timed[key]
+        else:
+            taken = [values[name] if s == 0 else _received(values[name]) for name in inputs]
+            with materialised(parameters[s]):
+                start = time.perf_counter()
+                result = tuple(stage(*taken))
+                loss = loss_of(result) if last else None
+                f = time.perf_counter() - start
+                tensors = [loss] if loss is not None else [r for r in result if _differentiable(r)]
+                start = time.perf_counter()
+                if tensors:
+                    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+                b = time.perf_counter() - start
+            del taken, tensors, loss
+            result = tuple(_received(value) for value in result)
+            timed[key] = (f, b, result)
+        forward_s.append(f)
+        backward_s.append(b)
+        values = dict(zip(outputs, result, strict=True)) if not last else {}
+    return forward_s, backward_s
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
