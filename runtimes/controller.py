@@ -83,11 +83,18 @@ class Controller(Coordinator):
             raise RunError(str(exc)) from None
         # The coordinator: every region's plan, re-planned as capacity changes and regions leave.
         self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.run_rounds = self.rounds()
         self.plans = {
-            region.name: RegionPlan(self.region_iterations(region), tuple(f.replicas for f in region.functions))
+            region.name: RegionPlan(
+                self.region_iterations(region), tuple(f.replicas for f in region.functions), rounds=self.run_rounds
+            )
             for region in workflow.regions
         }
         self.ranges: dict[str, tuple[int, int]] = {}  # the range under way per region
+        self.positions = {region.name: 0 for region in workflow.regions}  # where each stands between ranges
+        self.idle: set[str] = set()  # at their end, waiting
+        self.exited: set[str] = set()  # their threads ended
         self.ends: dict[str, int] = {}  # where each region's run ended
         self.events: list[dict[str, Any]] = []  # what the coordinator did, in order (metrics.json)
 
@@ -115,7 +122,7 @@ class Controller(Coordinator):
         for region in self.workflow.regions:
             channel, namespace = self.storage(region.name), self.namespace(region.name)
             for stage in range(region.stages):
-                for k in range(self.rounds() or 0):
+                for k in range(self.run_rounds or 0):
                     key = protocol.round_key(namespace, "model-average", stage, k, "members")
                     data = channel.try_get(key)
                     if data is not None:
@@ -154,6 +161,9 @@ class Controller(Coordinator):
             finally:
                 progress = records[region.name].progress  # a region that left mid-range: as far as it got
                 self.ends[region.name] = max(at, progress[-1].iteration + 1 if progress else 0)
+                with self.changed:
+                    self.exited.add(region.name)
+                    self.changed.notify_all()  # a region waiting at its end: the run may be over
 
         threads = [threading.Thread(target=run_region, args=(r,)) for r in self.workflow.regions]
         for thread in threads:
@@ -164,6 +174,8 @@ class Controller(Coordinator):
                     thread.join(0.2)  # in steps: Ctrl-C reaches this thread between them
         except KeyboardInterrupt:
             self.cancelled.set()  # each region kills its invocations and stops
+            with self.changed:
+                self.changed.notify_all()  # a region waiting at its end too
             for thread in threads:
                 thread.join()
             raise
@@ -208,7 +220,7 @@ class Controller(Coordinator):
             # the region's iterations in this run (its meet points with several regions, what a
             # learning-rate schedule stretches over), and what the coordinator re-planned
             iterations=plan.end if plan is not None else None,
-            rounds=self.rounds(),
+            rounds=plan.rounds if plan is not None else self.rounds(),
             since=plan.since if plan is not None and plan.since else None,
             first_round=plan.first_round if plan is not None and plan.first_round else None,
             replicas=plan.replicas if plan is not None and plan.replicas != planned else None,

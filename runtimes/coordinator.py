@@ -13,7 +13,7 @@ from typing import Any
 
 from ..ir import protocol
 from ..ir.workflow import Region, Workflow, round_meets
-from .elastic import fit_replicas, share_iterations, slowdown
+from .elastic import extra_rounds, fit_replicas, share_iterations, slowdown
 from .run_state import RegionGone, RegionPlan, RegionRun, RunSettings
 from .storage import Channel
 
@@ -30,8 +30,14 @@ class Coordinator:
     channel: Channel  # the storage of every region `channels` does not name
     channels: dict[str, Channel]
     lock: threading.RLock
+    changed: threading.Condition  # on `lock`: a region's plan changed, or it stopped or left
+    cancelled: threading.Event  # Ctrl-C: every region stops
     plans: dict[str, RegionPlan]
+    run_rounds: int | None  # the run's rounds now: the plan's, and the new ones re-plans gave it
     ranges: dict[str, tuple[int, int]]  # the range under way per region
+    positions: dict[str, int]  # where each region stands between its ranges (or at its end)
+    idle: set[str]  # regions at their end, waiting for the run to end or for a re-plan
+    exited: set[str]  # regions whose thread ended
     ends: dict[str, int]  # where each region's run ended
     records: dict[str, RegionRun]  # what the run did so far
     events: list[dict[str, Any]]  # what the coordinator did, in order (metrics.json)
@@ -78,23 +84,32 @@ class Coordinator:
         return (*self.plans[name].met, *sorted(self.meets(name)))
 
     def _next_stop(self, name: str, at: int) -> int | None:
-        """Where the region's next range stops (its end, or its next capacity change), None when it is
-        done or has left; notes the range as under way."""
-        with self.lock:
-            plan = self.plans[name]
-            if plan.left or at >= plan.end:
-                return None
-            stop = min(
-                [plan.end]
-                + [c.iteration for c in self.settings.capacity_changes if c.region == name and at < c.iteration]
-            )
-            self.ranges[name] = (at, stop)
-            return stop
+        """Where the region's next range from `at` stops (its end, or its next capacity change); notes the
+        range as under way. A region at its end waits there, as a re-plan may give it more iterations (a
+        region that leaves later): None once it has left, or once every region is at its end or gone."""
+        with self.changed:
+            self.positions[name] = at
+            while not self.cancelled.is_set():
+                plan = self.plans[name]
+                if plan.left:
+                    return None
+                if at < plan.end:
+                    self.idle.discard(name)
+                    changes = [c.iteration for c in self.settings.capacity_changes if c.region == name]
+                    stop = min([plan.end] + [c for c in changes if at < c])
+                    self.ranges[name] = (at, stop)
+                    return stop
+                self.idle.add(name)
+                self.changed.notify_all()
+                if all(p.left or n in self.idle or n in self.exited for n, p in self.plans.items()):
+                    return None  # the run is over: nothing is left to re-plan
+                self.changed.wait(1.0)
+            return None
 
     def meets(self, name: str) -> dict[int, int]:
         """The region's meet points under its plan now: iterations done -> the round ending there
         (every iteration under `sync`; none for one region)."""
-        plan, rounds = self.plans[name], self.rounds()
+        plan, rounds = self.plans[name], self.plans[name].rounds
         if rounds is None:
             return {}
         if self.workflow.sync.inter_region == "sync":
@@ -103,9 +118,9 @@ class Coordinator:
 
     def _rounds_done(self, name: str, at: int) -> int:
         """How many of its rounds the region has met after `at` iterations (its plan now)."""
-        plan, rounds = self.plans[name], self.rounds() or 0
+        plan = self.plans[name]
         if self.workflow.sync.inter_region == "sync":
-            return min(at, rounds)
+            return min(at, plan.rounds or 0)
         return plan.first_round + sum(1 for end in self.meets(name) if plan.since < end <= at)
 
     def _range_ended(self, region: Region, at: int) -> None:
@@ -113,6 +128,7 @@ class Coordinator:
         changes due there (re-planning every region)."""
         name = region.name
         plan = self.plans[name]
+        self.positions[name] = at
         if plan.next is not None:
             self._adopt(name, plan.next, at)
         for change in self.settings.capacity_changes:
@@ -133,18 +149,19 @@ class Coordinator:
             self._replan(name, at, factor)
 
     def _adopt(self, name: str, new: RegionPlan, at: int) -> None:
-        """Region `name`'s range stopped at `at`: its plan from there is `new` (its end at least one
-        iteration per round left; no iterations where no round is left, as nothing would apply them)."""
-        rounds = self.rounds()
+        """Region `name` stands at `at` (its range stopped there, or it is between ranges or at its end):
+        its plan from there is `new` (its end at least one iteration per round left, the run's new
+        rounds included; no iterations where no round is left, as nothing would apply them)."""
         done = self._rounds_done(name, at)
         plan = self.plans[name]
         plan.replicas, plan.weight, plan.next = new.replicas, new.weight, None
-        if rounds is None or self.workflow.sync.inter_region == "sync":
+        if plan.rounds is None or self.workflow.sync.inter_region == "sync":
             return
+        rounds = new.rounds or plan.rounds
         left = rounds - done
         if left:
             plan.met += tuple(end for end in sorted(self.meets(name)) if end <= at)
-            plan.end, plan.since, plan.first_round = max(new.end, at + left), at, done
+            plan.end, plan.since, plan.first_round, plan.rounds = max(new.end, at + left), at, done, rounds
         else:
             plan.end = at
 
@@ -185,46 +202,69 @@ class Coordinator:
         requested = protocol.cut_request(decided)  # an earlier re-plan's request: this one takes its place
         return requested if requested is not None else (int(decided) if int(decided) < stop else None)
 
+    def _standing(self, name: str) -> int:
+        """Where a re-plan takes region `name` from: where it stands between its ranges or at its end
+        (finished), else the meet its range under way is asked to stop at (`_cut`), else, with no meet
+        left to cut it at, the range's end."""
+        if name not in self.ranges:
+            return self.positions[name]
+        cut = self._cut(name)
+        return cut if cut is not None else self.ranges[name][1]
+
     def _replan(self, trigger: str | None, at: int, factor: float = 1.0) -> None:
-        """Re-solve the inter-region level from the current state: the run's iterations not yet planned
-        for good go to the regions still training, in proportion to their pace (the trigger's scaled by
-        `factor`, its new replicas), each at least one per round left. A region whose range cannot be
-        cut keeps its plan. Under `sync` every region runs every iteration: nothing moves."""
-        if self.rounds() is None or self.workflow.sync.inter_region == "sync":
+        """Re-solve the inter-region level from the current state: the run's iterations not yet trained
+        for good (a region that left: what it trained after its last round that counted) go to the
+        regions still training, from where each stands (`_standing`), in proportion to their pace (the
+        trigger's scaled by `factor`, its new replicas), each at least one per round left. Where no
+        region has a round left (the others had finished, or were in their last round), the run gets
+        new rounds (`extra_rounds`) and every region still training runs them: a finished one is
+        invoked again. A region between ranges or finished takes its new plan now, a range under way
+        where it stops. Under `sync` every region runs every iteration: nothing moves."""
+        if self.run_rounds is None or self.workflow.sync.inter_region == "sync":
             return
-        rounds = self.rounds() or 0
         total = sum(self.region_iterations(r) for r in self.workflow.regions)
-        committed, points, seconds, least = 0, {}, {}, {}
+        committed, points, least = 0, {}, {}
         for name, plan in self.plans.items():
-            if plan.left:  # what it did up to its last round applied
-                applied = self._applied_rounds(name)
-                committed += self.round_ends(name)[applied - 1] if applied else 0
+            if plan.left:
+                committed += self.applied_iterations(name) or 0
                 continue
-            point = at if name == trigger else self._cut(name)
-            left = rounds - self._rounds_done(name, point) if point is not None else 0
-            if point is None or left == 0:
-                committed += plan.end
-                continue
-            points[name], least[name] = point, left
-            seconds[name] = self._seconds_per_iteration(name) * (factor if name == trigger else 1.0)
-        if not points:
+            points[name] = self._standing(name)
+            least[name] = self.run_rounds - self._rounds_done(name, points[name])
+        remaining = total - committed - sum(points.values())
+        if remaining > 0 and points and not any(least.values()):
+            extra = extra_rounds(remaining, len(points), self.rounds() or 1, total)
+            self.run_rounds += extra
+            least = dict.fromkeys(points, extra)
+        sharing = {name: count for name, count in least.items() if count > 0}  # the others end where they stand
+        if not sharing:
             return
-        shares = share_iterations(total - committed - sum(points.values()), seconds, least)
+        seconds = {n: self._seconds_per_iteration(n) * (factor if n == trigger else 1.0) for n in sharing}
+        shares = share_iterations(remaining, seconds, sharing)
         planned = sum(shares.values())
-        for name, point in points.items():
+        for name, share in shares.items():
             plan = self.plans[name]
-            new = RegionPlan(point + shares[name], plan.replicas, shares[name] / planned if planned else None)
-            if name == trigger:
-                self._adopt(name, new, point)
-            else:
+            new = RegionPlan(points[name] + share, plan.replicas, share / planned if planned else None, self.run_rounds)
+            if name in self.ranges:
                 plan.next = new
+            else:
+                self._adopt(name, new, points[name])
         self._note(
             "replan",
             trigger or "",
             at,
-            iterations={name: point + shares[name] for name, point in points.items()},
+            iterations={name: points[name] + share for name, share in shares.items()},
+            rounds=self.run_rounds,
             seconds_per_iteration={name: round(value, 6) for name, value in seconds.items()},
         )
+        self.changed.notify_all()  # a region waiting at its end goes on
+
+    def applied_iterations(self, name: str) -> int | None:
+        """Of a region that left (model averaging, ASGD-GA): its iterations the other regions applied, up
+        to the end of its last round that counted (`_applied_rounds`). None under `sync` or one region."""
+        if self.run_rounds is None or self.workflow.sync.inter_region == "sync":
+            return None
+        applied = self._applied_rounds(name)
+        return self.round_ends(name)[applied - 1] if applied else 0
 
     def _applied_rounds(self, name: str) -> int:
         """How many of a departed region's rounds the others applied (its functions write no more): its

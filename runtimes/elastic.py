@@ -113,3 +113,11 @@ def share_iterations(remaining: int, seconds: Mapping[str, float], least: Mappin
     counts = whole_iterations([targets[n] for n in free], max(budget, 0), 0) if free else []
     shares = dict(fixed) | dict(zip(free, counts, strict=True))
     return {n: max(shares[n], least[n]) for n in names}
+
+
+def extra_rounds(remaining: int, regions: int, rounds: int, iterations: int) -> int:
+    """New rounds for `remaining` iterations that no region has a round left for (the others had
+    finished, or were in their last round, when a region left): as many as the plan's `rounds` over
+    the run's `iterations` give them (the same iterations per round), at least one, and at most one per
+    iteration of each of the `regions` that run them."""
+    return max(1, min(round(remaining * rounds / iterations), remaining // regions))

@@ -47,7 +47,7 @@ from .elastic import CapacityChange, RegionFailure, check_regions
 from .emulation import EmulatedChannel, Resources
 from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvoker
 from .retrying_channel import RetryingChannel, StorageError
-from .run_outputs import chrome_trace, several_regions_figures, summarise
+from .run_outputs import chrome_trace, left_figures, several_regions_figures, summarise
 from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
 from .staging import (
     DataError,
@@ -55,6 +55,7 @@ from .staging import (
     evaluate,
     frozen_weights,
     model_file_state,
+    newer_global_version,
     recorded_model_file,
     save_peft_adapter,
     stage_data,
@@ -268,8 +269,9 @@ def final_model(
 ) -> dict[str, torch.Tensor]:
     """The trained model (original names). Several regions: after model averaging or synchronous
     SGD every region holds the same model; under ASGD-GA each stage's newest global version is the
-    model, and the region that wrote it last holds it. `channel`: the storage, or per region its own.
-    Frozen parameters are the packages' own (`build`)."""
+    model, and the region that wrote it last holds it (or, where that region left the run after it,
+    the server's storage does). `channel`: the storage, or per region its own. Frozen parameters are
+    the packages' own (`build`)."""
     storage_of = channel if callable(channel) else lambda region: channel
     regions = [region for region in workflow.regions if region.name in iterations]  # those that stayed
     stages = regions[0].stages
@@ -288,6 +290,10 @@ def final_model(
                 newest = (version, values)
         assert newest is not None
         state.update(protocol.module_values(newest[1]))
+        server = workflow.sync.server
+        if server is not None:
+            later = newer_global_version(storage_of(server), protocol.namespace(run_id, server), s, newest[0])
+            state.update(later or {})
     return state
 
 
@@ -570,7 +576,7 @@ def _train(
         metrics.regions = {
             name: {k: v for k, v in summarise(r, workflow, settings, seconds, None).items() if k != "test"}
             | {"iterations": controller.ends.get(name, totals[name]), "round_ends": list(controller.round_ends(name))}
-            | ({"left": controller.plans[name].left} if controller.plans[name].left else {})
+            | (left_figures(controller, name) if controller.plans[name].left else {})
             for name, r in records.items()
         }
         measured.update(several_regions_figures(args, workflow, controller, records, locations, counters, counted))

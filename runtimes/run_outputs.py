@@ -99,6 +99,13 @@ def summarise(
     }
 
 
+def left_figures(controller: Controller, name: str) -> dict[str, Any]:
+    """metrics.json of a region that left: why, and (model averaging, ASGD-GA) its iterations the others
+    applied, up to its last round that counted (the rest were re-planned onto the regions that stayed)."""
+    applied = controller.applied_iterations(name)
+    return {"left": controller.plans[name].left} | ({"applied_iterations": applied} if applied is not None else {})
+
+
 def several_regions_figures(
     args: argparse.Namespace,
     workflow: Workflow,

@@ -63,14 +63,16 @@ class RunSettings:
 @dataclass
 class RegionPlan:
     """The coordinator's plan of one region: it trains until iteration `end`; since iteration `since`
-    its iterations hold rounds `first_round`.. (`workflow.round_meets`); its replicas per stage and
-    weight (share of the samples; None: the workflow's). `next`: a re-plan taking effect where its
-    range under way stops (at the coordinator's stop request, or earlier at a time limit). `left`: why
-    it left ("" while it trains)."""
+    its iterations hold rounds `first_round`..`rounds`-1 (`workflow.round_meets`; `rounds`: the run's
+    rounds under this plan, more than planned once a re-plan gave the run new rounds; None with one
+    region); its replicas per stage and weight (share of the samples; None: the workflow's). `next`: a
+    re-plan taking effect where its range under way stops (at the coordinator's stop request, or
+    earlier at a time limit). `left`: why it left ("" while it trains)."""
 
     end: int
     replicas: tuple[int, ...]
     weight: float | None = None
+    rounds: int | None = None
     since: int = 0
     first_round: int = 0
     next: RegionPlan | None = None

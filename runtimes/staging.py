@@ -228,6 +228,20 @@ def trained_state(channel: Channel, namespace: str, stages: int, iteration: int)
     return state
 
 
+def newer_global_version(channel: Channel, namespace: str, stage: int, version: int) -> dict[str, torch.Tensor] | None:
+    """ASGD-GA: the stage's newest global version after `version` in the server's storage (`channel`,
+    `namespace`: the server region's), one written by a region that left after pushing it, which no
+    region that stayed holds; None if none (a version claimed but voided, `LEFT_MARK`, does not count)."""
+    newest = None
+    version += 1
+    while channel.try_get(protocol.global_key(namespace, stage, version, "owner")) is not None:
+        data = channel.try_get(protocol.global_key(namespace, stage, version, "model"))
+        if data is not None and data != protocol.LEFT_MARK:
+            newest = data
+        version += 1
+    return unpack(newest) if newest is not None else None
+
+
 def frozen_weights(build: Path, region: Region) -> dict[str, torch.Tensor]:
     """The region's frozen parameters (`Function.frozen_parameters`) as its packages hold them: never
     trained, so in no checkpoint."""

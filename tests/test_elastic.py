@@ -8,6 +8,7 @@ timeout."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +17,25 @@ import torch
 import yaml
 
 from cloudless.ir import protocol
+from cloudless.ir.files import load_workflow
 from cloudless.ir.protocol import Invocation, global_key, global_owner, namespace
-from cloudless.ir.workflow import round_ends, round_meets
+from cloudless.ir.workflow import Region, round_ends, round_meets
 from cloudless.runtimes.controller import Controller
-from cloudless.runtimes.elastic import CapacityChange, RegionFailure, fit_replicas, share_iterations, slowdown
+from cloudless.runtimes.elastic import (
+    CapacityChange,
+    RegionFailure,
+    extra_rounds,
+    fit_replicas,
+    share_iterations,
+    slowdown,
+)
 from cloudless.runtimes.region_sync import weighted_mean
+from cloudless.runtimes.run import final_model
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.run_state import RunSettings
 from cloudless.runtimes.staging import trained_state
 from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.tensors import unpack
+from cloudless.runtimes.tensors import pack, unpack
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import write_training_data
 from tests.test_geo_run import REGIONS, compile_geo, rewrite_workflow, run_geo
@@ -64,6 +74,14 @@ def test_remaining_iterations_follow_the_regions_pace_with_one_per_round_left() 
     assert share_iterations(100, {"a": 0.001, "b": 1.0}, {"a": 5, "b": 5}) == {"a": 95, "b": 5}
     # fewer left than rounds need: each gets its least
     assert share_iterations(3, {"a": 0.01, "b": 0.01}, {"a": 2, "b": 2}) == {"a": 2, "b": 2}
+
+
+def test_iterations_no_region_has_a_round_left_for_get_new_rounds_of_the_plans_length() -> None:
+    # the plan: 20 rounds over 200 iterations, 10 per round
+    assert extra_rounds(35, 1, 20, 200) == 4
+    assert extra_rounds(5, 1, 20, 200) == 1  # at least one
+    assert extra_rounds(3, 2, 20, 200) == 1
+    assert extra_rounds(40, 2, 100, 200) == 20  # at most one per iteration of each region
 
 
 def test_a_replanned_region_keeps_its_round_indices_from_where_it_was_cut() -> None:
@@ -226,6 +244,148 @@ def test_asgd_ga_survives_a_failure_and_a_capacity_change_applying_each_push_onc
     theirs = sorted(int(o.rsplit("round", 1)[1]) for o in owners if o.startswith(failing))
     assert theirs == list(range(len(theirs))) and theirs  # the failed region's rounds up to its failure
     assert metrics["test"]["accuracy"] > 0.9
+
+
+def applied_iterations(metrics: dict[str, Any], region: str) -> int:
+    """The iterations of a region that left which the others applied, from what the meets recorded: up
+    to the end of its last round averaged in (model averaging) or pushed (ASGD-GA)."""
+    if metrics["inter_region"] == "asgd-ga":
+        rounds = {p["round"] for p in metrics["asgd_pushes"] if p["region"] == region}
+    else:
+        rounds = {row["round"] for row in metrics["rounds"] if row["region"] != region and region in row["members"]}
+    assert rounds == set(range(len(rounds))), rounds  # its rounds from the first on, none skipped
+    return metrics["regions"][region]["round_ends"][len(rounds) - 1] if rounds else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sync", "leaving", "option"),
+    [
+        # aws-us-east-1 (140 iterations) fails at 100 (its functions may run a few iterations past it
+        # before they are killed), long after aws-eu-west-1 (60) finished
+        ("asgd-ga", US, f"--fail-region={US}@100"),
+        ("asgd-ga", US, f"--capacity-change={US}@130=0"),
+        # aws-eu-west-1 (95) leaves in the last round (iterations 90..94): aws-us-east-1's range has no
+        # meet left to cut it at (its last round: 99..104), so it runs its plan to the end first
+        ("model-average", EU, f"--capacity-change={EU}@93=0"),
+    ],
+)
+def test_a_region_leaving_after_the_others_finished_has_its_iterations_trained_by_them(
+    compile_cli, tmp_path: Path, sync: str, leaving: str, option: str
+) -> None:
+    """Iterations are never lost: what the leaving region had not trained (its rounds nobody applied)
+    is re-planned onto the region that had finished its plan (or had no meet left to be cut at), which
+    is invoked again with new rounds, so the run trains the plan's every iteration. (The coordinator's
+    part, deterministic: `test_a_finished_region_is_re_planned_with_new_rounds_where_it_stands`.)"""
+    build = tmp_path / "build"
+    workflow = compile_geo(compile_cli, build, sync)
+    planned = {r["name"]: r["iterations"] for r in workflow["regions"]}
+    staying = next(name for name in planned if name != leaving)
+    out = tmp_path / "run"
+    metrics = run_geo(build, out, "--run-id", "late", "--keep-storage", "--region-timeout", "3", option)
+    assert metrics["status"] == "done"
+    regions = metrics["regions"]
+    assert regions[leaving]["left"] and staying not in [n for n, r in regions.items() if "left" in r]
+    applied = applied_iterations(metrics, leaving)
+    assert 0 < applied < planned[leaving]
+    # the region that stayed trained the rest: the run trained the plan's total, every iteration once
+    assert regions[staying]["iterations"] == sum(planned.values()) - applied > planned[staying]
+    assert applied + regions[staying]["iterations"] == metrics["iterations"] == workflow["run"]["iterations"]
+    assert regions[leaving]["applied_iterations"] == applied  # metrics.json says what counted
+    replan = [e for e in metrics["elastic"] if e["event"] == "replan"]
+    assert replan and replan[-1]["iterations"] == {staying: regions[staying]["iterations"]}
+    rounds, ends = workflow["sync"]["rounds"], regions[staying]["round_ends"]
+    assert ends[-1] == regions[staying]["iterations"]
+    # With no round left (finished, or in its last round with no meet left to cut it at: always so
+    # under model averaging's barrier here; under ASGD-GA unless a loaded machine kept aws-eu-west-1
+    # under way that long, and then it is cut at a meet instead), it met (averaged alone, or pushed)
+    # at the run's new rounds, in a range from where its plan had ended.
+    if sync == "model-average" or replan[-1]["rounds"] > rounds:
+        assert replan[-1]["rounds"] == len(ends) > rounds
+        assert ends[:rounds] == list(round_ends(planned[staying], rounds))
+        starts = sorted({i["start"] for i in regions[staying]["invocation_log"]})
+        assert starts[-1] == planned[staying]  # invoked again from where its plan had ended
+    else:
+        assert len(ends) == rounds
+    if sync == "asgd-ga":
+        server = workflow["sync"]["server"]
+        channel = DirectoryChannel(out / "storage" / server)
+        owners, version = [], 1
+        while (owner := channel.try_get(global_key(namespace("late", server), 0, version, "owner"))) is not None:
+            owners.append(owner.decode())
+            version += 1
+        assert len(owners) == len(set(owners))  # no update applied twice
+        assert {global_owner(staying, k).decode() for k in range(len(ends))} <= set(owners)  # every round, new ones too
+    else:
+        check_every_contribution_applied_once(out, metrics, "late", 1)
+    losses = [p["loss"] for p in regions[staying]["progress"]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert metrics["test"]["accuracy"] > 0.9
+
+
+def test_a_finished_region_is_re_planned_with_new_rounds_where_it_stands(compile_cli, tmp_path: Path) -> None:
+    """The coordinator alone: aws-eu-west-1 finished its 60 iterations and waits at its end when
+    aws-us-east-1 (the ASGD-GA server, 140 iterations) leaves with 15 of its 20 rounds pushed (105
+    iterations): the 35 left go to aws-eu-west-1 at once, over new rounds (the plan's 10 iterations per
+    round), from where it stands; its next range carries them."""
+    build = tmp_path / "build"
+    compile_geo(compile_cli, build, "asgd-ga")
+    workflow = load_workflow(build / "workflow.yaml")
+    assert workflow.sync.server == US and workflow.sync.rounds == 20
+    assert {r.name: r.iterations for r in workflow.regions} == {US: 140, EU: 60}
+    storage = tmp_path / "storage"
+    settings = RunSettings(iterations=workflow.run.iterations, run_id="u")
+    controller = Controller(workflow, DirectoryChannel(storage), ThreadInvoker(build, storage, US), settings)
+    for k in range(15):
+        key = global_key(namespace("u", US), 0, 1 + k, "owner")
+        DirectoryChannel(storage).put(key, global_owner(US, k))
+    eu = workflow.regions[1]
+
+    def range_ended(region: Region, at: int) -> None:  # as the region's thread does
+        with controller.lock:
+            controller.ranges.pop(region.name)
+            controller._range_ended(region, at)
+
+    assert controller._next_stop(EU, 0) == 60
+    range_ended(eu, 60)
+    assert controller._next_stop(US, 0) == 140
+    with controller.lock:
+        controller._leave(US, "gone", tell=False)
+    plan = controller.plans[EU]
+    assert plan.end == 95  # the 200 - 105 - 60 left, at once
+    assert controller.applied_iterations(US) == 105
+    assert (plan.end, plan.rounds, plan.since, plan.first_round, plan.weight) == (95, 24, 60, 20, 1.0)
+    assert controller.round_ends(EU) == (*round_ends(60, 20), *(60 + end for end in round_ends(35, 4)))
+    assert controller._next_stop(EU, 60) == 95  # invoked again: the rest of the plan
+    event = controller._event(eu.functions[0], 0, 60, 95, 0)
+    assert (event.iterations, event.rounds, event.since, event.first_round) == (95, 24, 60, 20)
+    range_ended(eu, 95)
+    assert controller._next_stop(EU, 95) is None  # nobody else trains: the run is over
+    replan = controller.events[-1]
+    assert replan["event"] == "replan" and replan["iterations"] == {EU: 95} and replan["rounds"] == 24
+
+
+def test_asgd_gas_model_is_the_newest_global_version_even_one_a_region_wrote_before_leaving(
+    compile_cli, tmp_path: Path
+) -> None:
+    """aws-us-east-1 (the server) pushed the newest versions and left with its iterations all applied:
+    the model is that version (the stage's newest written one), not the stale one aws-eu-west-1
+    holds."""
+    build = tmp_path / "build"
+    compile_geo(compile_cli, build, "asgd-ga")
+    workflow = load_workflow(build / "workflow.yaml")
+    function = workflow.regions[1].functions[0]
+    initial = unpack((build / function.package / "weights.safetensors").read_bytes())
+    channel = DirectoryChannel(tmp_path / "storage")
+    stale = {protocol.MODULE_PREFIX + k: torch.zeros_like(v) for k, v in initial.items()}
+    channel.put(protocol.state_key(namespace("g", EU), 0, 60), pack({**stale, protocol.BASE_VERSION: torch.tensor(2)}))
+    versions = {3: pack({k: torch.full_like(v, 3.0) for k, v in initial.items()}), 4: protocol.LEFT_MARK}
+    for version in range(1, 5):
+        channel.put(global_key(namespace("g", US), 0, version, "owner"), global_owner(US, version))
+        channel.put(global_key(namespace("g", US), 0, version, "model"), versions.get(version, b"older"))
+    state = final_model(build, channel, workflow, "g", {EU: 60})
+    assert sorted(state) == sorted(initial)
+    assert all(torch.equal(state[k], torch.full_like(v, 3.0)) for k, v in initial.items())  # v4 was voided
 
 
 @pytest.mark.slow
