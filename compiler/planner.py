@@ -8,7 +8,8 @@ optimum is checked against exhaustive search in the tests.
 Per micro-batch size (solve_for_micro_batch), top to bottom: stage_configs -> ConfigTable -> prune
 (path floors against the best known plan) -> heuristic_plan (a cutoff) -> build_program -> on large
 programs price_configurations (pricing.py: the LP relaxation by column generation, then reduced-cost fixing)
--> solver.solve_program (the MILP over what is left).
+-> solver.solve_program (the MILP over what is left). Programs of more than BAND_FROM_CONFIGS configurations
+are searched by bands of their bottleneck instead (planner_bands.search_bands), each band a small MILP.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice, StageTerms
+from .planner_paths import cheapest_path_with_stages
 from .pricing import StageProgram, price_configurations
-from .solver import CandidateStatus, Goal, Program, solve_program
+from .solver import CandidateStatus, Goal, Program, SolveStatus, solve_program
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Solution:
 # Reduced-cost fixing (price_configurations) pays off on large programs; it may take this share of the
 # time limit, the MILP the rest.
 PRICE_FROM_CONFIGS = 1500
+#: Larger programs are searched by bands of their bottleneck instead (planner_bands): their relaxation
+#: is too weak for HiGHS to close the gap in time.
+BAND_FROM_CONFIGS = 1500
 PRICE_SHARE = 0.6
 SEEDS_PER_BLOCK = 5  # the restricted LP starts from the heuristic's plan and these per block
 
@@ -210,19 +215,38 @@ class ConfigTable:
         fastest = min(model.kappa(m) for m in problem.region.tiers_mb) * mu / problem.profile_batch
         work = np.array([0.0] + [b.forward_s + b.backward_s for b in problem.blocks]).cumsum()
         self.low = self.fill + self.steady + fastest * (work[-1] - (work[self.end] - work[self.first]))
-        # And a lower bound of what the configuration alone adds to a plan's cost.
-        self.least_usd = problem.region.prices.gb_second * self.gb * self.low + self.fixed
+        self.price = problem.region.prices.gb_second
+        self.above = -math.inf  # `low` counts this much of the largest steady term at least (band)
+        self.least_usd = self._least_usd()
         self.by_end = [np.flatnonzero(self.end == b) for b in range(n_blocks + 1)]
         self.by_first = [np.flatnonzero(self.first == b) for b in range(n_blocks + 1)]
 
+    def _least_usd(self) -> np.ndarray:
+        """A lower bound of what each configuration alone adds to a plan's cost."""
+        return self.price * self.gb * self.low + self.fixed
+
     def __len__(self) -> int:
         return len(self.configs)
+
+    def band(self, above: float, most: float) -> ConfigTable:
+        """The configurations of the plans whose largest steady term is in (above, most] (planner_bands):
+        those of a steady term up to `most`, each with its floor of the iteration time raised to what
+        such a plan takes at least, its fills and `above` (ConfigTable.low counts its own steady term)."""
+        table = self.subset(self.steady <= most)
+        # Raised from this table's own band (a band's table is its parent band's, inside it).
+        raised = np.maximum(table.steady, above) - np.maximum(table.steady, self.above)
+        table.low = np.where(raised > 0, table.low + raised, table.low)
+        table.least_usd = table._least_usd()
+        table.above = max(above, self.above)
+        return table
 
     def subset(self, keep: np.ndarray) -> ConfigTable:
         table = ConfigTable.__new__(ConfigTable)
         index = np.flatnonzero(keep)
         table.configs = [self.configs[i] for i in index]
         table.n_blocks = self.n_blocks
+        table.price = self.price
+        table.above = self.above
         for name in self.ARRAYS:
             setattr(table, name, getattr(self, name)[index])
         table.by_end = [np.flatnonzero(table.end == b) for b in range(self.n_blocks + 1)]
@@ -272,6 +296,8 @@ class Floors:
 
     gb: np.ndarray
     fixed: np.ndarray
+    #: and of the objective's primary measure (USD or seconds per iteration)
+    least: np.ndarray
 
 
 def heuristic_plan(
@@ -300,7 +326,21 @@ def heuristic_plan(
             weight = (
                 table.fill if time_objective else price * (table.gb * t_guess + gb_guess * table.fill) + table.fixed
             )
-            path = table.cheapest_path(np.where(table.steady <= cap, weight, np.inf))
+            capped = np.where(table.steady <= cap, weight, np.inf)
+            path = (
+                table.cheapest_path(capped)
+                if problem.min_stages <= 1
+                # --stages N: a path of any length is no plan; the cheapest of N (or more) stages is
+                else cheapest_path_with_stages(
+                    table.first,
+                    table.end,
+                    table.by_end,
+                    table.n_blocks,
+                    capped,
+                    problem.min_stages,
+                    problem.max_stages,
+                )  # fmt: skip
+            )
             if path is None:
                 break
             stages = tuple(table.configs[i][0] for i in path)
@@ -361,10 +401,10 @@ def prune(
         if cutoff is not None:
             keep &= (table.low if time_objective else least_cost) <= cutoff * slack
         if keep.all():
-            return table, Floors(least_gb, least_fixed)
+            return table, Floors(least_gb, least_fixed, table.low if time_objective else least_cost)
         table = table.subset(keep)
         if not len(table):
-            return table, Floors(np.zeros(0), np.zeros(0))
+            return table, Floors(np.zeros(0), np.zeros(0), np.zeros(0))
 
 
 def build_program(
@@ -377,8 +417,10 @@ def build_program(
     deadline: float | None,
     budget: float | None,
     cutoff: float | None,
+    above: float | None = None,
 ) -> StageProgram:
     """One MILP over stage configurations x_c (path-flow formulation), for micro-batch size mu.
+    With `above`, only over the plans whose largest steady term exceeds it (a band, planner_bands).
 
     x_c = 1 when configuration c = (first block, last block, tier, replicas) is a stage. The chosen
     configurations form a path over block boundaries 0..B (flow conservation), so stages are
@@ -481,6 +523,12 @@ def build_program(
         program.row([(w, 1.0), (peak[b], -1.0), (drains[b], -1.0)], lower=0.0)
     pipeline.append((w, -1.0))
     program.row([(t_iter, 1.0)] + pipeline, lower=0.0)
+    if above is not None:
+        # Some stage's steady term exceeds `above`, and so do the max terms together (GPipe's largest
+        # forwards and drain are at least any one stage's forwards and drain): the relaxation can no
+        # longer spread the bottleneck over a mix of plans below it.
+        program.row([(x[i], 1.0) for i in np.flatnonzero(table.steady > above)], lower=1.0)
+        program.row([(w, 1.0)] + ([(steady_f, 1.0)] if gpipe else []), lower=above)
 
     g: list[int] = []
     g_low = np.zeros(0)
@@ -554,6 +602,15 @@ def solve_for_micro_batch(
         if not len(table):
             found[0].status, found[0].gap = "optimal", 0.0
             return found[0], floor, "optimal", "none"
+    if len(table) > BAND_FROM_CONFIGS:
+        from .planner_bands import search_bands  # it builds on this module
+
+        stop_at = math.inf if time_limit is None else start + time_limit
+        incumbent = None if found is None else found[0]
+        search = search_bands(
+            problem, objective, mu, table, incumbent, cutoff, deadline=deadline, budget=budget, stop_at=stop_at
+        )
+        return _answer(search.solution, search.bound, floor, search.status, search.solver, pruning=cutoff is not None)
 
     stage = build_program(problem, objective, mu, table, floors, cutoff=cutoff, **limits)
     relaxed = -math.inf  # the LP relaxation's proven bound, objective units
@@ -584,28 +641,30 @@ def solve_for_micro_batch(
     # least the LP's bound.
     bound = max(min(outcome.bound / stage.scale, floor), relaxed)
     solution = None
-    if outcome.values is not None:
-        chosen = sorted(
-            (table.configs[i][0] for i in range(len(table)) if outcome.values[stage.x[i]] > 0.5), key=lambda c: c.first
-        )
-        # A solver in numerical trouble (coefficients many orders of magnitude apart) may return values
-        # that are no chain of stages: that answer is no plan.
-        if _tiles(chosen, len(problem.blocks)):
-            plan = Plan(mu, tuple(chosen))
-            evaluation = model.evaluate(plan)
-            primary = objective_key(problem, objective, evaluation)[0]
-            solution = Solution(plan, evaluation, primary, "", 0.0, 0.0, outcome.solver)
+    plan = chosen_plan(table, stage, outcome.values, mu)
+    if plan is not None:
+        evaluation = model.evaluate(plan)
+        primary = objective_key(problem, objective, evaluation)[0]
+        solution = Solution(plan, evaluation, primary, "", 0.0, 0.0, outcome.solver)
     # HiGHS may return a plan above the cutoff it was given: the heuristic's plan is then the better.
     if found is not None and (solution is None or found[1] <= solution.objective_value):
         solution = found[0]
         solution.solver = outcome.solver
+    return _answer(solution, bound, floor, outcome.status, outcome.solver, pruning=cutoff is not None)
+
+
+def _answer(
+    solution: Solution | None, bound: float, floor: float, status: SolveStatus, solver: str, *, pruning: bool
+) -> tuple[Solution | None, float, CandidateStatus, str]:
+    """What solve_for_micro_batch returns for the best plan found (if any), the proven `bound`, the
+    value `floor` the pruned plans are at least worth and the solver's `status`."""
     if solution is None:
-        if outcome.status == "infeasible":
-            return None, bound, "infeasible" if cutoff is None else "pruned", outcome.solver
-        return None, bound, "no solution in time", outcome.solver
+        if status == "infeasible":
+            return None, bound, "pruned" if pruning else "infeasible", solver
+        return None, bound, "no solution in time", solver
     if solution.objective_value > floor * (1 + 1e-9) and bound >= floor * (1 - 1e-9):
         # Proven not to beat the plan known from elsewhere (HiGHS may still return a worse one).
-        return None, bound, "pruned", outcome.solver
+        return None, bound, "pruned", solver
     # Judge by the bound: a time-limited run may hold a plan that is optimal without proof.
     primary = solution.objective_value
     gap = (primary - bound) / primary if primary > 0 else 0.0
@@ -613,7 +672,16 @@ def solve_for_micro_batch(
         gap = math.inf  # a bound that says nothing (the LP stopped early)
     proven = gap <= 1e-6
     solution.status, solution.gap = "optimal" if proven else "feasible", max(gap, 0.0)
-    return solution, bound, "optimal" if proven else "time limit", outcome.solver
+    return solution, bound, "optimal" if proven else "time limit", solver
+
+
+def chosen_plan(table: ConfigTable, stage: StageProgram, values: list[float] | None, mu: int) -> Plan | None:
+    """The plan a solver's values of `stage` choose. A solver in numerical trouble (coefficients many
+    orders of magnitude apart) may return values that are no chain of stages: that answer is no plan."""
+    if values is None:
+        return None
+    chosen = sorted((table.configs[i][0] for i in range(len(table)) if values[stage.x[i]] > 0.5), key=lambda c: c.first)
+    return Plan(mu, tuple(chosen)) if _tiles(chosen, table.n_blocks) else None
 
 
 def _tiles(stages: list[StageChoice], n_blocks: int) -> bool:

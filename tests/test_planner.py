@@ -389,3 +389,28 @@ def test_a_fixed_stage_count_is_the_optimum_over_plans_of_that_many_stages(objec
         assert primary(objective, got.evaluation) == pytest.approx(primary(objective, expected[1]), rel=1e-6)
         checked += 1
     assert checked > 10
+
+
+def test_with_a_fixed_stage_count_the_heuristic_starts_from_a_plan_of_that_many_stages() -> None:
+    """--stages N on a chain the MILP cannot finish in its time: the heuristic's incumbent is a plan of
+    N stages (a path of any length would be none), so the planner answers with one rather than "no
+    plan fits"."""
+    from cloudless.compiler.planner import ConfigTable, heuristic_plan, stage_configs
+
+    checked = 0
+    for seed in range(20):
+        base = random_problem(seed)
+        free = exhaustive(base, "cost")
+        if free is None or len(free[0].stages) >= len(base.blocks):
+            continue
+        stages = len(free[0].stages) + 1  # more than the cheapest plan has: its path is not one
+        problem = dataclasses.replace(base, min_stages=stages, max_stages=stages)
+        expected = exhaustive(problem, "cost")
+        if expected is None:
+            continue
+        mu = expected[0].micro_batch
+        table = ConfigTable(problem, mu, stage_configs(problem, mu))
+        found = heuristic_plan(problem, "cost", mu, table, None, None)
+        assert found is not None and len(found[0].plan.stages) == stages, seed
+        checked += 1
+    assert checked >= 5

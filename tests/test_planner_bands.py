@@ -1,0 +1,157 @@
+"""The search by bands of the bottleneck (planner_bands), which large programs take: its optimum is the
+exhaustive one, its floors hold for every plan of a band, and it never returns worse than it was given."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from cloudless.compiler import planner, planner_bands
+from cloudless.compiler.baselines import baselines
+from cloudless.compiler.cost_model import CostModel, Plan, StageChoice, problem_from_chain
+from cloudless.compiler.exhaustive import contiguous_ranges, exhaustive
+from cloudless.compiler.planner import ConfigTable, Infeasible, solve
+from cloudless.ir.catalog import load_catalog
+
+from .planning_cases import random_problem
+from .test_planner import limits, primary, slow
+
+OBJECTIVES = ("cost", "time", "cost-under-deadline", "time-under-budget")
+
+
+@pytest.fixture
+def every_program_by_bands(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every program searched by bands, split down to a few configurations each (so that splitting,
+    reduced-cost fixing and the MILPs of bands all run on small problems); records the bands examined."""
+    examined: list[int] = []
+    search = planner_bands.search_bands
+
+    def recording(*args, **kwargs):
+        found = search(*args, **kwargs)
+        examined.append(found.bands)
+        return found
+
+    monkeypatch.setattr(planner, "BAND_FROM_CONFIGS", 0)
+    monkeypatch.setattr(planner_bands, "search_bands", recording)
+    monkeypatch.setattr(planner_bands, "MILP_CONFIGS", 3)
+    monkeypatch.setattr(planner_bands, "FEW_CONFIGS", 1)
+    return examined
+
+
+@pytest.mark.parametrize("objective", ["cost", "time-under-budget", *slow("time", "cost-under-deadline")])
+def test_bands_find_the_exhaustive_optimum(objective: str, every_program_by_bands: list[int]) -> None:
+    """With and without the baselines as incumbents, the optimum and its proof, as exhaustive search."""
+    checked = 0
+    for seed in range(40):
+        problem = random_problem(seed)
+        kwargs = limits(seed, problem).get(objective, {})
+        expected = exhaustive(problem, objective, **kwargs)
+        incumbents = tuple(b.plan for b in baselines(problem, objective, **kwargs) if b.plan is not None)
+        for given in ((), incumbents):
+            try:
+                got = solve(problem, objective, incumbents=given, **kwargs)
+            except Infeasible:
+                assert expected is None, seed
+                continue
+            assert expected is not None, seed
+            assert primary(objective, got.evaluation) == pytest.approx(primary(objective, expected[1]), rel=1e-6), seed
+            assert got.gap <= 1e-6 and got.status == "optimal", (seed, got)
+            assert got.evaluation.feasible
+            checked += 1
+    assert checked > 20
+    assert max(every_program_by_bands) > 3  # some programs were split into bands
+
+
+def test_bands_on_the_benchmark_chain_match_the_whole_program() -> None:
+    """The benchmark's chain (jittered BERT-like layers) and the same of identical layers: the bands'
+    optimum is the one MILP's, proven."""
+    from bench.planner_bench import synthetic_chain
+
+    region = load_catalog().regions[0]
+    for identical in (False, True):
+        chain = synthetic_chain(12, identical=identical)
+        problem = problem_from_chain(chain, region, global_batch=64, micro_batches=(4,), optimizer_state=2)
+        for objective in ("cost", "time"):
+            whole = planner.solve_for_micro_batch(problem, objective, 4, time_limit=None)
+            original = planner.BAND_FROM_CONFIGS
+            planner.BAND_FROM_CONFIGS = 0
+            try:
+                banded = planner.solve_for_micro_batch(problem, objective, 4, time_limit=None)
+            finally:
+                planner.BAND_FROM_CONFIGS = original
+            assert whole[0] is not None and banded[0] is not None
+            assert banded[0].objective_value == pytest.approx(whole[0].objective_value, rel=1e-7)
+            assert (whole[2], banded[2]) == ("optimal", "optimal")
+
+
+def plans_of(problem, mu: int):
+    """Every plan of micro-batch size mu."""
+    options = [(m, r) for m in problem.region.tiers_mb for r in problem.replicas]
+    for stages in range(1, min(problem.max_stages, len(problem.blocks)) + 1):
+        for ranges in contiguous_ranges(len(problem.blocks), stages):
+            for picks in itertools.product(options, repeat=len(ranges)):
+                yield Plan(mu, tuple(StageChoice(a, b, m, r) for (a, b), (m, r) in zip(ranges, picks, strict=True)))
+
+
+def test_band_floors_hold_for_every_plan_of_the_band() -> None:
+    """ConfigTable.band's floor of the iteration time and product_floors' of the cost are below the time
+    and cost of every plan of the band that holds the configuration."""
+    rng = random.Random(5)
+    checked = 0
+    for seed in range(30):
+        problem = random_problem(seed)
+        if problem.region.prices.gb_second <= 0:
+            continue
+        model = CostModel(problem)
+        mu = min(problem.micro_batch_counts())
+        table = ConfigTable(problem, mu, planner.stage_configs(problem, mu))
+        if not len(table):
+            continue
+        levels = sorted(set(table.steady.tolist()))
+        above = rng.choice([-math.inf, *levels[:-1]])
+        most = rng.choice([level for level in levels if level > above])
+        band = table.band(above, most)
+        floors = planner_bands.product_floors(band)
+        where = {config[0]: i for i, config in enumerate(band.configs)}
+        for plan in plans_of(problem, mu):
+            if not all(c in where for c in plan.stages):
+                continue
+            index = [where[c] for c in plan.stages]
+            sigma = max(band.steady[i] for i in index)
+            if not above < sigma <= most:
+                continue
+            evaluation = model.evaluate(plan)
+            for i in index:
+                assert band.low[i] <= evaluation.iteration_s * (1 + 1e-9), (seed, plan)
+                assert floors[i] <= evaluation.cost_usd * (1 + 1e-9), (seed, plan)
+            checked += 1
+    assert checked > 100
+
+
+def test_a_search_out_of_time_keeps_its_incumbent_and_a_valid_bound() -> None:
+    """Stopped before it starts, the search returns the plan it was given (never a worse one) and a bound
+    below the optimum; given all the time, a plan at least as good, proven optimal."""
+    from bench.planner_bench import synthetic_chain
+
+    region = load_catalog().regions[0]
+    problem = problem_from_chain(
+        synthetic_chain(10), region, global_batch=64, micro_batches=(4,), optimizer_state=2, max_stages=4
+    )
+    table = ConfigTable(problem, 4, planner.stage_configs(problem, 4))
+    found = planner.heuristic_plan(problem, "cost", 4, table, None, None)
+    assert found is not None
+    # The optimum as one MILP finds it (small programs are solved so, against exhaustive search above).
+    optimum = planner.solve_for_micro_batch(problem, "cost", 4, time_limit=None)[0]
+    assert optimum is not None and optimum.status == "optimal"
+    kwargs = {"deadline": None, "budget": None}
+    stopped = planner_bands.search_bands(problem, "cost", 4, table, found[0], found[1], stop_at=0.0, **kwargs)
+    assert stopped.status == "time limit" and stopped.solution is found[0]
+    assert stopped.bound <= optimum.objective_value * (1 + 1e-9)
+    done = planner_bands.search_bands(problem, "cost", 4, table, found[0], found[1], stop_at=math.inf, **kwargs)
+    assert done.status == "optimal" and done.solution is not None
+    assert done.solution.objective_value <= found[1]
+    assert done.solution.objective_value == pytest.approx(optimum.objective_value, rel=1e-6)
+    assert done.bound == pytest.approx(done.solution.objective_value, rel=1e-6)
