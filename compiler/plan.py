@@ -37,7 +37,7 @@ from .geo import (
     solve_geo,
 )
 from .model_file import ModelFile, probe_optimizer
-from .planner import Infeasible, Solution, check_objective, solve, stage_configs
+from .planner import Infeasible, OutOfTime, Solution, check_objective, solve, stage_configs
 
 
 class PlanInfeasible(CompileError):
@@ -205,7 +205,7 @@ def plan_training(chain: BlockChain, model_file: ModelFile, options: PlanOptions
             incumbents=incumbents,
         )
     except Infeasible as exc:
-        raise PlanInfeasible(diagnose(problem, options)) from exc
+        raise PlanInfeasible(diagnose(problem, options, out_of_time=isinstance(exc, OutOfTime))) from exc
     length = run_length(model_file, problem.samples_per_epoch, problem.global_batch)
     return PlanResult(region, problem, solution, found, run_length=length)
 
@@ -249,7 +249,7 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
             main_problem, level1, time_limit=options.time_limit, incumbents=tuple(b.plan for b in found if b.plan)
         )
     except Infeasible as exc:
-        raise PlanInfeasible(diagnose(main_problem, options)) from exc
+        raise PlanInfeasible(diagnose(main_problem, options, out_of_time=isinstance(exc, OutOfTime))) from exc
     ranges = [(c.first, c.last) for c in partition_source.plan.stages]
     mu = partition_source.plan.micro_batch
     sites: list[RegionSite] = []
@@ -464,8 +464,9 @@ def _diagnose_regions(problem: GeoProblem, options: PlanOptions) -> str:
     return f"no schedule of {names} meets both the deadline and the budget"
 
 
-def diagnose(problem: Problem, options: PlanOptions) -> str:
-    """The tightest bound that makes the request infeasible, and what would lift it."""
+def diagnose(problem: Problem, options: PlanOptions, *, out_of_time: bool = False) -> str:
+    """The tightest bound that makes the request infeasible, and what would lift it; `out_of_time`:
+    the solver stopped at its time limit without a plan (then, if no bound proves none fits, says so)."""
     model = CostModel(problem)
     region = problem.region
     largest = max(region.tiers_mb)
@@ -526,5 +527,10 @@ def diagnose(problem: Problem, options: PlanOptions) -> str:
                 )
         except Infeasible:
             pass
+    if out_of_time:
+        return (
+            f"the solver found no plan in {region.name} within its time limit ({options.time_limit:g} s), and none "
+            "of the limits proves that none fits; give it longer with --solver-time-limit SECONDS"
+        )
     within = f"{functions} function{'s' if functions > 1 else ''} and {stages} stage{'s' if stages > 1 else ''}"
     return f"no plan fits within {within} in {region.name}; {problem.limits_hint()}"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost_model import CostModel, Evaluation, Objective, Plan, Problem, StageChoice, StageTerms
-from .planner_paths import cheapest_path_with_stages
+from .planner_paths import stage_bounded_path
 from .pricing import StageProgram, price_configurations
 from .solver import CandidateStatus, Goal, Program, SolveStatus, solve_program
 
@@ -50,6 +50,10 @@ SEEDS_PER_BLOCK = 5  # the restricted LP starts from the heuristic's plan and th
 
 class Infeasible(Exception):
     """No plan satisfies the constraints; the message names the tightest bound."""
+
+
+class OutOfTime(Infeasible):
+    """No plan found before the solver's time limit, and none proven impossible."""
 
 
 def objective_key(problem: Problem, objective: Objective, evaluation: Evaluation) -> tuple[float, float]:
@@ -114,6 +118,8 @@ def solve(
         if solution is not None:
             found.append(solution)
     if not found:
+        if "no solution in time" in statuses.values():
+            raise OutOfTime("the solver found no plan within its time limit")
         raise Infeasible("no plan fits")
     best = min(found, key=lambda sol: objective_key(problem, objective, sol.evaluation))
     bound = min(bounds) if bounds else -math.inf
@@ -327,19 +333,9 @@ def heuristic_plan(
                 table.fill if time_objective else price * (table.gb * t_guess + gb_guess * table.fill) + table.fixed
             )
             capped = np.where(table.steady <= cap, weight, np.inf)
+            # --stages N: a path of any length is no plan; the cheapest of N stages is
             path = (
-                table.cheapest_path(capped)
-                if problem.min_stages <= 1
-                # --stages N: a path of any length is no plan; the cheapest of N (or more) stages is
-                else cheapest_path_with_stages(
-                    table.first,
-                    table.end,
-                    table.by_end,
-                    table.n_blocks,
-                    capped,
-                    problem.min_stages,
-                    problem.max_stages,
-                )  # fmt: skip
+                table.cheapest_path(capped) if problem.min_stages <= 1 else stage_bounded_path(table, capped, problem)
             )
             if path is None:
                 break

@@ -10,8 +10,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .cost_model import Problem
+    from .planner import ConfigTable
+
+
+def stage_bounded_path(table: ConfigTable, weights: np.ndarray, problem: Problem) -> list[int] | None:
+    """The table's cheapest path of problem.min_stages to problem.max_stages stages."""
+    return cheapest_path_with_stages(
+        table.first, table.end, table.by_end, table.n_blocks, weights, problem.min_stages, problem.max_stages
+    )
 
 
 def cheapest_path_with_stages(

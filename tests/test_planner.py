@@ -414,3 +414,12 @@ def test_with_a_fixed_stage_count_the_heuristic_starts_from_a_plan_of_that_many_
         assert found is not None and len(found[0].plan.stages) == stages, seed
         checked += 1
     assert checked >= 5
+
+
+def test_a_solver_out_of_time_without_a_plan_is_told_so_not_that_no_plan_fits() -> None:
+    from cloudless.compiler.plan import PlanOptions, diagnose
+
+    problem = next(p for seed in range(20) if exhaustive(p := random_problem(seed), "cost") is not None)
+    told = diagnose(problem, PlanOptions(time_limit=2.0), out_of_time=True)
+    assert "no plan in" in told and "time limit (2 s)" in told and "--solver-time-limit" in told
+    assert "no plan fits within" in diagnose(problem, PlanOptions(time_limit=2.0))
