@@ -143,6 +143,8 @@ def product_floors(table: ConfigTable) -> np.ndarray:
     fill = table.fill + np.where(table.first == 0, table.tail, 0.0)
     least_gb = table.least_paths(table.gb, True)[-1]
     least_fill = table.least_paths(fill, True)[-1]
+    if not (math.isfinite(least_gb) and math.isfinite(least_fill)):
+        return np.full(len(table), np.inf)  # no path through the table: no plan holds any of it
     weight = table.price * ((max(table.above, 0.0) + least_fill) * table.gb + least_gb * fill) + table.fixed
     paths = table.least_paths(weight, True)[table.first] + weight + table.least_paths(weight, False)[table.end]
     return paths - table.price * least_fill * least_gb
