@@ -73,12 +73,14 @@ def loss_fn(output, target):
     return nn.functional.cross_entropy(output.logits.reshape(-1, VOCAB), target.reshape(-1))
 """
 
-#: runs the compile in this process and prints its max RSS (bytes) last
+#: runs the compile in this process and prints its peak RSS (bytes) last: VmHWM, its memory's high-water
+#: mark since exec (rusage's maxrss also holds what a child inherited from its parent at fork)
 RUNNER = (
-    "import resource, sys\n"
+    "import sys\n"
     "from cloudless.compiler.cli import main\n"
     "code = main(sys.argv[1:])\n"
-    "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)\n"
+    "hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM'))\n"
+    "print('MAXRSS', int(hwm.split()[1]) * 1024, flush=True)\n"
     "sys.exit(code)\n"
 )
 
