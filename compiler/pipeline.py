@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +48,7 @@ from .plan_record import plan_record
 from .profile import loss_function, profile_blocks, reuse_profile
 from .simulate import Timeline, simulate
 from .split import inline_leaf_modules, partition
+from .stand_ins import holds_stand_ins, staged_parameter_names
 from .state import preserved_state
 from .trace import TracedProgram, trace_model
 from .verify import VerifyReport, verify_stages
@@ -67,8 +68,9 @@ class FrontEndOptions:
     profile_repeats: int = 3
     #: reuse the block times of an earlier build's ir/blocks.json instead of measuring
     profile_from: Path | None = None
-    #: build the model with stand-ins for its weights (stand_ins.py): plan from shapes
-    stand_ins: bool = False
+    #: build the model with stand-ins for its weights (stand_ins.py): plan from shapes, and a build
+    #: whose parameters the run stages; None: when the weights take more than STAGED_WEIGHTS_BYTES
+    stand_ins: bool | None = False
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,8 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
         with timed("split"):
             stages = generate_stages(runs_at.program, runs_at.graph, front.chain, ranges)
     verify = None
-    if options.verify_stages > 0:
+    # stand-ins hold no weights to compare the stages on (a staged build, or --plan-only)
+    if options.verify_stages > 0 and not holds_stand_ins(front.model):
         with timed("verify"), preserved_state(front.model):
             verify = verify_stages(
                 runs_at.model,
@@ -284,7 +287,9 @@ def lower(
     with preserved_state(front.model), torch.no_grad():
         flat_outputs = list(program.module(*pytree.tree_leaves(front.example_inputs)))
     loss = loss_source(model_file, program.out_spec, flat_outputs, front.example_targets)
-    interfaces = [StageInterface(s.index, s.inputs, s.outputs, s.trainable, s.frozen) for s in stages]
+    if holds_stand_ins(front.model):  # a staged build: the run brings the parameters' weights
+        stages = tuple(replace(s, staged=staged_parameter_names(front.model, s.state)) for s in stages)
+    interfaces = [StageInterface(s.index, s.inputs, s.outputs, s.trainable, s.frozen, s.staged) for s in stages]
     workflow = lower_plan(
         trainings,
         model_file,

@@ -49,16 +49,19 @@ from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvok
 from .retrying_channel import RetryingChannel, StorageError
 from .run_outputs import chrome_trace, left_figures, several_regions_figures, summarise
 from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
+from .staged_weights import save_in_shards, stage_of_tensors, stage_weights, staged_functions
 from .staging import (
     DataError,
     describe_staged,
     evaluate,
     frozen_weights,
+    load_model_module,
     model_file_state,
     newer_global_version,
     recorded_model_file,
     save_peft_adapter,
     stage_data,
+    state_names,
     trained_state,
     untouched_tensors,
 )
@@ -275,7 +278,8 @@ def final_model(
     storage_of = channel if callable(channel) else lambda region: channel
     regions = [region for region in workflow.regions if region.name in iterations]  # those that stayed
     stages = regions[0].stages
-    state = frozen_weights(build, regions[0])
+    first = regions[0].name
+    state = frozen_weights(build, regions[0], storage_of(first), protocol.namespace(run_id, first))
     if len(workflow.regions) == 1 or workflow.sync.inter_region != "asgd-ga":
         name = regions[0].name
         state.update(trained_state(storage_of(name), protocol.namespace(run_id, name), stages, iterations[name]))
@@ -459,6 +463,17 @@ def _train(
             )
             for entry in regions
         }
+        if staged_functions(regions):  # a staged build: the parameters' weights, stage by stage
+            weights = stage_weights(
+                load_model_module(model),
+                regions,
+                {entry.name: (channels[entry.name], protocol.namespace(run_id, entry.name)) for entry in regions},
+            )
+            print(
+                f"weights: {weights.functions} stages' parameters staged from build_model(), "
+                f"{weights.bytes / 2**20:.1f} MiB in {weights.seconds:.1f} s",
+                flush=True,
+            )
     except (DataError, ValueError) as exc:
         return fail(str(exc))
     settings = RunSettings(
@@ -550,12 +565,18 @@ def _train(
     seconds = time.time() - began
     test = None
     stayed = {name: at for name, at in controller.ends.items() if not controller.plans[name].left} or totals
+    model_files = "model.safetensors"
     if failure is None:
         state = final_model(build, controller.storage, workflow, run_id, stayed)
         keyed, unused = model_file_state(build, state)
         if unused:  # never trained: as build_model() builds them, so that the file loads strictly
             keyed |= untouched_tensors(model, unused)
-        save_file(dict(sorted(keyed.items())), str(out / "model.safetensors"))
+        if staged_functions(regions):  # a big model: one shard per stage, as transformers writes one
+            first = regions[0]
+            written = save_in_shards(out, keyed, state_names(build), stage_of_tensors(build, first), first.stages)
+            model_files = f"{written[0]} .. {written[-1]}"
+        else:
+            save_file(dict(sorted(keyed.items())), str(out / "model.safetensors"))
         if workflow.data.adapter == "peft":
             try:
                 save_peft_adapter(model, keyed, out / "adapter")
@@ -611,7 +632,7 @@ def _train(
             figures += f", accuracy {test['accuracy']:.1%}"
         print(f"{figures} on {test['samples']} samples")
     adapter = " adapter/," if workflow.data.adapter is not None else ""
-    print(f"wrote {out}/: metrics.json, trace.json, model.safetensors,{adapter} logs/{settings.run_id}/")
+    print(f"wrote {out}/: metrics.json, trace.json, {model_files},{adapter} logs/{settings.run_id}/")
     return 0
 
 

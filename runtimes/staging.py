@@ -18,7 +18,6 @@ from types import ModuleType
 from typing import Any, TypedDict
 
 import torch
-from safetensors import safe_open
 from torch.utils import _pytree as pytree
 
 from ..ir import protocol
@@ -26,6 +25,7 @@ from ..ir.protocol import DATA_META, data_key
 from ..ir.schedule import SHARD_SAMPLES
 from ..ir.workflow import DataSource, Region, Workflow
 from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
+from .staged_weights import package_weights
 from .storage import Channel
 from .tensors import autocast, unpack
 from .worker import load_module
@@ -242,23 +242,31 @@ def newer_global_version(channel: Channel, namespace: str, stage: int, version: 
     return unpack(newest) if newest is not None else None
 
 
-def frozen_weights(build: Path, region: Region) -> dict[str, torch.Tensor]:
-    """The region's frozen parameters (`Function.frozen_parameters`) as its packages hold them: never
-    trained, so in no checkpoint."""
+def frozen_weights(build: Path, region: Region, channel: Channel, namespace: str) -> dict[str, torch.Tensor]:
+    """The region's frozen parameters (`Function.frozen_parameters`) as its packages (or, for a staged
+    build, the run's staged weights in `channel`, `namespace`) hold them: never trained, so in no
+    checkpoint."""
     frozen: dict[str, torch.Tensor] = {}
     for function in region.functions:
         if function.frozen_parameters:
-            with safe_open(build / function.package / "weights.safetensors", "pt") as weights:
-                frozen.update({name: weights.get_tensor(name) for name in function.frozen_parameters})
+            initial = package_weights(build / function.package, function, channel, namespace, 60)
+            frozen.update({name: initial[name] for name in function.frozen_parameters})
     return frozen
+
+
+def state_names(build: Path) -> dict[str, str]:
+    """Per key of the user model's state_dict, the stages' name of its tensor (ir/graph.json's
+    `state_names`; {} for a build without the graph, or from before it recorded them)."""
+    graph = build / "ir" / "graph.json"
+    names: dict[str, str] = json.loads(graph.read_text()).get("state_names") or {} if graph.is_file() else {}
+    return names
 
 
 def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The trained tensors keyed like the user model's state_dict, so that `load_state_dict(...,
     strict=True)` takes them: a tied weight under each of its names, non-persistent buffers left out.
     Also the keys no stage holds (tensors forward never uses: not trained, not in the file)."""
-    graph = build / "ir" / "graph.json"
-    names: dict[str, str] = json.loads(graph.read_text()).get("state_names") or {} if graph.is_file() else {}
+    names = state_names(build)
     if not names:  # a build without the graph, or from before it recorded them: the stages' names
         return {k: v.contiguous() for k, v in sorted(state.items())}, []
     # clones: safetensors refuses two names for one memory

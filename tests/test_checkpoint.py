@@ -12,6 +12,9 @@ from safetensors.torch import load_file
 
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
 from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.staged_weights import package_weights, stage_weights
+from cloudless.runtimes.staging import load_model_module
+from cloudless.runtimes.storage import DirectoryChannel
 from tests.runtime_cases import reference_training, write_packages
 
 transformers = pytest.importorskip("transformers")
@@ -61,7 +64,12 @@ MODEL = """
 
 
 @pytest.mark.slow
-def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plain_pytorch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", ["package", "staged"])
+def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plain_pytorch(
+    tmp_path: Path, weights: str
+) -> None:
+    """`staged`: the build holds no parameter weights; the run stages them from build_model(), which
+    loads the folder with the parameters moved into files as they are registered."""
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
@@ -75,16 +83,21 @@ def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plai
     saved = load_file(tmp_path / "pretrained" / "model.safetensors")
     path = tmp_path / "model.py"
     path.write_text(textwrap.dedent(MODEL))
-    front = run_front_end(FrontEndOptions(path, profile_repeats=0))
+    front = run_front_end(FrontEndOptions(path, profile_repeats=0, stand_ins=weights == "staged"))
     last = len(front.chain.blocks) - 1
     build = tmp_path / "build"
     workflow = write_packages(
         front, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=2, global_batch=8, iterations=3
     )
-    # the build starts from the folder's weights
+    # the build starts from the folder's weights: in its packages, or staged from build_model()
+    region = workflow.regions[0]
+    storage = DirectoryChannel(tmp_path / "staged")
+    stage_weights(load_model_module(path), [region], {region.name: (storage, "run/r")})
     staged = {}
-    for function in workflow.regions[0].functions:
-        staged.update(load_file(build / function.package / "weights.safetensors"))
+    for function in region.functions:
+        in_package = load_file(build / function.package / "weights.safetensors")
+        assert bool(set(in_package) & set(saved)) == (weights == "package")
+        staged.update(package_weights(build / function.package, function, storage, "run/r", 5))
     assert set(saved) <= set(staged)
     for name, value in saved.items():
         torch.testing.assert_close(staged[name], value, rtol=0, atol=0, msg=name)
