@@ -23,16 +23,16 @@ import mmap
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, load_file, save_file
 from torch import nn
 
 from ..ir import protocol
@@ -94,6 +94,9 @@ def parameters_in_files(folder: Path) -> Iterator[ParameterFiles]:
 
     def in_file(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type == "cpu" and not files.holds(param):
+            # the modules registered before are built by now (a module initialises its parameters in its
+            # own __init__): what they wrote leaves the process before the next parameter comes
+            files.sweep()
             # the same Parameter, its data moved: whoever holds it, and its attributes (transformers
             # marks a loaded one `_is_hf_initialized`, so that its initialisation leaves it), stay
             param.data = files.hold(param.data)
@@ -146,6 +149,44 @@ def stage_tensors(model: nn.Module, function: Function) -> dict[str, torch.Tenso
     return tensors
 
 
+#: safetensors' names of torch's dtypes
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def serialised(tensors: Mapping[str, torch.Tensor], after_each: Callable[[], None]) -> bytearray:
+    """`tensors` in the safetensors format (what safetensors.torch.save writes), copied once each into
+    the one buffer, calling `after_each` after each (the caller drops its pages): save() would hold a
+    second copy of every tensor's bytes while it builds its own buffer."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    start = 8 + len(text)
+    buffer = bytearray(start + offset)
+    buffer[:start] = len(text).to_bytes(8, "little") + text
+    view = memoryview(buffer)
+    for name in sorted(tensors):
+        first, stop = header[name]["data_offsets"]
+        if stop > first:
+            flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            view[start + first : start + stop] = flat.numpy().data
+        after_each()
+    return buffer
+
+
 @dataclass(frozen=True)
 class StagedWeights:
     """What `stage_weights` did: the stages' functions, their bytes, the seconds it took."""
@@ -175,14 +216,13 @@ def stage_weights(
         if not isinstance(model, nn.Module):
             raise ValueError(f"build_model() returned {type(model).__name__}; expected a torch.nn.Module")
         for function in functions:
-            data = save(stage_tensors(model, function))
+            data = serialised(stage_tensors(model, function), files.sweep)
             for region in regions:
                 if region.name in targets and any(f.name == function.name for f in region.functions):
                     channel, namespace = targets[region.name]
                     channel.put(protocol.weights_key(namespace, function.name), data)
             total += len(data)
             del data
-            files.sweep()
         del model
     return StagedWeights(len(functions), total, time.perf_counter() - began)
 
