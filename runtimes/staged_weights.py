@@ -36,6 +36,7 @@ from safetensors.torch import load, load_file, save_file
 from torch import nn
 
 from ..ir import protocol
+from ..ir.checkpoint_loading import checked_checkpoint_loads
 from ..ir.workflow import Function, Region
 from .storage import Channel
 
@@ -211,7 +212,7 @@ def stage_weights(
     if not functions:
         return StagedWeights(0, 0, 0.0)
     with tempfile.TemporaryDirectory(prefix="cloudless-weights-", dir=scratch) as folder:
-        with parameters_in_files(Path(folder)) as files:
+        with checked_checkpoint_loads(), parameters_in_files(Path(folder)) as files:
             model = model_module.build_model()
         if not isinstance(model, nn.Module):
             raise ValueError(f"build_model() returned {type(model).__name__}; expected a torch.nn.Module")

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
+from cloudless.compiler.cli import main as compile_main
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.staged_weights import package_weights, stage_weights
 from cloudless.runtimes.staging import load_model_module
@@ -125,3 +126,35 @@ def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plai
     trained = transformers.LlamaForCausalLM(config)
     missing, unexpected = trained.load_state_dict(params, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"} - set(params)
+
+
+@pytest.mark.parametrize(
+    ("layers", "expected"),
+    [
+        (3, "the checkpoint has no 'model.layers.2.input_layernorm.weight' (9 key(s) of the model it lacks"),
+        (1, "the model has no 'model.layers.1.input_layernorm.weight' (9 key(s) of the checkpoint it does not use)"),
+    ],
+)
+def test_a_checkpoint_that_does_not_match_the_model_is_one_line_naming_the_key(
+    tmp_path: Path, capsys, layers: int, expected: str
+) -> None:
+    """transformers would load what matches and start the rest from random values (only logging it)."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "pretrained")
+    path = tmp_path / "model.py"
+    source = textwrap.dedent(MODEL).replace(
+        "from_pretrained(CHECKPOINT)", f"from_pretrained(CHECKPOINT, num_hidden_layers={layers})"
+    )
+    path.write_text(source)
+    line = next(n for n, text in enumerate(source.splitlines(), 1) if "from_pretrained" in text)
+    assert compile_main([str(path), "-o", str(tmp_path / "build"), "--repeats", "0", "-q"]) == 2
+    # transformers' own progress bars go to stderr before it: the compiler's is one line
+    ours = [text for text in capsys.readouterr().err.splitlines() if "cloudless-compile" in text]
+    assert len(ours) == 1, ours
+    error = ours[0]
+    assert error.startswith(f"cloudless-compile: error: {path}:{line}: build_model() raised CheckpointMismatch: ")
+    assert f"from_pretrained('{tmp_path / 'pretrained'}'): {expected}" in error
+    assert not (tmp_path / "build").exists()
