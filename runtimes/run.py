@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..ir import protocol
 from ..ir.arguments import OneLineParser
@@ -49,19 +48,18 @@ from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvok
 from .retrying_channel import RetryingChannel, StorageError
 from .run_outputs import chrome_trace, left_figures, several_regions_figures, summarise
 from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
-from .staged_weights import save_in_shards, stage_of_tensors, stage_weights, staged_functions
+from .staged_weights import save_trained_model
 from .staging import (
     DataError,
     describe_staged,
     evaluate,
     frozen_weights,
-    load_model_module,
     model_file_state,
     newer_global_version,
     recorded_model_file,
     save_peft_adapter,
     stage_data,
-    state_names,
+    stage_run_weights,
     trained_state,
     untouched_tensors,
 )
@@ -463,17 +461,9 @@ def _train(
             )
             for entry in regions
         }
-        if staged_functions(regions):  # a staged build: the parameters' weights, stage by stage
-            weights = stage_weights(
-                load_model_module(model),
-                regions,
-                {entry.name: (channels[entry.name], protocol.namespace(run_id, entry.name)) for entry in regions},
-            )
-            print(
-                f"weights: {weights.functions} stages' parameters staged from build_model(), "
-                f"{weights.bytes / 2**20:.1f} MiB in {weights.seconds:.1f} s",
-                flush=True,
-            )
+        weights = stage_run_weights(model, regions, channels, run_id)  # a staged build's parameters
+        if weights is not None:
+            print(weights, flush=True)
     except (DataError, ValueError) as exc:
         return fail(str(exc))
     settings = RunSettings(
@@ -571,12 +561,7 @@ def _train(
         keyed, unused = model_file_state(build, state)
         if unused:  # never trained: as build_model() builds them, so that the file loads strictly
             keyed |= untouched_tensors(model, unused)
-        if staged_functions(regions):  # a big model: one shard per stage, as transformers writes one
-            first = regions[0]
-            written = save_in_shards(out, keyed, state_names(build), stage_of_tensors(build, first), first.stages)
-            model_files = f"{written[0]} .. {written[-1]}"
-        else:
-            save_file(dict(sorted(keyed.items())), str(out / "model.safetensors"))
+        model_files = save_trained_model(out, build, regions, keyed)
         if workflow.data.adapter == "peft":
             try:
                 save_peft_adapter(model, keyed, out / "adapter")

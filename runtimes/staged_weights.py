@@ -254,6 +254,25 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+def state_names(build: Path) -> dict[str, str]:
+    """Per key of the user model's state_dict, the stages' name of its tensor (ir/graph.json's
+    `state_names`; {} for a build without the graph, or from before it recorded them)."""
+    graph = build / "ir" / "graph.json"
+    names: dict[str, str] = json.loads(graph.read_text()).get("state_names") or {} if graph.is_file() else {}
+    return names
+
+
+def save_trained_model(out: Path, build: Path, regions: Sequence[Region], keyed: Mapping[str, torch.Tensor]) -> str:
+    """Write the trained model (`keyed`: under the model's own names) into `out`: model.safetensors, or
+    for a staged build one shard per stage and their index (`save_in_shards`). What was written, to print."""
+    if not staged_functions(regions):
+        save_file(dict(sorted(keyed.items())), str(out / "model.safetensors"))
+        return "model.safetensors"
+    first = regions[0]
+    written = save_in_shards(out, keyed, state_names(build), stage_of_tensors(build, first), first.stages)
+    return f"{written[0]} .. {written[-1]}"
+
+
 def stage_of_tensors(build: Path, region: Region) -> dict[str, int]:
     """Per tensor name of the region's stages, the first stage holding it: its staged parameters and
     its package's tensors (only the files' headers are read)."""

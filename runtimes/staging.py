@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypedDict
@@ -25,7 +24,7 @@ from ..ir.protocol import DATA_META, data_key
 from ..ir.schedule import SHARD_SAMPLES
 from ..ir.workflow import DataSource, Region, Workflow
 from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
-from .staged_weights import package_weights
+from .staged_weights import package_weights, stage_weights, staged_functions, state_names
 from .storage import Channel
 from .tensors import autocast, unpack
 from .worker import load_module
@@ -194,6 +193,21 @@ def stage_data(
     )
 
 
+def stage_run_weights(
+    model: Path, regions: Sequence[Region], channels: Mapping[str, Channel], run_id: str
+) -> str | None:
+    """A staged build's weights into each region's storage for run `run_id` (staged_weights.py), from
+    the model file's build_model(); the line saying so, or None for a build that holds its weights."""
+    if not staged_functions(regions):
+        return None
+    targets = {region.name: (channels[region.name], protocol.namespace(run_id, region.name)) for region in regions}
+    done = stage_weights(load_model_module(model), regions, targets)
+    return (
+        f"weights: {done.functions} stages' parameters staged from build_model(), "
+        f"{done.bytes / 2**20:.1f} MiB in {done.seconds:.1f} s"
+    )
+
+
 def describe_staged(staged: StagedData) -> str:
     """One line for the run's banner: per split its samples, short fingerprint and what was done, so
     that a user sees when the data changed or was damaged (re-staged, and why) or which data a run
@@ -252,14 +266,6 @@ def frozen_weights(build: Path, region: Region, channel: Channel, namespace: str
             initial = package_weights(build / function.package, function, channel, namespace, 60)
             frozen.update({name: initial[name] for name in function.frozen_parameters})
     return frozen
-
-
-def state_names(build: Path) -> dict[str, str]:
-    """Per key of the user model's state_dict, the stages' name of its tensor (ir/graph.json's
-    `state_names`; {} for a build without the graph, or from before it recorded them)."""
-    graph = build / "ir" / "graph.json"
-    names: dict[str, str] = json.loads(graph.read_text()).get("state_names") or {} if graph.is_file() else {}
-    return names
 
 
 def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
 from cloudless.compiler.cli import main as compile_main
+from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.staged_weights import package_weights, stage_weights
 from cloudless.runtimes.staging import load_model_module
