@@ -1,15 +1,19 @@
 """Scale benchmark: compile wall time and peak memory (max RSS) against parameter count.
 
-    .venv/bin/python bench/scale_bench.py [--shapes gpt2 tinyllama llama3-8b llama-70b] [--full gpt2 tinyllama]
+    .venv/bin/python bench/scale_bench.py [--shapes gpt2 tinyllama llama3-8b llama-70b]
+        [--full gpt2 tinyllama llama3-8b]
 
 Each shape is a transformers config (no download) in a generated model file, compiled in a fresh
 process (its own max RSS), micro-batch 1 x 128 tokens:
 - `--plan-only` (stand-ins for the weights, a block's weights at a time): every shape;
-- the full compile (the weights built, traced, profiled, split and written into the build): the
-  shapes named by `--full` (the 8B's 32 GB of fp32 weights do not fit this 24 GB machine).
-Printed per run: parameters, weight bytes, path, wall seconds, peak GB, stages planned, and the
-ratio of peak memory to the weights' bytes. Issue 29's targets: a 70B shape plans with peak <= 16 GB;
-the 1.1B peaks <= 4 GB; compile time at most linear in layer count.
+- the full compile (`--weights auto`: a model whose parameters take more than 1 GiB is compiled on
+  stand-ins into a build without its weights, which the run stages; GPT-2's go into its packages),
+  then `cloudless-compile --check` on the build: the shapes named by `--full`.
+Printed per run: parameters, weight bytes, path, wall seconds, peak GB, stages planned, the ratio of
+peak memory to the weights' bytes, and for a full compile the build's size and whether --check passed.
+Issue 29's targets: the 8B compiles in <= 15 min with peak <= 8 GB into a build <= 500 MB that passes
+--check, in >= 2 stages; the 1.1B peaks <= 4 GB; a 70B shape plans with peak <= 16 GB; compile time at
+most linear in layer count.
 """
 
 from __future__ import annotations
@@ -108,25 +112,33 @@ def parameter_count(shape: str) -> int:
 
 def compile_once(path: Path, out: Path, plan_only: bool) -> dict[str, object]:
     command = [sys.executable, "-c", RUNNER, str(path), "-o", str(out), "-q", "--repeats", "2"]
-    command += ["--plan-only"] if plan_only else ["--no-verify"]
+    command += ["--plan-only"] if plan_only else ["--no-verify", "--weights", "auto"]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     peak = next((int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("MAXRSS")), 0)
     stages = None
+    build_mb: float | None = None
+    check = ""
     if result.returncode == 0:
         stages = len(json.loads((out / "plan.json").read_text())["stages"])
+        if not plan_only:
+            build_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+            checked = subprocess.run(
+                [sys.executable, "-m", "cloudless.compiler.cli", "--check", str(out)], capture_output=True, text=True
+            )
+            check = "passed" if checked.returncode == 0 else "FAILED"
     error = "" if result.returncode == 0 else (result.stderr.strip().splitlines() or ["?"])[-1][:160]
-    return {"wall_s": wall, "peak": peak, "stages": stages, "error": error}
+    return {"wall_s": wall, "peak": peak, "stages": stages, "error": error, "build_mb": build_mb, "check": check}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--full", nargs="*", default=["gpt2", "tinyllama"], choices=list(SHAPES))
+    parser.add_argument("--full", nargs="*", default=["gpt2", "tinyllama", "llama3-8b"], choices=list(SHAPES))
     args = parser.parse_args()
     print(f"{'shape':<10} {'params':>8} {'weights GB':>10} {'path':<9} {'wall s':>7} {'peak GB':>8} "
-          f"{'peak/weights':>12} {'stages':>6}")  # fmt: skip
+          f"{'peak/weights':>12} {'stages':>6} {'build MB':>8} {'--check':>7}")  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         for shape in args.shapes:
@@ -140,6 +152,7 @@ def main() -> None:
                 line = (
                     f"{shape:<10} {count / 1e9:>7.2f}B {weights / 1e9:>10.2f} {name:<9} {got['wall_s']:>7.0f} "
                     f"{peak / 1e9:>8.2f} {peak / weights:>12.2f} {got['stages'] or '-':>6}"
+                    f" {'-' if got['build_mb'] is None else format(got['build_mb'], '.1f'):>8} {got['check'] or '-':>7}"
                 )
                 print(line + (f"  error: {got['error']}" if got["error"] else ""), flush=True)
 

@@ -104,12 +104,13 @@ def max_runs(repeats: int) -> int:
     return max(MAX_RUNS_FACTOR * repeats, MIN_RUNS)
 
 
-def needs_another_run(totals: Sequence[float], repeats: int, extra_s: float) -> bool:
-    """The stop rule: whether to time one more run, given each timed run's total so far and the
-    seconds already spent on runs beyond the requested ones."""
+def needs_another_run(totals: Sequence[float], repeats: int, extra_s: float, run_s: float = 0.0) -> bool:
+    """The stop rule: whether to time one more run, given each timed run's total so far, the seconds
+    already spent on runs beyond the requested ones and how long the last run took (`run_s`): an
+    extra run is started only when one like the last fits in what is left of the budget."""
     if len(totals) < max(repeats, MIN_RUNS):
         return True
-    if len(totals) >= max_runs(repeats) or extra_s >= EXTRA_BUDGET_S:
+    if len(totals) >= max_runs(repeats) or extra_s + run_s >= EXTRA_BUDGET_S:
         return False
     return fastest_gap(totals) > STABLE_SHARE
 
@@ -164,19 +165,27 @@ def repeat_until_stable(
     clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileRuns:
     """Time `run_once` (per-block forward and backward seconds) and PROBES_PER_RUN probes after it,
-    one warm-up first, until `needs_another_run` says stop."""
-    run_once()
+    one warm-up first, until `needs_another_run` says stop. A warm-up longer than the extra budget
+    (a big model's, planned from shapes: minutes a run) has warmed what it touches and counts as a run."""
+    start = clock()
+    warm = run_once()
     probe()
+    run_s = clock() - start
     runs = ProfileRuns([], [], [])
+    if run_s > EXTRA_BUDGET_S:
+        runs.forward_s.append(warm[0])
+        runs.backward_s.append(warm[1])
+        runs.probes.extend(probe() for _ in range(PROBES_PER_RUN))
     extra_s = 0.0
-    while needs_another_run(runs.totals, repeats, extra_s):
+    while needs_another_run(runs.totals, repeats, extra_s, run_s):
         start = clock()
         forward, backward = run_once()
         runs.forward_s.append(forward)
         runs.backward_s.append(backward)
         runs.probes.extend(probe() for _ in range(PROBES_PER_RUN))
+        run_s = clock() - start
         if len(runs.forward_s) > max(repeats, MIN_RUNS):
-            extra_s += clock() - start
+            extra_s += run_s
     return runs
 
 

@@ -86,6 +86,7 @@ def test_stop_rule_stops_at_the_cap_and_at_the_time_budget() -> None:
     assert not needs_another_run(disagreeing[:cap], 3, 0.0)
     assert needs_another_run(disagreeing[:4], 3, EXTRA_BUDGET_S - 1)
     assert not needs_another_run(disagreeing[:4], 3, EXTRA_BUDGET_S)
+    assert not needs_another_run(disagreeing[:4], 3, EXTRA_BUDGET_S - 1, run_s=2.0)  # one more would not fit
 
 
 def scripted(totals: list[float], blocks: int = 2) -> Callable[[], tuple[list[float], list[float]]]:
@@ -131,8 +132,17 @@ def test_repeat_until_stable_stops_extra_runs_at_the_time_budget() -> None:
     runs = repeat_until_stable(
         scripted([50.0, *[1.5**i for i in range(20)]]), probes(), repeats=3, clock=lambda: float(next(ticks))
     )
-    # 3 requested, then extra runs while they have taken less than the budget (30 s): 20 s, 40 s
-    assert len(runs.totals) == 5
+    # 3 requested, then extra runs while one more like the last fits in the budget (30 s): one
+    assert len(runs.totals) == 4
+
+
+def test_a_warm_up_longer_than_the_budget_counts_as_a_run() -> None:
+    """A big model planned from shapes takes minutes a run: its warm-up is not thrown away."""
+    ticks = iter(range(0, 10**6, 40))  # each run takes 40 s on this clock
+    totals = [10.0, 10.2, 30.0, 40.0]
+    runs = repeat_until_stable(scripted(totals), probes(), repeats=2, clock=lambda: float(next(ticks)))
+    assert runs.totals == pytest.approx([10.0, 10.2])
+    assert len(runs.probes) == PROBES_PER_RUN * 2
 
 
 # --- filling the chain -----------------------------------------------------------------------------
