@@ -28,22 +28,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..ir import protocol
 from ..ir.checkpoint_loading import checked_checkpoint_loads
 from ..ir.workflow import Function, Region
 from .storage import Channel
-
-
-class Readable(Protocol):
-    def get(self, key: str, timeout: float) -> bytes: ...
-
 
 #: how often the sweeper drops the mapped parameter pages from the process
 SWEEP_S = 0.2
@@ -221,28 +216,12 @@ def stage_weights(
             for region in regions:
                 if region.name in targets and any(f.name == function.name for f in region.functions):
                     channel, namespace = targets[region.name]
-                    channel.put(protocol.weights_key(namespace, function.name), data)
+                    # a bytearray: every channel seals a value into new bytes first (protocol.seal)
+                    channel.put(protocol.weights_key(namespace, function.name), cast(bytes, data))
             total += len(data)
             del data
         del model
     return StagedWeights(len(functions), total, time.perf_counter() - began)
-
-
-def package_weights(
-    package: Path, function: Function, channel: Readable | None, namespace: str, timeout: float
-) -> dict[str, torch.Tensor]:
-    """The stage's initial tensors: its package's weights.safetensors and, for a staged build, the
-    parameters the run staged (`channel`, the run's `namespace`)."""
-    tensors = load_file(package / "weights.safetensors")
-    if function.staged_parameters:
-        if channel is None:
-            raise ValueError(f"{function.name}: a staged build's weights are in the run's storage, and none is given")
-        staged = load(channel.get(protocol.weights_key(namespace, function.name), timeout))
-        missing = sorted(set(dict(function.staged_parameters)) - set(staged))
-        if missing:
-            raise ValueError(f"{function.name}: the staged weights lack {missing[0]!r}")
-        tensors.update(staged)
-    return tensors
 
 
 #: what transformers names the index of a checkpoint written in shards (`load_sharded_checkpoint` reads it)

@@ -24,7 +24,8 @@ from ..ir.protocol import DATA_META, data_key
 from ..ir.schedule import SHARD_SAMPLES
 from ..ir.workflow import DataSource, Region, Workflow
 from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
-from .staged_weights import package_weights, stage_weights, staged_functions, state_names
+from .initial_weights import package_weights
+from .staged_weights import stage_weights, staged_functions, state_names
 from .storage import Channel
 from .tensors import autocast, unpack
 from .worker import load_module

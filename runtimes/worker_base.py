@@ -24,7 +24,7 @@ from .data import SplitReader
 from .emulation import CpuShare, EmulatedChannel
 from .failures import Aborted, Diverged, ModelFailed, one_line, where
 from .function_channel import FunctionChannel
-from .staged_weights import package_weights
+from .initial_weights import package_weights
 
 _T = TypeVar("_T")
 

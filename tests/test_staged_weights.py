@@ -16,7 +16,8 @@ from safetensors import safe_open
 from torch import nn
 
 from cloudless.compiler.pipeline import FrontEndOptions, balanced_stage_ranges, run_front_end
-from cloudless.runtimes.staged_weights import package_weights, parameters_in_files
+from cloudless.runtimes.initial_weights import package_weights
+from cloudless.runtimes.staged_weights import parameters_in_files
 from cloudless.runtimes.storage import DirectoryChannel
 from tests.runtime_cases import write_packages
 
