@@ -18,18 +18,20 @@ What it follows, from the sources:
   running, another is answered 429 "Concurrent request limit exceeded. Max concurrent requests: N" without
   reaching the function; a request running past `exec_timeout` is answered 504 with no body (header
   X-OpenFaaS-Internal: of-watchdog) while the function's own code runs on (http mode cannot stop it), and
-  the watchdog counts it no longer in flight.
+  the watchdog counts it no longer in flight. Its HTTP server's write_timeout cuts an answer later than it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hmac
 import importlib.util
 import json
 import queue as queues
 import random
+import socket
 import tempfile
 import threading
 import time
@@ -108,11 +110,17 @@ def mount_secrets(handlers: Iterable[Any], secrets: Mapping[str, str] | None) ->
 
 class Watchdog:
     """The of-watchdog's front of one instance, as WSGI around the function's app: `max_inflight` (None or 0:
-    no limit) and `exec_timeout` seconds (None: none)."""
+    no limit), `exec_timeout` and `write_timeout` seconds (None: none). The watchdog's HTTP server may write
+    an answer only until `write_timeout` after the request came (Go's http.Server WriteTimeout): an answer
+    later than that, or one still running then (before exec_timeout), never reaches the caller, whose
+    connection is closed without one."""
 
-    def __init__(self, app: Any, max_inflight: int | None, exec_timeout: float | None = None) -> None:
-        self.app, self.max_inflight, self.exec_timeout = app, max_inflight or None, exec_timeout
-        self.inflight = self.most = self.refused = self.timed_out = 0
+    def __init__(
+        self, app: Any, max_inflight: int | None, exec_timeout: float | None = None, write_timeout: float | None = None
+    ) -> None:
+        self.app, self.max_inflight = app, max_inflight or None
+        self.exec_timeout, self.write_timeout = exec_timeout, write_timeout
+        self.inflight = self.most = self.refused = self.timed_out = self.dropped = 0
         self.lock = threading.Lock()
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
@@ -125,15 +133,15 @@ class Watchdog:
             self.most = max(self.most, self.inflight)
         began = time.monotonic()
         try:
-            if self.exec_timeout is None:
+            if self.exec_timeout is None and self.write_timeout is None:
                 # The template's reply is whole once the app returns (no streaming): read it before leaving.
                 return list(self.app(environ, start_response))
-            return self._within_timeout(environ, start_response, began)
+            return self._within_timeouts(environ, start_response, began)
         finally:
             with self.lock:
                 self.inflight -= 1
 
-    def _within_timeout(self, environ: dict[str, Any], start_response: Any, began: float) -> list[bytes]:
+    def _within_timeouts(self, environ: dict[str, Any], start_response: Any, began: float) -> list[bytes]:
         answer: dict[str, Any] = {}
 
         def run() -> None:
@@ -148,8 +156,12 @@ class Watchdog:
 
         worker = threading.Thread(target=run, name="watchdog upstream", daemon=True)
         worker.start()
-        worker.join(self.exec_timeout)
-        duration = [("X-Duration-Seconds", f"{time.monotonic() - began:f}"), ("X-OpenFaaS-Internal", "of-watchdog")]
+        worker.join(min(t for t in (self.exec_timeout, self.write_timeout) if t is not None))
+        elapsed = time.monotonic() - began
+        if self.write_timeout is not None and elapsed >= self.write_timeout:
+            if not worker.is_alive() or self.exec_timeout is None or self.write_timeout < self.exec_timeout:
+                return self._drop(environ)
+        duration = [("X-Duration-Seconds", f"{elapsed:f}"), ("X-OpenFaaS-Internal", "of-watchdog")]
         if worker.is_alive():  # past exec_timeout: the caller is answered, the function's code runs on
             with self.lock:
                 self.timed_out += 1
@@ -161,6 +173,16 @@ class Watchdog:
         status, headers = answer["start"]
         start_response(status, [*headers, duration[0]])
         return [answer["body"]]
+
+    def _drop(self, environ: dict[str, Any]) -> list[bytes]:
+        """Past write_timeout: the connection closes with no answer (the server's write fails)."""
+        with self.lock:
+            self.dropped += 1
+        connection = environ.get("werkzeug.socket")
+        if connection is not None:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        return []
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -9,7 +9,8 @@ Per region, what `faas-cli` and OpenFaaS CE would do with the region's stack.yam
 - each function deployed as faas-netes deploys it (pkg/handlers/deploy.go, validate.go): CE's limits on
   `com.openfaas.scale.min`/`max` (at most 5) and on the number of functions (15); `scale.min` replicas
   (default 1; CE does not scale); each replica a process of its own: an of-watchdog-like front
-  (`max_inflight`, `exec_timeout` from the function's environment, as the watchdog reads them) that
+  (`max_inflight`, `exec_timeout`, `write_timeout` from the function's environment, as the watchdog reads
+  them; `read_timeout` is the time to read a request, which a rehearsal's small bodies never near) that
   starts the template's request handling (`openfaas_index`, as /home/app/index.py with the function's
   folder as /home/app/function/, the image's layout) under waitress, in its own process;
 - the function's `environment` as written, but CLOUDLESS_STORAGE, which names the run's storage (the
@@ -101,6 +102,7 @@ class StackFunction:
     cpu: float | None
     max_inflight: int | None
     exec_timeout: float | None
+    write_timeout: float | None
 
 
 def read_stack(path: Path) -> list[StackFunction]:
@@ -125,7 +127,7 @@ def read_stack(path: Path) -> list[StackFunction]:
         inflight = environment.get("max_inflight")
         if inflight is not None and not inflight.isdigit():
             raise RehearsalError(f"{where}: max_inflight {inflight!r}: expected a whole number")
-        exec_timeout = environment.get("exec_timeout")
+        exec_timeout, write_timeout = environment.get("exec_timeout"), environment.get("write_timeout")
         found.append(
             StackFunction(
                 name=str(name),
@@ -136,6 +138,7 @@ def read_stack(path: Path) -> list[StackFunction]:
                 cpu=parse_cpu(limits["cpu"], f"{where} limits.cpu") if "cpu" in limits else None,
                 max_inflight=int(inflight) if inflight else None,
                 exec_timeout=parse_duration(exec_timeout, f"{where} exec_timeout") if exec_timeout else None,
+                write_timeout=parse_duration(write_timeout, f"{where} write_timeout") if write_timeout else None,
             )
         )
     return found
@@ -190,9 +193,10 @@ def _first_line(stream: Any, deadline: float, what: str) -> str:
 
 def watchdog_main(argv: list[str]) -> int:
     """The replica's process (`python -m cloudless.runtimes.rehearse_openfaas watchdog HOME MAX_INFLIGHT
-    EXEC_TIMEOUT`): start `python index.py` in HOME (of-watchdog's fprocess), then serve the front on a free
-    loopback port; prints `serving on PORT` once the function serves. Its stderr is the function's log."""
-    home, inflight, timeout = Path(argv[0]), int(argv[1]), float(argv[2])
+    EXEC_TIMEOUT WRITE_TIMEOUT`, seconds, 0 for none): start `python index.py` in HOME (of-watchdog's
+    fprocess), then serve the front on a free loopback port; prints `serving on PORT` once the function
+    serves. Its stderr is the function's log."""
+    home, inflight, timeout, write_timeout = Path(argv[0]), int(argv[1]), float(argv[2]), float(argv[3])
     child = subprocess.Popen([sys.executable, "index.py"], cwd=home, stdout=subprocess.PIPE, preexec_fn=_function_child)
     assert child.stdout is not None
     line = _first_line(child.stdout, time.monotonic() + START_TIMEOUT_S, f"{home}/index.py")
@@ -206,7 +210,9 @@ def watchdog_main(argv: list[str]) -> int:
             sys.stderr.write(f"stdout: {text.decode(errors='replace')}")
 
     threading.Thread(target=relay, daemon=True).start()
-    front = Watchdog(_upstream(f"http://127.0.0.1:{line.split()[-1]}"), inflight, timeout or None)
+    front = Watchdog(
+        _upstream(f"http://127.0.0.1:{line.split()[-1]}"), inflight, timeout or None, write_timeout or None
+    )
     with serving(front) as url:
         print(f"serving on {url.rstrip('/').rsplit(':', 1)[1]}", flush=True)
         signal.sigwait([signal.SIGTERM, signal.SIGINT])
@@ -288,7 +294,11 @@ def deploy(
             with log.open("wb") as err:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "cloudless.runtimes.rehearse_openfaas", "watchdog", str(home)]
-                    + [str(function.max_inflight or 0), str(function.exec_timeout or 0)],
+                    + [
+                        str(function.max_inflight or 0),
+                        str(function.exec_timeout or 0),
+                        str(function.write_timeout or 0),
+                    ],
                     stdout=subprocess.PIPE,
                     stderr=err,
                     env=_environment(function, folder, overrides, index),
@@ -417,4 +427,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["watchdog"]:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])  # sigwait's, in every thread
         sys.exit(watchdog_main(sys.argv[2:]))
-    sys.exit(f"usage: python -m {__spec__.name if __spec__ else 'rehearse_openfaas'} watchdog HOME MAX_INFLIGHT EXEC_S")
+    sys.exit("usage: python -m cloudless.runtimes.rehearse_openfaas watchdog HOME MAX_INFLIGHT EXEC_S WRITE_S")

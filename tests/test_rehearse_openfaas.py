@@ -158,6 +158,21 @@ def test_past_exec_timeout_the_watchdog_answers_504_and_the_function_runs_on(tmp
         release.touch()
 
 
+def test_an_answer_past_the_watchdogs_write_timeout_never_arrives_and_the_gateway_says_502(tmp_path: Path) -> None:
+    """A write_timeout shorter than exec_timeout (a stack edited by hand): the watchdog's server cannot write
+    the answer, the gateway's upstream request ends without one, and CE answers 502 with no body."""
+    folder = region_folder(tmp_path, exec_timeout="30s")
+    stack = folder / "stack.yaml"
+    stack.write_text(stack.read_text().replace('exec_timeout: "30s"', 'exec_timeout: "30s"\n      write_timeout: "1s"'))
+    assert read_stack(stack)[0].write_timeout == 1.0
+    started, release = tmp_path / "started", tmp_path / "release"
+    with rehearse_region(folder, {TOKEN_SECRET: b"t"}, {}, tmp_path / "logs") as deployed:
+        url = f"{deployed.gateway.url}/function/probe"
+        status, body, _ = post(url, {"wait_for": str(release), "started": str(started)})
+        assert (status, body) == (502, b"")
+        release.touch()
+
+
 def test_the_gateway_requires_its_basic_auth_on_system_routes_only(tmp_path: Path) -> None:
     folder = region_folder(tmp_path)
     with rehearse_region(folder, {TOKEN_SECRET: b"t"}, {}, tmp_path / "logs") as deployed:
