@@ -305,9 +305,12 @@ def make_gateway_app(
         call.ended = time.time()
         return headers
 
-    def record(call: Call) -> None:
+    def accept(name: str, route: str) -> Call:
+        """The request as a call, recorded (headers kept: the queue worker sends them on too)."""
+        call = Call(name, str(uuid.uuid4()), request.get_data(), Headers(request.headers), route=route)
         with lock:
             gateway.calls.append(call)
+        return call
 
     def unknown(name: str) -> tuple[str, int, dict[str, str]]:
         return f"error finding function {name}: not found", 404, {"Content-Type": "text/plain"}
@@ -316,8 +319,7 @@ def make_gateway_app(
     def call_sync(name: str) -> Any:
         if name not in urls:
             return unknown(name)
-        call = Call(name, str(uuid.uuid4()), request.get_data(), Headers(request.headers), route="sync")
-        record(call)
+        call = accept(name, "sync")
         headers = deliver(call)
         if call.status == 502:  # forwarding_proxy.go: StatusBadGateway, no body
             return "", 502, {"X-Call-Id": call.call_id}
@@ -328,9 +330,7 @@ def make_gateway_app(
     def call_async(name: str) -> Any:
         if name not in urls:
             return unknown(name)
-        # The queue keeps the request's headers and the queue worker sends them on to the function.
-        call = Call(name, str(uuid.uuid4()), request.get_data(), Headers(request.headers), route="async")
-        record(call)
+        call = accept(name, "async")
         if queue == "ce":
             gateway.pending.put(call)
         else:
