@@ -12,9 +12,10 @@ licence, OpenFaaS Author(s)), and the template's Dockerfile (of-watchdog in `mod
 - the reply: None is an empty 200; else `statusCode` (default 200), `body` (absent: ""; a dict: as JSON
   through Flask's jsonify; anything else: str() of it) and `headers` (a dict, or a list of pairs);
 - served by waitress (`waitress.serve`).
-Upstream's file itself is not copied into this repository; this module is written to its behaviour. One
-difference: upstream listens on the fixed port 5000 (one per container); a rehearsal runs many instances on
-one machine, so run as a script this serves on a free loopback port and prints `serving on PORT` first.
+Upstream's file itself is not copied into this repository; this module is written to its behaviour. Where
+`faas-cli template pull` has put upstream's file beside the stack (report.md's step), a rehearsal runs that
+one instead (`rehearse_openfaas.template_index`). Either listens on port 5000, as in a container of its own;
+a rehearsal runs many on one machine, so its launcher has waitress serve on a free loopback port.
 
 It imports nothing of Cloudless: run as /home/app/index.py, the function's handler imports its own
 vendored copy of the runtime, as it does in the image.
@@ -75,11 +76,9 @@ def make_app(handler: Any) -> Flask:
 
 def main() -> None:
     from function import handler  # the image's /home/app/function/
-    from waitress import create_server
+    from waitress import serve
 
-    server = create_server(make_app(handler), host="127.0.0.1", port=0)
-    print(f"serving on {server.effective_port}", flush=True)
-    server.run()
+    serve(make_app(handler), host="0.0.0.0", port=5000)  # a rehearsal's launcher picks a free loopback port
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ Per region, what `faas-cli` and OpenFaaS CE would do with the region's stack.yam
   (default 1; CE does not scale); each replica a process of its own: an of-watchdog-like front
   (`max_inflight`, `exec_timeout`, `write_timeout` from the function's environment, as the watchdog reads
   them; `read_timeout` is the time to read a request, which a rehearsal's small bodies never near) that
-  starts the template's request handling (`openfaas_index`, as /home/app/index.py with the function's
-  folder as /home/app/function/, the image's layout) under waitress, in its own process;
+  starts the template's index.py (upstream's, where `faas-cli template pull` put it beside the stack, else
+  `openfaas_index`, written to its behaviour) as /home/app/index.py with the function's folder as
+  /home/app/function/ (the image's layout), under waitress, in a process of its own;
 - the function's `environment` as written, but CLOUDLESS_STORAGE, which names the run's storage (the
   stack's names the deployed bucket); its `secrets` only, each a file in a folder of the function's own
   (named to the handler by protocol.SECRETS_DIR_ENV: a deployed one reads /var/openfaas/secrets);
@@ -66,6 +67,24 @@ UPSTREAM_MARGIN_S = 15.0
 CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+#: where `faas-cli template pull stack -f stack.yaml`, run in a region's folder (report.md), puts the
+#: template's index.py
+PULLED_INDEX = Path("template") / "python3-http-debian" / "index.py"
+#: how a replica starts index.py: as `python index.py` in /home/app, but with waitress serving on a free
+#: loopback port (the template's 5000 is a container's own) and saying which, first
+LAUNCHER = """
+import runpy, waitress
+
+def serve(app, host=None, port=None, **options):
+    server = waitress.create_server(app, host="127.0.0.1", port=0, **options)
+    print(f"serving on {server.effective_port}", flush=True)
+    server.run()
+
+waitress.serve = serve
+runpy.run_path("index.py", run_name="__main__")
+"""
 
 
 class RehearsalError(ValueError):
@@ -196,7 +215,9 @@ def watchdog_main(argv: list[str]) -> int:
     fprocess), then serve the front on a free loopback port; prints `serving on PORT` once the function
     serves. Its stderr is the function's log."""
     home, inflight, timeout, write_timeout = Path(argv[0]), int(argv[1]), float(argv[2]), float(argv[3])
-    child = subprocess.Popen([sys.executable, "index.py"], cwd=home, stdout=subprocess.PIPE, preexec_fn=_function_child)
+    child = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], cwd=home, stdout=subprocess.PIPE, preexec_fn=_function_child
+    )
     assert child.stdout is not None
     line = _first_line(child.stdout, time.monotonic() + START_TIMEOUT_S, f"{home}/index.py")
     if not line.startswith("serving on "):
@@ -234,12 +255,18 @@ class Replica:
     url: str = ""
 
 
-def _home(function: StackFunction, scratch: Path) -> Path:
+def template_index(region_folder: Path) -> Path:
+    """The template's index.py a rehearsal runs: upstream's where `faas-cli template pull` put it, else ours."""
+    pulled = region_folder / PULLED_INDEX
+    return pulled if pulled.is_file() else Path(__file__).with_name("openfaas_index.py")
+
+
+def _home(function: StackFunction, scratch: Path, index: Path) -> Path:
     """The image's /home/app: index.py, and function/ holding the handler's folder (linked, not copied:
     the build stays as it is)."""
     home = scratch / "home" / function.name
     (home / "function").mkdir(parents=True)
-    shutil.copyfile(Path(__file__).with_name("openfaas_index.py"), home / "index.py")
+    shutil.copyfile(index, home / "index.py")
     (home / "function" / "__init__.py").touch()  # the template's Dockerfile makes function/ a package
     for entry in function.handler.iterdir():
         if entry.name != "__init__.py":
@@ -273,6 +300,7 @@ def deploy(
     scratch: Path,
     logs: Path,
     stack: ExitStack,
+    index_py: Path,
 ) -> list[Replica]:
     """Deploy the functions behind the gateway: each function's secrets (from the gateway's store; one
     missing is an error, as faas-netes has it) into its folder, its replicas started together; returns them
@@ -287,7 +315,7 @@ def deploy(
         folder.mkdir(parents=True)
         for name in function.secrets:
             (folder / name).write_bytes(gateway.secrets[name])
-        home = _home(function, scratch)
+        home = _home(function, scratch, index_py)
         for index in range(function.replicas):
             log = logs / f"{function.name}-{index}.log"
             with log.open("wb") as err:
@@ -346,6 +374,7 @@ class RegionGateway:
     region: str
     gateway: Gateway
     password: str
+    index: Path
     replicas: list[Replica] = field(default_factory=list)
 
 
@@ -370,8 +399,9 @@ def rehearse_region(
         for name, value in secret_values.items():
             create_secret(gateway.url, password, name, value)
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cloudless-rehearsal-")))
-        replicas = deploy(gateway, functions, overrides, scratch, logs, stack)
-        yield RegionGateway(region_folder.name, gateway, password, replicas)
+        index = template_index(region_folder)
+        replicas = deploy(gateway, functions, overrides, scratch, logs, stack, index)
+        yield RegionGateway(region_folder.name, gateway, password, index, replicas)
 
 
 def storage_secret() -> bytes:
@@ -416,6 +446,7 @@ def rehearse(
             if not args.quiet:
                 shape = ", ".join(f"{f} x{len(u)}" for f, u in deployed.gateway.urls.items())
                 print(f"rehearsal: OpenFaaS gateway {args.gateway} ({region}): {shape}; logs {logs}", flush=True)
+                print(f"rehearsal: the template's index.py: {deployed.index}", flush=True)
             return train(args, build, workflow, iterations, out, token)
     except RehearsalError as exc:
         print(f"cloudless-run: --rehearse: {exc}", file=sys.stderr)

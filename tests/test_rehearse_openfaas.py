@@ -24,8 +24,9 @@ from safetensors.torch import load_file
 from cloudless.compiler.model_file import load_model_file
 from cloudless.ir.files import load_workflow
 from cloudless.ir.protocol import STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
+from cloudless.runtimes import openfaas_index
 from cloudless.runtimes.openfaas_gateway import LIMIT_EXCEEDED, basic_auth_header
-from cloudless.runtimes.rehearse_openfaas import RehearsalError, read_stack, rehearse_region
+from cloudless.runtimes.rehearse_openfaas import RehearsalError, read_stack, rehearse_region, template_index
 from cloudless.runtimes.run import main as run_main
 from tests.reference import plain_training
 from tests.runtime_cases import MLP
@@ -49,6 +50,7 @@ def handle(event, context):
         "storage": os.environ.get("CLOUDLESS_STORAGE"),
         "threads": os.environ.get("OMP_NUM_THREADS"),
         "header": event.headers.get("X-Probe"),
+        "index": os.environ.get("PROBE_INDEX"),
     }
     return {"statusCode": 200, "body": answer}
 """
@@ -117,6 +119,27 @@ def test_replicas_are_processes_with_their_secrets_environment_and_cpu_share(tmp
         assert answer["threads"] is None  # the handler caps torch's threads from its share itself
         assert answer["header"] == "passed on"
     assert all(r.process.poll() is not None for r in replicas)  # stopped at the end
+
+
+def test_a_template_pulled_beside_the_stack_serves_the_functions(tmp_path: Path) -> None:
+    """Where `faas-cli template pull` put the template's index.py (report.md's step), the replicas run that
+    file, unchanged: here one that says so before doing what the template does (port 5000 as upstream's,
+    which the launcher turns into a free one); else the rehearsal's own."""
+    folder = region_folder(tmp_path)
+    with rehearse_region(folder, {TOKEN_SECRET: b"t"}, {}, tmp_path / "logs") as deployed:
+        status, body, _ = post(f"{deployed.gateway.url}/function/probe", {})
+        assert status == 200 and json.loads(body)["index"] is None
+        assert deployed.index == template_index(folder) and deployed.index.name == "openfaas_index.py"
+    pulled = folder / "template" / "python3-http-debian" / "index.py"
+    pulled.parent.mkdir(parents=True)
+    ours = Path(openfaas_index.__file__).read_text()
+    first = "from __future__ import annotations\n"
+    pulled.write_text(ours.replace(first, first + 'import os as _os\n_os.environ["PROBE_INDEX"] = "pulled"\n', 1))
+    assert "port=5000" in ours
+    with rehearse_region(folder, {TOKEN_SECRET: b"t"}, {}, tmp_path / "logs") as deployed:
+        status, body, _ = post(f"{deployed.gateway.url}/function/probe", {})
+        assert status == 200 and json.loads(body)["index"] == "pulled"
+        assert deployed.index == pulled
 
 
 def test_a_busy_replica_answers_429_and_the_gateway_passes_it_back(tmp_path: Path) -> None:
