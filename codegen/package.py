@@ -108,6 +108,7 @@ VENDORED_MODULES = {
         "region_sync",
         "replica_sync",
         "secrets",
+        "staged_weights",
         "storage",
         "sync",
         "tensors",
@@ -182,7 +183,10 @@ def render_function_package(
         f"{root}/Dockerfile": env.get_template("Dockerfile.j2").render(context).encode(),
         **{f"{root}/{name}": env.get_template(f"{name}.j2").render(context).encode() for name in requirement_files},
         f"{root}/stage.py": stage_source.encode(),
-        f"{root}/weights.safetensors": weights_bytes(weights),
+        # a staged build's parameters come from storage at run time, not from the package
+        f"{root}/weights.safetensors": weights_bytes(
+            {name: tensor for name, tensor in weights.items() if name not in dict(function.staged_parameters)}
+        ),
         f"{root}/function.json": (
             json.dumps(
                 {"function": function.name, "region": region, "workflow": workflow.to_json()}, indent=2, sort_keys=True

@@ -131,12 +131,21 @@ def _describe_value(value: Any) -> tuple[str, list[TensorMeta], int]:
 
 def annotate(program: TracedProgram, flat_inputs: list[Any], model_name: str, batch_size: int) -> OpGraph:
     """Run the program once (with autograd on, so saved activations are real) and record per node."""
+    return annotate_run(program, flat_inputs, model_name, batch_size)[0]
+
+
+def annotate_run(
+    program: TracedProgram, flat_inputs: list[Any], model_name: str, batch_size: int
+) -> tuple[OpGraph, tuple[Any, ...]]:
+    """`annotate`, and the program's flat outputs of that run, detached: a big model's forward is the
+    dearest step of a front end, and what checks the loss and writes the loss module needs them too."""
     module = program.module
     names = program.tensor_names
     param_storages = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
     annotator = _Annotator(module, param_storages)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(annotator.pack, lambda t: t):
         outputs = annotator.run(*flat_inputs)
+    flat_outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
     del outputs  # the autograd graph kept saved tensors alive (and their storages distinct) until here
 
     parameters: dict[str, ParamInfo] = {}
@@ -179,7 +188,7 @@ def annotate(program: TracedProgram, flat_inputs: list[Any], model_name: str, ba
             )
         )
     output = program.output_node()
-    return OpGraph(
+    graph = OpGraph(
         model=model_name,
         tracer=program.tracer,
         batch_size=batch_size,
@@ -189,6 +198,7 @@ def annotate(program: TracedProgram, flat_inputs: list[Any], model_name: str, ba
         parameters=dict(sorted(parameters.items())),
         state_names=dict(program.state_names),
     )
+    return graph, flat_outputs
 
 
 def _target_name(node: fx.Node) -> str:

@@ -30,6 +30,7 @@ from .pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
 from .plan import PlanOptions
 from .profile import profile_warnings
 from .solver import solver_log
+from .stand_ins import STAGED_WEIGHTS_BYTES
 from .verify import TOLERANCE
 
 #: --verify without a plan splits into this many stages unless --stages says otherwise
@@ -128,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan from shapes: build the model with stand-ins for its weights (one element per parameter; a "
         "block's weights are made only while the profile times it), plan, and write plan.json and ir/ (no "
         "function packages, no report); the plan is the one a full compile makes (see docs/usage.md)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "package", "staged"),
+        default="auto",
+        help="where the functions' initial weights come from: 'package' writes them into each function package; "
+        "'staged' compiles on stand-ins (as --plan-only) and the build holds no parameter weights: cloudless-run "
+        f"stages each stage's from the model file's build_model() into storage; 'auto' (default) stages a model "
+        f"whose parameters take more than {STAGED_WEIGHTS_BYTES >> 30} GiB (see docs/usage.md)",
     )
     parser.add_argument(
         "--stages",
@@ -311,6 +321,13 @@ def _main(argv: Sequence[str] | None) -> int:
         problem = "--verify (stand-ins hold no weights to compare)" if args.verify else "--repeats 0 (nothing to plan)"
         console.print(f"cloudless-compile: error: --plan-only cannot go with {problem}", markup=False)
         return 2
+    if args.weights == "staged" and args.verify:
+        console.print(
+            "cloudless-compile: error: --weights staged cannot go with --verify (stand-ins hold no weights to compare)",
+            markup=False,
+        )
+        return 2
+    stand_ins = True if args.plan_only else {"auto": None, "package": False, "staged": True}[args.weights]
     options = CompileOptions(
         FrontEndOptions(
             model_path=args.model,
@@ -320,7 +337,7 @@ def _main(argv: Sequence[str] | None) -> int:
             tracer=args.tracer,
             profile_repeats=max(args.repeats, 0),
             profile_from=args.profile,
-            stand_ins=args.plan_only,
+            stand_ins=stand_ins,
         ),
         packages=not args.plan_only,
         plan=plan_options if planning else None,
@@ -356,6 +373,14 @@ def _main(argv: Sequence[str] | None) -> int:
             markup=False,
         )
     print_summary(out, result, args.output, requested_blocks=args.blocks)
+    workflow = result.workflow
+    if workflow is not None and any(f.staged_parameters for r in workflow.regions for f in r.functions):
+        console.print(
+            "cloudless-compile: note: the build holds no parameter weights (--weights "
+            f"{args.weights}): cloudless-run stages them from the model file's build_model()"
+            + ("; --verify was skipped (stand-ins hold no weights to compare)" if args.verify else ""),
+            markup=False,
+        )
     # An unstable or loaded profile (compiler/profile.py): on stderr, after the summary, and -q keeps them.
     for warning in profile_warnings(result.front.chain, reused_from=args.profile):
         console.print(f"cloudless-compile: warning: {warning}", markup=False)

@@ -76,6 +76,9 @@ class StageCode:
     trainable: tuple[str, ...] = ()
     #: names of the frozen parameters in `state` (requires_grad=False in the model)
     frozen: tuple[str, ...] = ()
+    #: a staged build: (name in `state`, the model's parameter name) of the parameters whose weights
+    #: the run stages into storage (the package holds the stage's other tensors)
+    staged: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class StageInterface:
     outputs: tuple[str, ...]
     parameters: tuple[str, ...]
     frozen: tuple[str, ...] = ()
+    staged: tuple[tuple[str, str], ...] = ()
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -288,6 +292,7 @@ def lower_plan(
                 outputs=stage.outputs,
                 shared_parameters=tuple(sorted(set(stage.parameters) & shared)),
                 frozen_parameters=stage.frozen,
+                staged_parameters=stage.staged,
             )
             for stage, choice in zip(stages, training.plan.stages, strict=True)
         )

@@ -12,6 +12,7 @@ import math
 import sys
 import typing
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..ir.checkpoint_loading import checked_checkpoint_loads
 from ..ir.workflow import PRECISIONS, ParameterGroup
 from .errors import ModelFileError, describe, display_path, frame_location, name_as_typed, user_frame
-from .stand_ins import parameters_on_meta, replace_with_stand_ins
+from .stand_ins import STAGED_WEIGHTS_BYTES, parameter_bytes, parameters_on_meta, replace_with_stand_ins
 
 TRAINING_KEYS: dict[str, type | tuple[type, ...]] = {
     "global_batch_size": int,
@@ -93,15 +95,28 @@ class ModelFile:
         where = frame_location(frame) if frame else display_path(self.path)
         return ModelFileError(f"{where}: {message}")
 
-    def instantiate(self, batch_size: int, *, stand_ins: bool = False) -> tuple[nn.Module, tuple[Any, ...], Any]:
+    def _build_model(self, *, on_meta: bool) -> Any:
+        """build_model(), its parameters on the meta device or not; a transformers checkpoint it loads
+        must match the model (checkpoint_loading.py)."""
+        with checked_checkpoint_loads(), parameters_on_meta() if on_meta else nullcontext():
+            return self.call("build_model")
+
+    def instantiate(self, batch_size: int, *, stand_ins: bool | None = False) -> tuple[nn.Module, tuple[Any, ...], Any]:
         """Build the model and one micro-batch of example inputs and targets, type-checked. `stand_ins`:
-        the model's parameters are stand-ins of their shapes, not weights (stand_ins.py)."""
-        if stand_ins:
-            with parameters_on_meta():
-                model = self.call("build_model")
-            replace_with_stand_ins(model)
+        the model's parameters are stand-ins of their shapes, not weights (stand_ins.py); None: stand-ins
+        when they would take more than STAGED_WEIGHTS_BYTES (the model built on meta first, with the
+        random generator's state put back, so that a model built for real gets the same weights)."""
+        if stand_ins is None:
+            rng = torch.random.get_rng_state()
+            model = self._build_model(on_meta=True)
+            stand_ins = isinstance(model, nn.Module) and parameter_bytes(model) > STAGED_WEIGHTS_BYTES
+            if not stand_ins:
+                torch.random.set_rng_state(rng)
+                model = self._build_model(on_meta=False)
         else:
-            model = self.call("build_model")
+            model = self._build_model(on_meta=stand_ins)
+        if stand_ins and isinstance(model, nn.Module):
+            replace_with_stand_ins(model)
         if not isinstance(model, nn.Module):
             raise ModelFileError(
                 f"{display_path(self.path)}: build_model() returned {type(model).__name__}; expected a torch.nn.Module"

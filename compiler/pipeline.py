@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +26,7 @@ from ..ir.blocks import BlockChain
 from ..ir.graph import OpGraph
 from ..ir.plan import TrainingPlan
 from ..ir.workflow import Schedule, Workflow
-from .annotate import annotate, fetch_attr
+from .annotate import annotate_run, fetch_attr
 from .build import build_files, write_build
 from .coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen, compute_positions
 from .errors import CompileError, ModelFileError, display_path
@@ -48,6 +48,7 @@ from .plan_record import plan_record
 from .profile import loss_function, profile_blocks, reuse_profile
 from .simulate import Timeline, simulate
 from .split import inline_leaf_modules, partition
+from .stand_ins import holds_stand_ins, staged_parameter_names
 from .state import preserved_state
 from .trace import TracedProgram, trace_model
 from .verify import VerifyReport, verify_stages
@@ -67,8 +68,9 @@ class FrontEndOptions:
     profile_repeats: int = 3
     #: reuse the block times of an earlier build's ir/blocks.json instead of measuring
     profile_from: Path | None = None
-    #: build the model with stand-ins for its weights (stand_ins.py): plan from shapes
-    stand_ins: bool = False
+    #: build the model with stand-ins for its weights (stand_ins.py): plan from shapes, and a build
+    #: whose parameters the run stages; None: when the weights take more than STAGED_WEIGHTS_BYTES
+    stand_ins: bool | None = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class FrontEnd:
     chain: BlockChain
     example_inputs: tuple[Any, ...] = ()
     example_targets: Any = None
+    #: the program's flat outputs on the example inputs (annotation's run, detached)
+    flat_outputs: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,8 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
         with timed("split"):
             stages = generate_stages(runs_at.program, runs_at.graph, front.chain, ranges)
     verify = None
-    if options.verify_stages > 0:
+    # stand-ins hold no weights to compare the stages on (a staged build, or --plan-only)
+    if options.verify_stages > 0 and not holds_stand_ins(front.model):
         with timed("verify"), preserved_state(front.model):
             verify = verify_stages(
                 runs_at.model,
@@ -215,13 +220,13 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
                 tracer=options.tracer,
             )
         with timed("annotate"):
-            graph = annotate(program, flat_inputs, model_file.name, batch_size)
+            graph, flat_outputs = annotate_run(program, flat_inputs, model_file.name, batch_size)
         with timed("coarsen"):
             # under bf16-mixed, activations cross stages in bf16: the cuts' bytes as they are sent
             bf16_mixed = model_file.training.get("precision") == "bf16-mixed"
             chain = coarsen(graph, options.num_blocks, bf16_mixed)
         loss_of = loss_function(program.out_spec, model_file.loss_fn, targets)
-        _check_loss(model_file, program, flat_inputs, loss_of)
+        _check_loss(model_file, flat_outputs, loss_of)
         if options.profile_from is not None:
             chain = reuse_profile(chain, options.profile_from)
         elif options.profile_repeats > 0:
@@ -229,7 +234,7 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
                 chain = profile_blocks(
                     program, graph, chain, flat_inputs, loss_of, options.profile_repeats, bf16_mixed=bf16_mixed
                 )
-    return FrontEnd(model_file, model, program, graph, chain, example_inputs, targets)
+    return FrontEnd(model_file, model, program, graph, chain, example_inputs, targets, flat_outputs)
 
 
 def retrace(front: FrontEnd, batch_size: int, options: FrontEndOptions) -> FrontEnd:
@@ -249,7 +254,7 @@ def retrace(front: FrontEnd, batch_size: int, options: FrontEndOptions) -> Front
             leaf_modules=options.leaf_modules,
             tracer=front.program.tracer,
         )
-        graph = annotate(program, flat_inputs, model_file.name, batch_size)
+        graph, flat_outputs = annotate_run(program, flat_inputs, model_file.name, batch_size)
     traced = [(n.name, n.target) for n in compute_positions(front.graph)]
     again = [(n.name, n.target) for n in compute_positions(graph)]
     if traced != again:
@@ -262,7 +267,7 @@ def retrace(front: FrontEnd, batch_size: int, options: FrontEndOptions) -> Front
             f"operation {first}, {shown}): its code depends on the batch size. Fix: trace at the size it runs "
             f"with --batch-size {batch_size}, or give TRAINING['micro_batch_sizes'] one size"
         )
-    return FrontEnd(model_file, model, program, graph, front.chain, example_inputs, targets)
+    return FrontEnd(model_file, model, program, graph, front.chain, example_inputs, targets, flat_outputs)
 
 
 def lower(
@@ -281,10 +286,14 @@ def lower(
     if [(s.first_block, s.last_block) for s in stages] != ranges:
         stages = generate_stages(front.program, front.graph, front.chain, ranges)
     model_file, program = front.model_file, front.program
-    with preserved_state(front.model), torch.no_grad():
-        flat_outputs = list(program.module(*pytree.tree_leaves(front.example_inputs)))
+    flat_outputs = list(front.flat_outputs)
+    if not flat_outputs:  # a front end made without annotation's outputs
+        with preserved_state(front.model), torch.no_grad():
+            flat_outputs = list(program.module(*pytree.tree_leaves(front.example_inputs)))
     loss = loss_source(model_file, program.out_spec, flat_outputs, front.example_targets)
-    interfaces = [StageInterface(s.index, s.inputs, s.outputs, s.trainable, s.frozen) for s in stages]
+    if holds_stand_ins(front.model):  # a staged build: the run brings the parameters' weights
+        stages = tuple(replace(s, staged=staged_parameter_names(front.model, s.state)) for s in stages)
+    interfaces = [StageInterface(s.index, s.inputs, s.outputs, s.trainable, s.frozen, s.staged) for s in stages]
     workflow = lower_plan(
         trainings,
         model_file,
@@ -419,10 +428,9 @@ def _default_batch_size(model_file: ModelFile) -> int:
     return max(min(sizes), 1) if sizes else DEFAULT_BATCH_SIZE
 
 
-def _check_loss(model_file: ModelFile, program: TracedProgram, flat_inputs: list[Any], loss_of: Any) -> None:
-    """Run the loss once so a broken loss_fn/example_targets fails here, naming its line."""
-    with torch.no_grad():
-        outputs = tuple(program.module(*flat_inputs))
+def _check_loss(model_file: ModelFile, outputs: tuple[Any, ...], loss_of: Any) -> None:
+    """Run the loss once on the model's flat `outputs` so a broken loss_fn/example_targets fails here,
+    naming its line."""
     default = model_file.loss_fn is default_loss
     # the default loss is no code of the user's: named as such, and what it needs said
     name = (

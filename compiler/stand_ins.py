@@ -17,8 +17,9 @@ operations on the same shapes are timed once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import torch
@@ -40,6 +41,26 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+#: a model whose parameters take more bytes than this is compiled on stand-ins and its build holds no
+#: parameter weights (`--weights auto`): the run stages them into storage, stage by stage
+STAGED_WEIGHTS_BYTES = 1 << 30
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """The bytes `model`'s parameters take (a tied parameter once), whatever device they are on."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def staged_parameter_names(model: nn.Module, state: Mapping[str, torch.Tensor]) -> tuple[tuple[str, str], ...]:
+    """Per tensor of a stage's `state` that is a parameter of `model` (the same storage): its name in
+    the stage and the parameter's in the model (the first of a tied parameter's names), sorted."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param.untyped_storage()._cdata, name)
+    pairs = ((key, names.get(tensor.untyped_storage()._cdata)) for key, tensor in state.items())
+    return tuple(sorted((key, name) for key, name in pairs if name is not None))
 
 
 def stand_in(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -68,15 +89,39 @@ def is_stand_in(tensor: torch.Tensor) -> bool:
     return tensor.numel() > 1 and tensor.untyped_storage().nbytes() <= tensor.element_size()
 
 
+def holds_stand_ins(model: nn.Module) -> bool:
+    """Whether `model` was built with stand-ins for its parameters (`replace_with_stand_ins`)."""
+    return any(is_stand_in(p) for p in model.parameters())
+
+
+#: the normal sample `random_fill` tiles: a prime count, so that no row of a weight repeats another
+_SAMPLE = 1_000_003
+
+
+@cache
+def _normal_sample(dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(_SAMPLE, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+def random_fill(tensor: torch.Tensor) -> None:
+    """Fill a contiguous floating-point `tensor` with a fixed normal sample, tiled."""
+    flat, sample = tensor.view(-1), _normal_sample(tensor.dtype)
+    whole = flat.numel() // _SAMPLE * _SAMPLE
+    if whole:
+        flat[:whole].view(-1, _SAMPLE).copy_(sample)
+    flat[whole:].copy_(sample[: flat.numel() - whole])
+
+
 @contextmanager
 def materialised(parameters: Sequence[torch.Tensor]) -> Iterator[None]:
     """While open, each stand-in among `parameters` holds random values of its shape (a normal
-    sample: what a kernel computes on does not change its time); the stand-ins come back after."""
+    sample, tiled: what a kernel computes on does not change its time, and drawing a billion
+    normals takes seconds where a copy takes a fraction); the stand-ins come back after."""
     swapped = []
     for param in dict.fromkeys(parameters):  # a tied parameter once
         if is_stand_in(param):
             real = torch.empty(param.shape, dtype=param.dtype)
-            real.normal_() if real.is_floating_point() else real.zero_()
+            random_fill(real) if real.is_floating_point() else real.zero_()
             swapped.append((param, param.data))
             param.data = real
     try:

@@ -584,6 +584,12 @@ def data_key(name: str, split: str, part: str) -> str:
     return f"data/{name}/{split}/{part}"
 
 
+def weights_key(ns: str, function: str) -> str:
+    """A staged build's weights of one stage function (safetensors bytes): what `cloudless-run` staged
+    from the model file's build_model() for the run, read by the function at iteration 0."""
+    return f"{ns}/weights/{function}"
+
+
 def shard_name(index: int) -> str:
     """The `part` of a split's shard `index` (`data_key`)."""
     return f"shard-{index:05d}"

@@ -131,9 +131,15 @@ class Function:
     #: parameters the model froze (requires_grad=False as build_model() returns them): never trained,
     #: synced or checkpointed; they stay as the package's weights hold them
     frozen_parameters: tuple[str, ...] = ()
+    #: parameters whose weights are not in the package (a model beyond the build's weight threshold):
+    #: (the stage's tensor name, the model's parameter name); the run stages them into storage from
+    #: the model file's build_model() and the function loads them from there (`protocol.weights_key`)
+    staged_parameters: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        frozen = {"frozen_parameters": list(self.frozen_parameters)} if self.frozen_parameters else {}
+        frozen: dict[str, Any] = {"frozen_parameters": list(self.frozen_parameters)} if self.frozen_parameters else {}
+        if self.staged_parameters:
+            frozen["staged_parameters"] = dict(self.staged_parameters)
         return {
             "name": self.name,
             "stage": self.stage,
@@ -167,6 +173,7 @@ class Function:
             outputs=tuple(data["outputs"]),
             shared_parameters=tuple(data["shared_parameters"]),
             frozen_parameters=tuple(data.get("frozen_parameters", ())),
+            staged_parameters=tuple(sorted(dict(data.get("staged_parameters", {})).items())),
         )
 
 

@@ -14,8 +14,6 @@ import sys
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from ..ir import protocol
 from ..ir.protocol import CorruptBlob
@@ -73,14 +71,14 @@ class Checkpoints(WorkerBase):
 
     def load_state(self, iteration: int, timeout: float) -> None:
         if iteration == 0:
-            self.module.load_state_dict(load_file(self.package / "weights.safetensors"), strict=True)
+            self.module.load_state_dict(self.initial_weights(), strict=True)
             values: dict[str, torch.Tensor] = {}
         else:
             values = unpack(self.channel.get(self.state_key(iteration), timeout))
             frozen: dict[str, torch.Tensor] = {}
-            if self.frozen:  # not in checkpoints: as the package holds them
-                with safe_open(self.package / "weights.safetensors", "pt") as weights:
-                    frozen = {name: weights.get_tensor(name) for name in sorted(self.frozen)}
+            if self.frozen:  # not in checkpoints: as the package (or the staged weights) hold them
+                initial = self.initial_weights()
+                frozen = {name: initial[name] for name in sorted(self.frozen)}
             self.module.load_state_dict({**frozen, **protocol.module_values(values)}, strict=True)
         self.base_version = int(values[protocol.BASE_VERSION]) if protocol.BASE_VERSION in values else 0
         if self.optimizer is None:

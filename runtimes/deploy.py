@@ -29,8 +29,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
 from ..ir import protocol
 from ..ir.catalog import AWS_REGION_PREFIX
 from ..ir.deployment import (
@@ -47,7 +45,8 @@ from .data import data_name
 from .invokers import Handle, Invocation, Invoker
 from .retrying_channel import RetryingChannel
 from .run_state import RunError, RunMetrics, RunSettings
-from .staging import DataError, describe_staged, model_file_state, recorded_model_file, stage_data
+from .staged_weights import save_trained_model
+from .staging import DataError, describe_staged, model_file_state, recorded_model_file, stage_data, stage_run_weights
 from .storage import Channel, open_channel
 
 #: Step Functions' limit on an execution's name
@@ -365,6 +364,9 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
             )
             if not args.quiet:
                 print(f"{describe_staged(staged)} in s3://{stacks[region.name].bucket}", flush=True)
+        weights = stage_run_weights(model, workflow.regions, channels, run_id)  # a staged build's parameters
+        if weights is not None and not args.quiet:
+            print(weights, flush=True)
     except (DataError, ValueError) as exc:
         return fail(str(exc))
     settings = RunSettings(iterations=iterations, run_id=run_id)
@@ -395,6 +397,7 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
             print(f"run {run_id} on stack {stack.name} ({name}): {totals[name]} iterations", flush=True)
     began = time.time()
     failure: RunError | None = None
+    model_files = ""
     try:
         followed = driver.run()
     except RunError as exc:
@@ -420,7 +423,7 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
     if failure is None:
         state = final_model(build, lambda region: channels[region], workflow, run_id, totals)  # each region's bucket
         keyed, _ = model_file_state(build, state)
-        save_file(keyed, str(out / "model.safetensors"))
+        model_files = save_trained_model(out, build, workflow.regions, keyed)
     metrics.write(out)
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
@@ -434,6 +437,6 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
     executions = sum(len(f.executions) for f in followed.values())
     print(
         f"trained {' + '.join(str(totals[r]) for r in totals)} iterations on the stack in {metrics.seconds:.1f} s "
-        f"({executions} execution(s)); wrote {out}/: metrics.json, model.safetensors"
+        f"({executions} execution(s)); wrote {out}/: metrics.json, {model_files}"
     )
     return 0

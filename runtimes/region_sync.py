@@ -8,7 +8,6 @@ import json
 import math
 
 import torch
-from safetensors.torch import load_file
 
 from ..ir import protocol
 from ..ir.protocol import LEFT_MARK, ROUND_WEIGHT, AbortRecord, GlobalPart, PushRecord
@@ -215,7 +214,7 @@ class RegionSync(WorkerBase):
                 return unpack(data)
             version -= 1
         # every region starts from the package's weights
-        initial = load_file(self.package / "weights.safetensors")
+        initial = self.initial_weights()
         return {k: v for k, v in initial.items() if k in self._model()}
 
     def _written_version(self, version: int, timeout: float) -> bytes | None:

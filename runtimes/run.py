@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..ir import protocol
 from ..ir.arguments import OneLineParser
@@ -49,6 +48,7 @@ from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvok
 from .retrying_channel import RetryingChannel, StorageError
 from .run_outputs import chrome_trace, left_figures, several_regions_figures, summarise
 from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
+from .staged_weights import save_trained_model
 from .staging import (
     DataError,
     describe_staged,
@@ -59,6 +59,7 @@ from .staging import (
     recorded_model_file,
     save_peft_adapter,
     stage_data,
+    stage_run_weights,
     trained_state,
     untouched_tensors,
 )
@@ -281,7 +282,8 @@ def final_model(
     storage_of = channel if callable(channel) else lambda region: channel
     regions = [region for region in workflow.regions if region.name in iterations]  # those that stayed
     stages = regions[0].stages
-    state = frozen_weights(build, regions[0])
+    first = regions[0].name
+    state = frozen_weights(build, regions[0], storage_of(first), protocol.namespace(run_id, first))
     if len(workflow.regions) == 1 or workflow.sync.inter_region != "asgd-ga":
         name = regions[0].name
         state.update(trained_state(storage_of(name), protocol.namespace(run_id, name), stages, iterations[name]))
@@ -473,6 +475,9 @@ def _train(
             )
             for entry in regions
         }
+        weights = stage_run_weights(model, regions, channels, run_id)  # a staged build's parameters
+        if weights is not None:
+            print(weights, flush=True)
     except (DataError, ValueError) as exc:
         return fail(str(exc))
     settings = RunSettings(
@@ -564,12 +569,13 @@ def _train(
     seconds = time.time() - began
     test = None
     stayed = {name: at for name, at in controller.ends.items() if not controller.plans[name].left} or totals
+    model_files = "model.safetensors"
     if failure is None:
         state = final_model(build, controller.storage, workflow, run_id, stayed)
         keyed, unused = model_file_state(build, state)
         if unused:  # never trained: as build_model() builds them, so that the file loads strictly
             keyed |= untouched_tensors(model, unused)
-        save_file(dict(sorted(keyed.items())), str(out / "model.safetensors"))
+        model_files = save_trained_model(out, build, regions, keyed)
         if workflow.data.adapter == "peft":
             try:
                 save_peft_adapter(model, keyed, out / "adapter")
@@ -625,7 +631,7 @@ def _train(
             figures += f", accuracy {test['accuracy']:.1%}"
         print(f"{figures} on {test['samples']} samples")
     adapter = " adapter/," if workflow.data.adapter is not None else ""
-    print(f"wrote {out}/: metrics.json, trace.json, model.safetensors,{adapter} logs/{settings.run_id}/")
+    print(f"wrote {out}/: metrics.json, trace.json, {model_files},{adapter} logs/{settings.run_id}/")
     return 0
 
 

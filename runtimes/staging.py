@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypedDict
 
 import torch
-from safetensors import safe_open
 from torch.utils import _pytree as pytree
 
 from ..ir import protocol
@@ -26,6 +24,7 @@ from ..ir.protocol import DATA_META, data_key
 from ..ir.schedule import SHARD_SAMPLES
 from ..ir.workflow import DataSource, Region, Workflow
 from .data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
+from .staged_weights import package_weights, stage_weights, staged_functions, state_names
 from .storage import Channel
 from .tensors import autocast, unpack
 from .worker import load_module
@@ -194,6 +193,21 @@ def stage_data(
     )
 
 
+def stage_run_weights(
+    model: Path, regions: Sequence[Region], channels: Mapping[str, Channel], run_id: str
+) -> str | None:
+    """A staged build's weights into each region's storage for run `run_id` (staged_weights.py), from
+    the model file's build_model(); the line saying so, or None for a build that holds its weights."""
+    if not staged_functions(regions):
+        return None
+    targets = {region.name: (channels[region.name], protocol.namespace(run_id, region.name)) for region in regions}
+    done = stage_weights(load_model_module(model), regions, targets)
+    return (
+        f"weights: {done.functions} stages' parameters staged from build_model(), "
+        f"{done.bytes / 2**20:.1f} MiB in {done.seconds:.1f} s"
+    )
+
+
 def describe_staged(staged: StagedData) -> str:
     """One line for the run's banner: per split its samples, short fingerprint and what was done, so
     that a user sees when the data changed or was damaged (re-staged, and why) or which data a run
@@ -242,14 +256,15 @@ def newer_global_version(channel: Channel, namespace: str, stage: int, version: 
     return unpack(newest) if newest is not None else None
 
 
-def frozen_weights(build: Path, region: Region) -> dict[str, torch.Tensor]:
-    """The region's frozen parameters (`Function.frozen_parameters`) as its packages hold them: never
-    trained, so in no checkpoint."""
+def frozen_weights(build: Path, region: Region, channel: Channel, namespace: str) -> dict[str, torch.Tensor]:
+    """The region's frozen parameters (`Function.frozen_parameters`) as its packages (or, for a staged
+    build, the run's staged weights in `channel`, `namespace`) hold them: never trained, so in no
+    checkpoint."""
     frozen: dict[str, torch.Tensor] = {}
     for function in region.functions:
         if function.frozen_parameters:
-            with safe_open(build / function.package / "weights.safetensors", "pt") as weights:
-                frozen.update({name: weights.get_tensor(name) for name in function.frozen_parameters})
+            initial = package_weights(build / function.package, function, channel, namespace, 60)
+            frozen.update({name: initial[name] for name in function.frozen_parameters})
     return frozen
 
 
@@ -257,8 +272,7 @@ def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[
     """The trained tensors keyed like the user model's state_dict, so that `load_state_dict(...,
     strict=True)` takes them: a tied weight under each of its names, non-persistent buffers left out.
     Also the keys no stage holds (tensors forward never uses: not trained, not in the file)."""
-    graph = build / "ir" / "graph.json"
-    names: dict[str, str] = json.loads(graph.read_text()).get("state_names") or {} if graph.is_file() else {}
+    names = state_names(build)
     if not names:  # a build without the graph, or from before it recorded them: the stages' names
         return {k: v.contiguous() for k, v in sorted(state.items())}, []
     # clones: safetensors refuses two names for one memory

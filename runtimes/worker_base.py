@@ -24,6 +24,7 @@ from .data import SplitReader
 from .emulation import CpuShare, EmulatedChannel
 from .failures import Aborted, Diverged, ModelFailed, one_line, where
 from .function_channel import FunctionChannel
+from .staged_weights import package_weights
 
 _T = TypeVar("_T")
 
@@ -89,6 +90,11 @@ class WorkerBase:
     _reports: list[Future[None]]
     _link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None
     _ready: tuple[str, int, int] | None
+
+    def initial_weights(self) -> dict[str, torch.Tensor]:
+        """The stage's tensors as training starts: its package's weights and, for a staged build, the
+        parameters the run put into storage (staged_weights.py)."""
+        return package_weights(self.package, self.function, self.channel, self.namespace, self.key_timeout)
 
     def trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters the stage trains: not those the model froze (`Function.frozen_parameters`)."""

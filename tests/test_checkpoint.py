@@ -3,6 +3,7 @@ trains from exactly those weights, in a replicated pipeline, as a plain PyTorch 
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -10,8 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cloudless.compiler.cli import main as compile_main
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
 from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.staged_weights import package_weights, stage_weights
+from cloudless.runtimes.staging import load_model_module
+from cloudless.runtimes.storage import DirectoryChannel
 from tests.runtime_cases import reference_training, write_packages
 
 transformers = pytest.importorskip("transformers")
@@ -61,7 +66,12 @@ MODEL = """
 
 
 @pytest.mark.slow
-def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plain_pytorch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", ["package", "staged"])
+def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plain_pytorch(
+    tmp_path: Path, weights: str
+) -> None:
+    """`staged`: the build holds no parameter weights; the run stages them from build_model(), which
+    loads the folder with the parameters moved into files as they are registered."""
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
@@ -75,22 +85,38 @@ def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plai
     saved = load_file(tmp_path / "pretrained" / "model.safetensors")
     path = tmp_path / "model.py"
     path.write_text(textwrap.dedent(MODEL))
-    front = run_front_end(FrontEndOptions(path, profile_repeats=0))
+    front = run_front_end(FrontEndOptions(path, profile_repeats=0, stand_ins=weights == "staged"))
     last = len(front.chain.blocks) - 1
     build = tmp_path / "build"
     workflow = write_packages(
         front, build, [(0, last // 2, 2), (last // 2 + 1, last, 2)], micro_batch=2, global_batch=8, iterations=3
     )
-    # the build starts from the folder's weights
+    # the build starts from the folder's weights: in its packages, or staged from build_model()
+    region = workflow.regions[0]
+    storage = DirectoryChannel(tmp_path / "staged")
+    stage_weights(load_model_module(path), [region], {region.name: (storage, "run/r")})
     staged = {}
-    for function in workflow.regions[0].functions:
-        staged.update(load_file(build / function.package / "weights.safetensors"))
+    for function in region.functions:
+        in_package = load_file(build / function.package / "weights.safetensors")
+        assert bool(set(in_package) & set(saved)) == (weights == "package")
+        staged.update(package_weights(build / function.package, function, storage, "run/r", 5))
     assert set(saved) <= set(staged)
     for name, value in saved.items():
         torch.testing.assert_close(staged[name], value, rtol=0, atol=0, msg=name)
     out = tmp_path / "out"
     assert run_main([str(build), "--out", str(out), "--model", str(path), "-q"]) == 0
-    params = load_file(out / "model.safetensors")
+    if weights == "staged":  # one shard per stage, as transformers writes a big checkpoint, and its index
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == [
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+        ]  # fmt: skip
+        params = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            params.update(load_file(out / shard))
+        assert sorted(params) == sorted(index["weight_map"])
+        assert not (out / "model.safetensors").exists()
+    else:
+        params = load_file(out / "model.safetensors")
     expected = reference_training(front, workflow, workflow.regions[0].name)
     assert params.keys() == expected.keys()
     for name, value in params.items():
@@ -100,3 +126,35 @@ def test_a_model_loaded_from_a_pretrained_folder_trains_from_its_weights_as_plai
     trained = transformers.LlamaForCausalLM(config)
     missing, unexpected = trained.load_state_dict(params, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"} - set(params)
+
+
+@pytest.mark.parametrize(
+    ("layers", "expected"),
+    [
+        (3, "the checkpoint has no 'model.layers.2.input_layernorm.weight' (9 key(s) of the model it lacks"),
+        (1, "the model has no 'model.layers.1.input_layernorm.weight' (9 key(s) of the checkpoint it does not use)"),
+    ],
+)
+def test_a_checkpoint_that_does_not_match_the_model_is_one_line_naming_the_key(
+    tmp_path: Path, capsys, layers: int, expected: str
+) -> None:
+    """transformers would load what matches and start the rest from random values (only logging it)."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "pretrained")
+    path = tmp_path / "model.py"
+    source = textwrap.dedent(MODEL).replace(
+        "from_pretrained(CHECKPOINT)", f"from_pretrained(CHECKPOINT, num_hidden_layers={layers})"
+    )
+    path.write_text(source)
+    line = next(n for n, text in enumerate(source.splitlines(), 1) if "from_pretrained" in text)
+    assert compile_main([str(path), "-o", str(tmp_path / "build"), "--repeats", "0", "-q"]) == 2
+    # transformers' own progress bars go to stderr before it: the compiler's is one line
+    ours = [text for text in capsys.readouterr().err.splitlines() if "cloudless-compile" in text]
+    assert len(ours) == 1, ours
+    error = ours[0]
+    assert error.startswith(f"cloudless-compile: error: {path}:{line}: build_model() raised CheckpointMismatch: ")
+    assert f"from_pretrained('{tmp_path / 'pretrained'}'): {expected}" in error
+    assert not (tmp_path / "build").exists()

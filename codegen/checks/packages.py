@@ -295,7 +295,8 @@ def _check_stage_module(
 
 def _check_weights(context: BuildContext, function: Function, tensors: dict[str, StageTensor]) -> None:
     """weights.safetensors is whole (its header, and data to the last tensor's end) and holds exactly the
-    tensors stage.py's TENSORS declares, with their shapes and dtypes: the worker loads it with
+    tensors stage.py's TENSORS declares, with their shapes and dtypes, but the function's staged
+    parameters (which the run stages into storage): the worker loads both with
     load_state_dict(strict=True) into Stage(), which installs TENSORS. Only the header is read."""
     file = f"{function.package}/weights.safetensors"
     stage = f"{function.package}/stage.py"
@@ -333,7 +334,15 @@ def _check_weights(context: BuildContext, function: Function, tensors: dict[str,
         what = "truncated" if end > data else "longer than its header says"
         fail(file, "(data)", f"{what}: the header describes {end} bytes of tensor data, the file holds {data}{note}")
     blamed = context.culprit(file, stage)
+    staged = dict(function.staged_parameters)
+    for name in staged:
+        if name not in tensors:
+            fail(stage, f"TENSORS/{name}", f"not declared, but workflow.yaml stages it as {staged[name]!r}{EDITED}")
+        if name in found:
+            fail(file, name, f"a staged parameter (the run brings its weights), but the package holds it{note}")
     for name, (shape, dtype, _) in tensors.items():
+        if name in staged:
+            continue
         if name not in found:
             if blamed == stage:
                 fail(stage, f"TENSORS/{name}", f"not in weights.safetensors{EDITED}")
