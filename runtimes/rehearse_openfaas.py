@@ -19,8 +19,10 @@ Per region, what `faas-cli` and OpenFaaS CE would do with the region's stack.yam
   (named to the handler by protocol.SECRETS_DIR_ENV: a deployed one reads /var/openfaas/secrets);
 - its `limits.cpu` as the function's CPU share, emulated as `--emulate` does (emulation.CpuShare, a CFS
   quota's throttling), and no OMP_NUM_THREADS, so the handler caps torch's threads from its share itself.
-What it cannot show: the image build and pull (the packages run on this machine's Python and wheels),
-Kubernetes scheduling and the cluster's capacity (memory limits are not enforced), the network.
+A replica whose process ends is started again (Kubernetes' restartPolicy Always; of-watchdog ends when its
+function's process does). What it cannot show: the image build and pull (the packages run on this
+machine's Python and wheels), Kubernetes scheduling and the cluster's capacity (memory limits are not
+enforced), the network.
 """
 
 from __future__ import annotations
@@ -229,15 +231,23 @@ def watchdog_main(argv: list[str]) -> int:
         for text in child.stdout:
             sys.stderr.write(f"stdout: {text.decode(errors='replace')}")
 
+    def reap() -> None:  # of-watchdog ends when its fprocess does; Kubernetes then restarts the container
+        child.wait()
+        print(f"index.py ended: exit status {child.returncode}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     threading.Thread(target=relay, daemon=True).start()
+    threading.Thread(target=reap, daemon=True).start()
     front = Watchdog(
         _upstream(f"http://127.0.0.1:{line.split()[-1]}"), inflight, timeout or None, write_timeout or None
     )
     with serving(front) as url:
         print(f"serving on {url.rstrip('/').rsplit(':', 1)[1]}", flush=True)
         signal.sigwait([signal.SIGTERM, signal.SIGINT])
-    child.terminate()
-    return 0
+    if child.poll() is None:
+        child.terminate()
+        return 0
+    return 1
 
 
 def _function_child() -> None:
@@ -248,11 +258,36 @@ def _function_child() -> None:
 
 @dataclass
 class Replica:
+    """One replica: how it is started, its process now, where it serves, and how often it was restarted."""
+
     function: str
     index: int
-    process: subprocess.Popen[bytes]
+    command: list[str]
+    env: dict[str, str]
     log: Path
+    process: subprocess.Popen[bytes] | None = None
     url: str = ""
+    restarts: int = 0
+
+    def start(self) -> None:
+        with self.log.open("ab") as err:
+            self.process = subprocess.Popen(
+                self.command, stdout=subprocess.PIPE, stderr=err, env=self.env, preexec_fn=_die_with_parent
+            )
+
+    def await_serving(self, deadline: float) -> None:
+        """Until it says where it serves (RehearsalError if it does not)."""
+        assert self.process is not None and self.process.stdout is not None
+        what = f"{self.function} replica {self.index}"
+        line = _first_line(self.process.stdout, deadline, what)
+        if not line.startswith("serving on "):
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+            raise RehearsalError(f"{what} did not start: {tail[0][:300]} (its log: {self.log})")
+        self.url = f"http://127.0.0.1:{line.split()[-1]}/"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
 
 
 def template_index(region_folder: Path) -> Path:
@@ -317,34 +352,36 @@ def deploy(
             (folder / name).write_bytes(gateway.secrets[name])
         home = _home(function, scratch, index_py)
         for index in range(function.replicas):
-            log = logs / f"{function.name}-{index}.log"
-            with log.open("wb") as err:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "cloudless.runtimes.rehearse_openfaas", "watchdog", str(home)]
-                    + [
-                        str(function.max_inflight or 0),
-                        str(function.exec_timeout or 0),
-                        str(function.write_timeout or 0),
-                    ],
-                    stdout=subprocess.PIPE,
-                    stderr=err,
-                    env=_environment(function, folder, overrides, index),
-                    preexec_fn=_die_with_parent,
-                )
-            stack.callback(_stop, process)
-            replicas.append(Replica(function.name, index, process, log))
+            command = [sys.executable, "-m", "cloudless.runtimes.rehearse_openfaas", "watchdog", str(home)]
+            command += [str(t or 0) for t in (function.max_inflight, function.exec_timeout, function.write_timeout)]
+            env = _environment(function, folder, overrides, index)
+            replica = Replica(function.name, index, command, env, logs / f"{function.name}-{index}.log")
+            replica.log.write_bytes(b"")
+            replica.start()
+            stack.callback(replica.stop)
+            replicas.append(replica)
     deadline = time.monotonic() + START_TIMEOUT_S
     for replica in replicas:
-        assert replica.process.stdout is not None
-        what = f"{replica.function} replica {replica.index}"
-        line = _first_line(replica.process.stdout, deadline, what)
-        if not line.startswith("serving on "):
-            tail = replica.log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-            raise RehearsalError(f"{what} did not start: {tail[0][:300]} (its log: {replica.log})")
-        replica.url = f"http://127.0.0.1:{line.split()[-1]}/"
+        replica.await_serving(deadline)
     for function in functions:
         gateway.urls[function.name] = [r.url for r in replicas if r.function == function.name]
     return replicas
+
+
+def keep_running(replicas: list[Replica], gateway: Gateway, stopping: threading.Event) -> None:
+    """Kubernetes' restartPolicy Always: a replica whose process ended is started again, and the gateway
+    routes to it where it now serves (calls meanwhile fail as calls to a pod being restarted do)."""
+    while not stopping.wait(0.2):
+        for replica in replicas:
+            if replica.process is None or replica.process.poll() is None or stopping.is_set():
+                continue
+            replica.restarts += 1
+            replica.start()
+            try:
+                replica.await_serving(time.monotonic() + START_TIMEOUT_S)
+            except RehearsalError:
+                continue  # it ended again: the next round starts it again
+            gateway.urls[replica.function][replica.index] = replica.url
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -401,6 +438,11 @@ def rehearse_region(
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cloudless-rehearsal-")))
         index = template_index(region_folder)
         replicas = deploy(gateway, functions, overrides, scratch, logs, stack, index)
+        stopping = threading.Event()
+        restarter = threading.Thread(target=keep_running, args=(replicas, gateway, stopping), daemon=True)
+        restarter.start()
+        stack.callback(restarter.join)
+        stack.callback(stopping.set)  # first (last in, first out): no restart while the replicas stop
         yield RegionGateway(region_folder.name, gateway, password, index, replicas)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import urllib.error
 import urllib.request
@@ -140,6 +141,29 @@ def test_a_template_pulled_beside_the_stack_serves_the_functions(tmp_path: Path)
         status, body, _ = post(f"{deployed.gateway.url}/function/probe", {})
         assert status == 200 and json.loads(body)["index"] == "pulled"
         assert deployed.index == pulled
+
+
+def test_a_replica_whose_process_ends_is_restarted_as_kubernetes_restarts_a_container(tmp_path: Path) -> None:
+    """The function's process killed: its watchdog ends with it (as of-watchdog does), the replica starts
+    again on a port of its own, and the gateway routes to it there."""
+    folder = region_folder(tmp_path)
+    with rehearse_region(folder, {TOKEN_SECRET: b"t"}, {}, tmp_path / "logs") as deployed:
+        url = f"{deployed.gateway.url}/function/probe"
+        status, body, _ = post(url, {})
+        assert status == 200
+        killed = json.loads(body)["pid"]
+        os.kill(killed, signal.SIGKILL)
+        answers = []
+        for _ in range(3000):  # however long a loaded machine takes to start it again
+            status, body, _ = post(url, {})
+            answers.append(status)
+            if status == 200:
+                break
+            threading.Event().wait(0.1)
+        assert answers[-1] == 200 and set(answers[:-1]) <= {500, 502}, answers
+        assert json.loads(body)["pid"] != killed
+        assert deployed.replicas[0].restarts == 1
+    assert "index.py ended" in (tmp_path / "logs" / "probe-0.log").read_text()
 
 
 def test_a_busy_replica_answers_429_and_the_gateway_passes_it_back(tmp_path: Path) -> None:
