@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import sys
 import time
@@ -68,9 +69,12 @@ REDIS_PASSWORD_ENV = "CLOUDLESS_REDIS_PASSWORD"
 REDIS_PASSWORD_FILE_ENV = "CLOUDLESS_REDIS_PASSWORD_FILE"
 #: set only by `cloudless-run --emulate`: the function's link and CPU share, as Resources JSON
 EMULATE_ENV = "CLOUDLESS_EMULATE"
-#: the OpenFaaS secret holding storage credentials as NAME=value lines, and where OpenFaaS mounts it
+#: the OpenFaaS secret holding storage credentials as NAME=value lines, and where OpenFaaS mounts it (a
+#: rehearsal, `cloudless-run --invoker openfaas --rehearse`, mounts each function's secrets in a folder of its
+#: own and names it in SECRETS_DIR_ENV: one machine runs many functions, none of them in a container)
 STORAGE_SECRET = "cloudless-storage"
-SECRETS_DIR = "/var/openfaas/secrets"
+SECRETS_DIR_ENV = "CLOUDLESS_SECRETS_DIR"
+SECRETS_DIR = os.environ.get(SECRETS_DIR_ENV) or "/var/openfaas/secrets"
 #: OpenFaaS: the secret holding the deployment's invocation token (one line), the request header an
 #: invocation carries it in (a function answers 401 without it), and the controller's variable for it
 TOKEN_SECRET = "cloudless-token"

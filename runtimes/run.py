@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         "REGION=NAME, default <run>-<region>); see runtimes/deploy.py",
     )
     parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="--invoker openfaas: deploy the build's stack on this machine first (a CE-like gateway, each replica a "
+        "process behind a watchdog, the secrets and a new token) and train through it; see docs/deploying.md",
+    )
+    parser.add_argument(
         "--token-file",
         type=Path,
         metavar="FILE",
@@ -387,8 +393,12 @@ def _main(argv: Sequence[str] | None) -> int:
             return fail(str(exc))
         if name == STORAGE_MARKER:  # the run's keys would be a folder of that name, beside the marker
             return fail(f"{option} {name}: the name of a storage folder's marker; choose another")
+    if args.rehearse and args.invoker != "openfaas":
+        return fail(f"--rehearse: only with --invoker openfaas here, not {args.invoker}")
+    if args.rehearse and args.token_file is not None:
+        return fail("--token-file: a rehearsal makes its own token; give it to a real gateway's run only")
     token = None
-    if args.invoker == "openfaas":
+    if args.invoker == "openfaas" and not args.rehearse:  # a rehearsal makes its own
         try:
             token = openfaas_token(args.token_file)
         except ValueError as exc:
@@ -426,6 +436,10 @@ def _main(argv: Sequence[str] | None) -> int:
                 from .deploy import drive  # boto3 only for this
 
                 return drive(args, build, workflow, iterations, out)
+            if args.rehearse:
+                from .rehearse_openfaas import rehearse  # the stack deployed here, then _train against it
+
+                return rehearse(args, build, workflow, iterations, out, _train)
             return _train(args, build, workflow, iterations, out, token)
     except FolderError as exc:
         return fail(str(exc))

@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region, rounds_per_execution
 from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV
 from cloudless.runtimes import deploy
+from cloudless.runtimes.openfaas_gateway import load_handler
 from cloudless.runtimes.run import main as run_main
 from tests.asl import Execution, ExecutionFailed, InProcessLambda, ProcessLambda, substitute
 from tests.conftest import TWO_STAGE_ITERATIONS
-from tests.openfaas_server import load_handler
 from tests.runtime_cases import MLP, reference_training
 from tests.test_platforms import lambda_role
 

@@ -17,8 +17,8 @@ import torch
 
 from cloudless.ir.protocol import STORAGE_ENV, TOKEN_HEADER, TOKEN_SECRET
 from cloudless.ir.workflow import Workflow
+from cloudless.runtimes.openfaas_gateway import load_handler, mount_secrets, serve
 from cloudless.runtimes.storage import DirectoryChannel
-from tests.openfaas_server import load_handler, mount_secrets, serve
 from tests.runtime_cases import front_end, write_packages, write_training_data
 
 TOKEN = "5f0c3a9e1d7b4c2a8e6f0b1d3c5a7e9f"
