@@ -61,9 +61,11 @@ TIMEOUT_MARGIN_S = 10
 #: storage requests (runtimes/storage.py, S3Channel) are GetObject (`try_get`), PutObject (`put`, and `claim`,
 #: a conditional PutObject with If-None-Match, which needs no other right) and DeleteObject (`delete`).
 #: `delete_prefix` (ListObjectsV2, DeleteObjects) is the controller's, which runs with the user's credentials.
-#: The role also gets s3:ListBucket on the bucket, restricted to keys under the prefix: without it S3 answers
-#: a GetObject of a missing key with 403 (AccessDenied) instead of 404 (NoSuchKey), and a worker polls for
-#: keys that are not written yet.
+#: The role also gets s3:ListBucket on the bucket (and on the peers' buckets), with no s3:prefix condition: S3
+#: answers a GetObject of a missing key with 404 (NoSuchKey) only to a caller holding s3:ListBucket on the
+#: bucket, 403 (AccessDenied) to any other (GetObject's documented permissions), and a worker polls for keys
+#: that are not written yet. AWS documents no s3:prefix for that check, so a prefix-scoped grant may turn
+#: "not written yet" into 403; the buckets are the run's own, and listing them shows key names only.
 S3_OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 
 #: Step Functions' limit on a state machine's name (Lambda's on a function's: ir/deployment.py)
