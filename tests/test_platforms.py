@@ -46,6 +46,7 @@ from cloudless.codegen.platforms import (
 )
 from cloudless.codegen.validate import BuildCheckError, check_deployment, deployment_warnings, substitute_arns
 from cloudless.compiler.lower import region_steps
+from cloudless.ir.deployment import peer_condition, peer_parameter
 from cloudless.ir.files import check_workflow, dump_yaml, workflow_text
 from cloudless.ir.schema import SchemaError
 from cloudless.ir.workflow import (
@@ -387,11 +388,23 @@ def test_no_credentials_and_bucket_scoped_policies(good_build: Path) -> None:
             # A function: one inline policy, no SAM policy template (S3CrudPolicy would allow deleting the
             # bucket's objects anywhere, its lifecycle rules and more).
             assert [list(policy) for policy in policies] == [["Statement"]], policies
-            statements = policies[0]["Statement"]
+            objects, listing, *conditional = policies[0]["Statement"]
+            # several regions: read the peer's run prefix, and mark its missed meet there, only once the stack
+            # is given the peer's bucket (an empty parameter grants nothing: no arn:aws:s3::: resource)
+            peer = WEST if region == EAST else EAST
+            assert all(
+                list(st) == ["Fn::If"]
+                and st["Fn::If"][0] == peer_condition(peer) == f"Has{peer_parameter(peer)}"
+                and st["Fn::If"][2] == {"Ref": "AWS::NoValue"}
+                for st in conditional
+            ), conditional
+            peers = [st["Fn::If"][1] for st in conditional]
+            statements = [objects, listing, *peers]
             assert all(statement["Effect"] == "Allow" for statement in statements)
-            # several regions: read the peers' run prefixes, and mark a peer's missed meet there
-            objects, listing, *peers = statements
-            assert [peer["Sid"] for peer in peers] == ["PeerObjects", "PeerBucketLookups", "DepartureMarks"]
+            suffix = peer_parameter(peer).removeprefix("PeerBucket")
+            assert [p["Sid"] for p in peers] == [
+                f"{sid}{suffix}" for sid in ("PeerObjects", "PeerBucketLookups", "DepartureMarks")
+            ]
             marks = peers[2]["Resource"]
             assert all(m["Fn::Sub"].endswith(("/left", "/model-average/*/model")) for m in marks), marks
             assert objects["Action"] == list(S3_OBJECT_ACTIONS) == ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
@@ -893,6 +906,9 @@ def test_the_function_policy_allows_what_the_runtime_does_in_moto(monkeypatch: p
             return text.replace("${AWS::Partition}", "aws").replace("${PeerBucketAwsEuWest1}", "peer-bucket")
         if value == {"Fn::GetAtt": ["RunBucket", "Arn"]}:
             return "arn:aws:s3:::run-bucket"
+        if isinstance(value, dict) and list(value) == ["Fn::If"]:  # the peer's bucket is given: its rights hold
+            assert value["Fn::If"][0] == "HasPeerBucketAwsEuWest1"
+            return substituted(value["Fn::If"][1])
         if isinstance(value, dict):
             return {k: substituted(v) for k, v in value.items()}
         return [substituted(v) for v in value] if isinstance(value, list) else value
