@@ -307,3 +307,38 @@ def test_the_openfaas_preflight_checks_every_image_of_the_stack(
         "mlp-digits-s2",
     ]
     assert preflight.openfaas_preflight(build, workflow, None, pro=True).failures == []
+
+
+# --- what the compile warns of --------------------------------------------------------------------------
+
+
+def test_the_compile_warns_of_new_account_quotas_and_a_small_cluster() -> None:
+    """One line per file and kind, deterministic: functions above a new AWS account's 3008 MB, an iteration
+    above its 10 concurrent executions, a stack beyond 3 nodes of 4 CPUs and 16 GiB."""
+    from cloudless.codegen.checks.quotas import quota_warnings
+    from cloudless.codegen.platforms import render_region as render
+
+    small = make_workflow()
+    files = {**render(small, EAST, {"sam", "openfaas"}), **render(small, WEST, {"sam", "openfaas"})}
+    assert quota_warnings(files, small) == []
+    big = type(small).from_json(
+        yaml.safe_load(
+            yaml.safe_dump(small.to_json())
+            .replace("memory_mb: 3008", "memory_mb: 10240")
+            .replace("cpu_millis: 1700", "cpu_millis: 5789")
+            .replace("replicas: 4", "replicas: 9")
+        )
+    )
+    files = {**render(big, EAST, {"sam", "openfaas"}), **render(big, WEST, {"sam", "openfaas"})}
+    expected = [
+        f"regions/{EAST}/stack.yaml: the stack requests 94.5 GiB and 54.68 CPUs (12 pods, the largest 10.0 GiB and "
+        "5.789 CPUs); a small cluster (3 nodes of 4 CPUs and 16 GiB) holds 48 GiB and 12 CPUs: cloudless-run BUILD "
+        "--invoker openfaas --preflight-only checks your cluster",
+        f"regions/{EAST}/template.yaml: functions above a new AWS account's 3008 MB memory quota ({RUN}-s2-{EAST} "
+        "10240 MB): sam deploy fails on such an account until AWS raises it; cloudless-run BUILD --invoker lambda "
+        "--preflight-only reads your account's quotas",
+        f"regions/{EAST}/template.yaml: an iteration runs 12 functions at once; a new AWS account runs 10 at once "
+        "(its concurrency quota); cloudless-run BUILD --invoker lambda --preflight-only reads your account's quotas",
+    ]
+    assert quota_warnings(files, big) == expected
+    assert quota_warnings(dict(reversed(files.items())), big) == expected  # in path order, whatever the order given
