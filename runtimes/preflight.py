@@ -600,6 +600,10 @@ def lambda_preflight(args: argparse.Namespace, workflow: Workflow) -> Findings:
 def gate(args: argparse.Namespace, build: Path, workflow: Workflow) -> int | None:
     """cloudless-run's pre-flight: None to go on; else the exit status (2: a check failed, or bad use; 0: it
     passed and --preflight-only). Nothing has been started or written when it runs."""
+    for option, given in (("--kube-context", args.kube_context), ("--openfaas-pro", args.openfaas_pro)):
+        if given and args.invoker != "openfaas":
+            print(f"cloudless-run: {option}: only with --invoker openfaas, not {args.invoker}", file=sys.stderr)
+            return 2
     if args.invoker == "local":
         if args.preflight_only:
             print(

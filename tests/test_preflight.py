@@ -150,6 +150,8 @@ def test_nothing_starts_when_the_preflight_fails(
         )
     assert run_main([str(build), "--preflight-only"]) == 2
     assert "--preflight-only checks a deployment; give --invoker lambda or openfaas" in capsys.readouterr().err
+    assert run_main([str(build), "--invoker", "lambda", "--openfaas-pro", "--preflight-only"]) == 2
+    assert capsys.readouterr().err == "cloudless-run: --openfaas-pro: only with --invoker openfaas, not lambda\n"
 
 
 # --- OpenFaaS capacity ----------------------------------------------------------------------------------
