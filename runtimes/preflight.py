@@ -391,15 +391,6 @@ def loopback_registry(registry: str) -> bool:
         return False
 
 
-def _private_address(registry: str) -> bool:
-    """go-containerregistry also tries plain HTTP for an RFC 1918 address (name.Registry.Scheme)."""
-    host = registry.rsplit(":", 1)[0]
-    try:
-        return ipaddress.ip_address(host).is_private and not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _request(url: str, method: str, headers: Mapping[str, str]) -> tuple[int, Any, bytes]:
     """(status, headers, body) of one request; an HTTP error status is an answer, not an exception."""
     request = urllib.request.Request(url, method=method, headers=dict(headers))
@@ -438,7 +429,7 @@ def _split_params(text: str) -> list[str]:
 
 def anonymous_pull_problem(image: str) -> str | None:
     """Why OpenFaaS CE could not pull `image` without credentials (one line with the fix), None if it can.
-    OSError (the registry unreachable from here) is left to the caller."""
+    OSError when the registry does not answer from here (unreachable, throttled, failing): not checked."""
     registry, repository, reference = image_reference(image)
     if loopback_registry(registry):
         return (
@@ -446,18 +437,11 @@ def anonymous_pull_problem(image: str) -> str | None:
             "from inside the cluster, where that is the pod itself: push to a registry the cluster reaches (e.g. "
             "ghcr.io/<you>, public) and recompile with --registry"
         )
-    host = DOCKER_HUB_API if registry == DOCKER_HUB else registry
-    schemes = ["https", "http"] if _private_address(registry) else ["https"]
+    # HTTPS only: go-containerregistry also tries plain HTTP for an RFC 1918 address; such a registry is not
+    # reached here (a notice, not a failure)
+    manifest = f"https://{DOCKER_HUB_API if registry == DOCKER_HUB else registry}/v2/{repository}/manifests/{reference}"
     accept = {"Accept": ", ".join(MANIFEST_TYPES)}
-    path = f"/v2/{repository}/manifests/{reference}"
-    for position, scheme in enumerate(schemes):
-        try:
-            status, headers, _ = _request(f"{scheme}://{host}{path}", "HEAD", accept)
-        except (OSError, ssl.SSLError):
-            if position + 1 < len(schemes):
-                continue
-            raise
-        break
+    status, headers, _ = _request(manifest, "HEAD", accept)
     if status == 401:
         challenge = _challenge(headers.get("WWW-Authenticate", ""))
         if not challenge.get("realm"):
@@ -465,7 +449,8 @@ def anonymous_pull_problem(image: str) -> str | None:
         query = {"scope": f"repository:{repository}:pull"}
         if challenge.get("service"):
             query["service"] = challenge["service"]
-        token_status, _, body = _request(f"{challenge['realm']}?{urllib.parse.urlencode(query)}", "GET", {})
+        joined = "&" if "?" in challenge["realm"] else "?"
+        token_status, _, body = _request(f"{challenge['realm']}{joined}{urllib.parse.urlencode(query)}", "GET", {})
         if token_status != 200:
             return _private(image, registry, f"its token service refuses an anonymous pull (HTTP {token_status})")
         try:
@@ -475,7 +460,7 @@ def anonymous_pull_problem(image: str) -> str | None:
             token = None
         if not token:
             return _private(image, registry, "its token service gives no anonymous token")
-        status, _, _ = _request(f"{scheme}://{host}{path}", "HEAD", {**accept, "Authorization": f"Bearer {token}"})
+        status, _, _ = _request(manifest, "HEAD", {**accept, "Authorization": f"Bearer {token}"})
     if status == 200:
         return None
     if status in (401, 403):
@@ -484,7 +469,7 @@ def anonymous_pull_problem(image: str) -> str | None:
         return (
             f"image {image}: not in {registry} (HTTP 404): push it first (faas-cli push -f regions/<region>/stack.yaml)"
         )
-    return f"image {image}: {registry} answers HTTP {status} to a manifest request"
+    raise OSError(f"{registry} answers HTTP {status} to a manifest request")  # throttled, down: not checked
 
 
 def _private(image: str, registry: str, why: str) -> str:
