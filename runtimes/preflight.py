@@ -9,10 +9,14 @@ notice.
 - **Lambda quotas** (`lambda_quotas`): an iteration runs every (stage, replica) worker of a region at once
   (one Map state), so the plan needs that many concurrent executions in the region's AWS region (the catalog
   regions that share an AWS region add up). GetAccountSettings gives the account's unreserved concurrency
-  there (functions without reserved concurrency, as the generated ones are, share it). No API reports the
-  memory quota (new accounts are held at 3008 MB, catalog.NEW_ACCOUNT_LAMBDA_MEMORY_MB): a deployed
+  there (functions without reserved concurrency, as the generated ones are, share it): the applied quota,
+  which Service Quotas (code L-B99A9384) would only repeat; it is named as where to ask for more. No API
+  reports the memory quota (Lambda's adjustable quotas are concurrency, storage and network interfaces; new
+  accounts are held at 3008 MB, catalog.NEW_ACCOUNT_LAMBDA_MEMORY_MB): a deployed
   function's MemorySize (GetFunctionConfiguration) is what the account accepted, and a function not deployed
   yet above that figure is a notice when the account's concurrency quota is a new account's.
+- **The stacks' peers** (`peer_grants`, several regions): each region's stack holds its peers' buckets in its
+  PeerBucket<Region> parameters, else the template grants nothing on them; one line names the sam deploy.
 - **OpenFaaS capacity** (`cluster_capacity`): the stack's pods (each function's `requests` × its replicas)
   against the schedulable nodes' allocatable CPU and memory less what other pods already request, read from
   the Kubernetes API with the user's own `kubectl get --raw` (any kubeconfig authentication works; the
