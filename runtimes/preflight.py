@@ -589,6 +589,8 @@ def lambda_preflight(args: argparse.Namespace, workflow: Workflow) -> Findings:
 def gate(args: argparse.Namespace, build: Path, workflow: Workflow) -> int | None:
     """cloudless-run's pre-flight: None to go on; else the exit status (2: a check failed, or bad use; 0: it
     passed and --preflight-only). Nothing has been started or written when it runs."""
+    if getattr(args, "rehearse", False):  # a rehearsal (rehearse-* branches) deploys locally: no real account
+        return None
     for option, given in (("--kube-context", args.kube_context), ("--openfaas-pro", args.openfaas_pro)):
         if given and args.invoker != "openfaas":
             print(f"cloudless-run: {option}: only with --invoker openfaas, not {args.invoker}", file=sys.stderr)
