@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,8 @@ from ..ir.deployment import (
     bounded_name,
     lambda_function_name,
     logical_id,
+    peer_condition,
+    peer_parameter,
 )
 from ..ir.protocol import PEERS_ENV, S3_ENDPOINT_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
 from ..ir.workflow import Function, Region, Workflow
@@ -61,19 +62,17 @@ TIMEOUT_MARGIN_S = 10
 #: storage requests (runtimes/storage.py, S3Channel) are GetObject (`try_get`), PutObject (`put`, and `claim`,
 #: a conditional PutObject with If-None-Match, which needs no other right) and DeleteObject (`delete`).
 #: `delete_prefix` (ListObjectsV2, DeleteObjects) is the controller's, which runs with the user's credentials.
-#: The role also gets s3:ListBucket on the bucket, restricted to keys under the prefix: without it S3 answers
-#: a GetObject of a missing key with 403 (AccessDenied) instead of 404 (NoSuchKey), and a worker polls for
-#: keys that are not written yet.
+#: The role also gets s3:ListBucket on the bucket (and on the peers' buckets), with no s3:prefix condition: S3
+#: answers a GetObject of a missing key with 404 (NoSuchKey) only to a caller holding s3:ListBucket on the
+#: bucket, 403 (AccessDenied) to any other (GetObject's documented permissions), and a worker polls for keys
+#: that are not written yet. AWS documents no s3:prefix for that check, so a prefix-scoped grant may turn
+#: "not written yet" into 403; the buckets are the run's own, and listing them shows key names only.
 S3_OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 
 #: Step Functions' limit on a state machine's name (Lambda's on a function's: ir/deployment.py)
 STATE_MACHINE_NAME_LIMIT = 80
 #: the SAM template's logical id of the run's bucket
 BUCKET_RESOURCE = "RunBucket"
-#: Several regions: each region's stack has its own bucket. A SAM stack takes each peer region's bucket (the
-#: BucketName output of that region's stack, not known when this one deploys) as a parameter named
-#: PEER_BUCKET_PARAMETER + the region in CamelCase (PeerBucketAwsEuWest1); see `peer_parameter`.
-PEER_BUCKET_PARAMETER = "PeerBucket"
 #: an S3 bucket name's longest form
 BUCKET_NAME_LIMIT = 63
 LAMBDA_INVOKE = "arn:aws:states:::lambda:invoke"
@@ -266,11 +265,6 @@ def peer_regions(workflow: Workflow, region: str) -> list[str]:
     return [r.name for r in workflow.regions if r.name != region]
 
 
-def peer_parameter(region: str) -> str:
-    """The SAM stack parameter holding a peer region's bucket name: aws-eu-west-1 -> PeerBucketAwsEuWest1."""
-    return PEER_BUCKET_PARAMETER + "".join(part[:1].upper() + part[1:] for part in re.split(r"[^A-Za-z0-9]+", region))
-
-
 def _storage_url(workflow: Workflow, region: str) -> str:
     return f"s3://{region_bucket(workflow, region)}/{workflow.storage.prefix}"
 
@@ -360,37 +354,34 @@ def _render_template(workflow: Workflow, entry: Region, tags: Mapping[str, str])
     prefix = object_prefix(workflow)
     machine = state_machine_name(workflow, entry.name)
     states_arn = "arn:${AWS::Partition}:states:${AWS::Region}:${AWS::AccountId}"
-    peers = [
-        {
-            "region": peer,
-            "parameter": peer_parameter(peer),
-            "bucket_arn": f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(peer)}}}",
-            "object_arn": f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(peer)}}}/{prefix}*",
-        }
-        for peer in peer_regions(workflow, entry.name)
-    ]
     server = workflow.sync.server if workflow.sync.inter_region == "asgd-ga" else None
-    # ASGD-GA: a region other than the server writes the global model's next versions in the server's bucket,
-    # under <prefix><run id>/<server>/global/ (the run id is the controller's: any).
-    global_arn = None
-    if server is not None and server != entry.name and len(workflow.regions) > 1:
-        global_arn = f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(server)}}}/{prefix}*/{server}/global/*"
     # Model averaging, sync: a region that stops waiting for a peer marks the peer's missing contribution
     # and its departure in the peer's bucket (create-if-absent, protocol.LEFT_MARK), nothing else there.
-    departure_arns = []
     contribution = {"model-average": "model-average/*/model", "sync": "it*/cross/*/sums"}.get(
         workflow.sync.inter_region or ""
     )
-    if contribution is not None and len(workflow.regions) > 1:
-        for peer in peers:
-            base = f"arn:${{AWS::Partition}}:s3:::${{{peer['parameter']}}}/{prefix}*/{peer['region']}"
-            departure_arns += [f"{base}/{contribution}", f"{base}/left"]
+    peers = []
+    for peer in peer_regions(workflow, entry.name):
+        bucket = f"arn:${{AWS::Partition}}:s3:::${{{peer_parameter(peer)}}}"
+        base = f"{bucket}/{prefix}*/{peer}"
+        peers.append(
+            {
+                "region": peer,
+                "parameter": peer_parameter(peer),
+                "condition": peer_condition(peer),
+                "sid": peer_parameter(peer).removeprefix("PeerBucket"),
+                "bucket_arn": bucket,
+                "object_arn": f"{bucket}/{prefix}*",
+                "departure_arns": [f"{base}/{contribution}", f"{base}/left"] if contribution is not None else [],
+                # ASGD-GA: a region other than the server writes the global model's next versions in the server's
+                # bucket, under <prefix><run id>/<server>/global/ (the run id is the controller's: any).
+                "global_arn": f"{base}/global/*" if peer == server else None,
+            }
+        )
     return _ENV.get_template("template.yaml.j2").render(
         peers=peers,
-        departure_arns=departure_arns,
         peers_env=PEERS_ENV,
         peers_sub=_peers_json(workflow, entry.name, lambda peer: f"${{{peer_parameter(peer)}}}"),
-        global_arn=global_arn,
         run=workflow.run.name,
         region=entry.name,
         bucket=BUCKET_RESOURCE,

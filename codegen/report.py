@@ -17,6 +17,7 @@ from ..ir.protocol import PEERS_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_SECRET
 from ..ir.timeline import Timeline
 from ..ir.workflow import Workflow
 from .checks.openfaas import stack_warnings
+from .checks.quotas import quota_warnings
 from .numbers import fmt, fmt_ratio, fmt_s, fmt_usd
 from .platforms import region_bucket, stack_name
 from .report_figures import comparison_figure, schedule_figure, svg_bytes
@@ -154,7 +155,13 @@ def render_markdown(
 
     lines += ["", "## Warnings", ""]
     stacks = {path: data.decode() for path, data in (deployment or {}).items() if path.endswith("/stack.yaml")}
-    warnings = [*predicted.warnings, *stack_warnings(stacks)]  # what the compile also warns of
+    texts = {
+        path: data.decode()
+        for path, data in (deployment or {}).items()
+        if path.startswith("regions/") and path.endswith(("/stack.yaml", "/template.yaml"))
+    }
+    # what the compile also warns of
+    warnings = [*predicted.warnings, *stack_warnings(stacks), *quota_warnings(texts, workflow)]
     lines += [f"- {w}" for w in warnings] or ["None."]
 
     lines += ["", "## Baselines", ""]

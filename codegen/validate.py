@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..ir.files import load_workflow
 from ..ir.workflow import Workflow
 from .checks.base import EDITED, BuildCheckError, BuildContext, build_relative, fail
 from .checks.digests import check_digests, check_no_secrets
@@ -33,6 +34,7 @@ from .checks.manifest import check_manifest, check_run
 from .checks.openfaas import check_stack, stack_warnings
 from .checks.packages import check_packages
 from .checks.plan import check_plan
+from .checks.quotas import quota_warnings
 from .checks.sam import LAMBDA_MAX_TIMEOUT_S, LAMBDA_MEMORY_MB, check_samconfig, check_template
 from .checks.state_machine import (
     DUMMY_ARN,
@@ -115,7 +117,12 @@ def _check_deployment(build: Path, workflow: Workflow, packages: bool) -> None:
 def deployment_warnings(build: Path) -> list[str]:
     """What a build's deployment files allow, but a default platform would refuse (one line each, the file
     first): OpenFaaS images without a registry (faas-cli up fails at the push) and stacks beyond OpenFaaS CE's
-    limits (they deploy on OpenFaaS Pro only). For a build that passed check_build."""
+    limits (they deploy on OpenFaaS Pro only), requests above a small cluster; SAM functions above a new AWS
+    account's memory quota, iterations above its concurrency. For a build that passed check_build."""
     regions = Path(build) / "regions"
     stacks = sorted(regions.glob("*/stack.yaml")) if regions.is_dir() else []
-    return stack_warnings({build_relative(Path(build), path): path.read_text() for path in stacks})
+    files = sorted([*stacks, *regions.glob("*/template.yaml")]) if regions.is_dir() else []
+    texts = {build_relative(Path(build), path): path.read_text() for path in files}
+    workflow = load_workflow(Path(build) / "workflow.yaml") if texts else None
+    stack_texts = {path: text for path, text in texts.items() if path.endswith("/stack.yaml")}
+    return stack_warnings(stack_texts) + quota_warnings(texts, workflow)

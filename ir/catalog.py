@@ -75,6 +75,15 @@ AWS_REGIONS = frozenset(
 #: region's tiers and timeout may be (the generated SAM template's MemorySize and Timeout).
 LAMBDA_MEMORY_MB = (128, 10240)
 LAMBDA_MAX_TIMEOUT_S = 900
+#: "New AWS accounts have reduced concurrency and memory quotas" (the same page), figures AWS does not publish:
+#: deploys of new accounts report "'MemorySize' value failed to satisfy constraint: Member must have value less
+#: than or equal to 3008", and GetAccountSettings reports ConcurrentExecutions 10. No API reports the memory
+#: quota (GetAccountSettings has concurrency and code storage only); AWS raises both with use or on request.
+NEW_ACCOUNT_LAMBDA_MEMORY_MB = 3008
+NEW_ACCOUNT_LAMBDA_CONCURRENCY = 10
+#: Lambda's default concurrency quota, and its code in Service Quotas (where an increase is requested)
+DEFAULT_LAMBDA_CONCURRENCY = 1000
+LAMBDA_CONCURRENCY_QUOTA_CODE = "L-B99A9384"
 #: Step Functions runs an iteration's (stage, replica) workers as one Map state, all at once (the stages wait
 #: on each other's activations): an inline Map runs at most INLINE_MAP_MAX_CONCURRENCY iterations at once, a
 #: Distributed Map (child workflow executions) at most DISTRIBUTED_MAP_MAX_CONCURRENCY

@@ -48,6 +48,24 @@ def function_output(function_name: str) -> str:
     return f"{logical_id(function_name)}Name"
 
 
+#: Several regions: each region's stack has its own bucket. A SAM stack takes each peer region's bucket (the
+#: BucketName output of that region's stack, not known when this one deploys) as a parameter named
+#: PEER_BUCKET_PARAMETER + the region in CamelCase (PeerBucketAwsEuWest1); see `peer_parameter`. Its rights
+#: on a peer's bucket hold only where that parameter is set (the condition `peer_condition`), so that a stack
+#: deployed before its peers exist is valid, grants nothing yet, and the driver can tell.
+PEER_BUCKET_PARAMETER = "PeerBucket"
+
+
+def peer_parameter(region: str) -> str:
+    """The SAM stack parameter holding a peer region's bucket name: aws-eu-west-1 -> PeerBucketAwsEuWest1."""
+    return PEER_BUCKET_PARAMETER + "".join(part[:1].upper() + part[1:] for part in re.split(r"[^A-Za-z0-9]+", region))
+
+
+def peer_condition(region: str) -> str:
+    """The template's condition that a peer region's bucket is given: HasPeerBucketAwsEuWest1."""
+    return "Has" + peer_parameter(region)
+
+
 def stack_name(run: str, region: str) -> str:
     """The CloudFormation stack of a region's deployment (samconfig.toml's stack_name)."""
     return f"{run}-{region}"

@@ -69,6 +69,7 @@ class Stack:
     bucket: str
     state_machine: str
     functions: dict[str, str]  # stage function -> deployed Lambda function name
+    parameters: dict[str, str] = field(default_factory=dict)  # the stack's parameters (peers' buckets)
 
     def storage(self, workflow: Workflow) -> str:
         """Where the stack's functions keep their keys (their CLOUDLESS_STORAGE)."""
@@ -122,6 +123,7 @@ def read_stack(cloudformation: Any, name: str, workflow: Workflow, region: Regio
         outputs[BUCKET_OUTPUT],
         outputs[STATE_MACHINE_OUTPUT],
         {f.name: outputs[function_output(f.name)] for f in region.functions},
+        {p["ParameterKey"]: p.get("ParameterValue", "") for p in stack.get("Parameters", [])},
     )
 
 

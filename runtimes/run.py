@@ -45,6 +45,8 @@ from .data import data_name
 from .elastic import CapacityChange, RegionFailure, check_regions
 from .emulation import EmulatedChannel, Resources
 from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvoker
+from .preflight import add_arguments as add_preflight_arguments
+from .preflight import gate as preflight_gate
 from .retrying_channel import RetryingChannel, StorageError
 from .run_outputs import chrome_trace, left_figures, several_regions_figures, summarise
 from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
@@ -209,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="for development: run a build edited by hand (by default every file's digest in "
         f"{BUILD_MARKER} is checked first, and an edited build is refused)",
     )
+    add_preflight_arguments(parser)  # --preflight-only and what the checks need (runtimes/preflight.py)
     return parser
 
 
@@ -410,6 +413,9 @@ def _main(argv: Sequence[str] | None) -> int:
     for _, function in workflow.functions():
         if not (build / function.package / "handler.py").is_file():
             return fail(f"{build / function.package}: no handler.py; was the build written with --target?")
+    preflight = preflight_gate(args, build, workflow)  # a deployment's quotas, capacity, images: before anything
+    if preflight is not None:
+        return preflight
     out = args.out or build / "run"
     inputs = [build / "workflow.yaml", Path(workflow.data.model_file), *([args.model] if args.model else [])]
     try:

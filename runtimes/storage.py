@@ -281,10 +281,25 @@ class S3Channel(SealedStore):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _read(self, key: str) -> bytes | None:
+        """The object, or None when S3 answers 404 (NoSuchKey). A 403 (AccessDenied) is not "missing": S3
+        answers a missing key with 403 only to a caller without s3:ListBucket on the bucket (GetObject's
+        documented permissions), and the role the build generates holds it on the run's buckets (with no
+        s3:prefix condition, whose use in that check AWS does not document). So a 403 is a real refusal
+        (another prefix, a peer bucket the stack does not grant, credentials that are not the role's):
+        StorageRefused, one line naming the key; polling would only wait out the key timeout."""
+        from botocore.exceptions import ClientError
+
         try:
             return cast(bytes, self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read())
         except self.client.exceptions.NoSuchKey:
             return None
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("AccessDenied", "403"):
+                raise
+            raise StorageRefused(
+                f"{self.describe(key)}: access denied (403): these credentials may not read it; a key not written "
+                "yet reads as 404 to a role holding s3:ListBucket on the bucket, as the generated role does"
+            ) from None
 
     def _write(self, key: str, blob: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=blob)

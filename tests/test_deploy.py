@@ -147,6 +147,7 @@ def stack(
             "Type": "AWS::Lambda::Function",
             "Properties": {
                 "FunctionName": name,
+                "MemorySize": region.function(function).memory_mb,  # as the template's (the pre-flight reads it)
                 "Role": role,
                 "Runtime": "python3.12",
                 "Handler": "handler.handler",

@@ -25,6 +25,7 @@ from cloudless.compiler.geo import (
 )
 from cloudless.compiler.solver import Goal, solve_program
 from cloudless.ir.catalog import Link
+from cloudless.ir.deployment import peer_parameter
 
 from .conftest import SAMPLES
 
@@ -447,8 +448,13 @@ def test_geo_build_deploys_one_bucket_per_region_and_the_server_has_files(geo_bu
         assert set(template["Parameters"]) == {f"PeerBucket{''.join(p.title() for p in o.split('-'))}" for o in others}
         functions = [r for r in template["Resources"].values() if r["Type"] == "AWS::Serverless::Function"]
         for resource in functions:
-            sids = {st["Sid"] for st in resource["Properties"]["Policies"][0]["Statement"]}
-            assert {"PeerObjects", "PeerPrefixLookups"} <= sids
-            assert ("GlobalModelWrites" in sids) == (name != server)
+            # a peer's rights hold once its bucket is given (Fn::If on HasPeerBucket<Region>)
+            statements = resource["Properties"]["Policies"][0]["Statement"]
+            sids = {(st["Fn::If"][1] if "Fn::If" in st else st)["Sid"] for st in statements}
+            for other in others:
+                suffix = peer_parameter(other).removeprefix("PeerBucket")
+                assert {f"PeerObjects{suffix}", f"PeerBucketLookups{suffix}"} <= sids
+            server_suffix = peer_parameter(server).removeprefix("PeerBucket")
+            assert (f"GlobalModelWrites{server_suffix}" in sids) == (name != server)
     report = (geo_build / "report.md").read_text()
     assert "## Between regions" in report and "```mermaid" in report and "ASGD-GA server" in report

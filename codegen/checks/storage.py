@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...ir.deployment import peer_condition, peer_parameter
 from ...ir.protocol import PEERS_ENV, STORAGE_ENV
 from ...ir.workflow import Workflow
-from ..platforms import peer_parameter
 from .base import build_relative, fail, load_yaml
 
 
@@ -75,9 +75,19 @@ def check_region_storage(build: Path, workflow: Workflow) -> None:
                     if isinstance(policy, dict)
                     for statement in policy.get("Statement", [])
                 ]
-                reads = [st.get("Resource") for st in statements if "s3:GetObject" in str(st.get("Action"))]
-                readable = json.dumps(reads)
+                where = f"Resources/{logical}/Properties/Policies"
                 for peer in peers:
-                    if f"${{{peer_parameter(peer)}}}" not in readable:
-                        where = f"Resources/{logical}/Properties/Policies"
+                    named = f"${{{peer_parameter(peer)}}}"
+                    rights = [st for st in statements if named in json.dumps(st)]
+                    # each right on a peer's bucket holds only where its parameter is set: an empty one would
+                    # make the ARN arn:aws:s3::: (the deploy before the peer exists)
+                    unconditional = [st for st in rights if (st.get("Fn::If") or [None])[0] != peer_condition(peer)]
+                    if unconditional:
+                        fail(
+                            file,
+                            where,
+                            f"a right on peer {peer!r}'s bucket without the condition {peer_condition(peer)}",
+                        )
+                    granted = [branch for st in rights for branch in st["Fn::If"][1:] if isinstance(branch, dict)]
+                    if not any("s3:GetObject" in str(branch.get("Action")) for branch in granted):
                         fail(file, where, f"no read right on peer {peer!r}'s bucket")
