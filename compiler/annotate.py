@@ -76,16 +76,16 @@ def node_tensors(module: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
     return []
 
 
-class _Annotator(fx.Interpreter):
-    def __init__(self, module: fx.GraphModule, param_storages: set[int]) -> None:
-        super().__init__(module)
+class _SavedBytes:
+    """The pack hook's bookkeeping: the bytes of the activations autograd saves, per node. Kept apart
+    from the interpreter: the saved tensors hold the hook, and a hook holding the interpreter (its
+    values, the graph's outputs) would be a cycle through C++ no collector sees."""
+
+    def __init__(self, param_storages: set[int]) -> None:
         self.param_storages = param_storages
         self.current = ""
         self.seen_storages: set[int] = set()
         self.saved: dict[str, int] = defaultdict(int)
-        self.flops: dict[str, int] = {}
-        self.mutates: dict[str, list[str]] = {}
-        self.results: dict[str, Any] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -93,7 +93,22 @@ class _Annotator(fx.Interpreter):
         if key not in self.param_storages and key not in self.seen_storages:
             self.seen_storages.add(key)
             self.saved[self.current] += storage.nbytes()
-        return t
+        # kept (their storages stay distinct until the run ends), but detached: a node's saved output
+        # holding its own grad_fn would be another such cycle
+        return t.detach()
+
+
+class _Annotator(fx.Interpreter):
+    def __init__(self, module: fx.GraphModule, param_storages: set[int]) -> None:
+        super().__init__(module)
+        self.saved_bytes = _SavedBytes(param_storages)
+        self.flops: dict[str, int] = {}
+        self.mutates: dict[str, list[str]] = {}
+        self.results: dict[str, Any] = {}
+
+    @property
+    def saved(self) -> dict[str, int]:
+        return self.saved_bytes.saved
 
     def run_node(self, n: fx.Node) -> Any:
         versions = {
@@ -102,7 +117,7 @@ class _Annotator(fx.Interpreter):
             for i, t in enumerate(pytree.tree_leaves(self.env.get(inp)))
             if isinstance(t, torch.Tensor)
         }
-        self.current = n.name
+        self.saved_bytes.current = n.name
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             with FlopCounterMode(display=False) as counter:
@@ -143,7 +158,7 @@ def annotate_run(
     names = program.tensor_names
     param_storages = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
     annotator = _Annotator(module, param_storages)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(annotator.pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(annotator.saved_bytes.pack, lambda t: t):
         outputs = annotator.run(*flat_inputs)
     flat_outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
     del outputs  # the autograd graph kept saved tensors alive (and their storages distinct) until here

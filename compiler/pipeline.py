@@ -49,7 +49,7 @@ from .profile import loss_function, profile_blocks, reuse_profile
 from .simulate import Timeline, simulate
 from .split import inline_leaf_modules, partition
 from .stand_ins import holds_stand_ins, staged_parameter_names
-from .state import preserved_state
+from .state import preserved_state, release_free_memory
 from .trace import TracedProgram, trace_model
 from .verify import VerifyReport, verify_stages
 
@@ -221,6 +221,7 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
             )
         with timed("annotate"):
             graph, flat_outputs = annotate_run(program, flat_inputs, model_file.name, batch_size)
+            release_free_memory()
         with timed("coarsen"):
             # under bf16-mixed, activations cross stages in bf16: the cuts' bytes as they are sent
             bf16_mixed = model_file.training.get("precision") == "bf16-mixed"
@@ -255,6 +256,7 @@ def retrace(front: FrontEnd, batch_size: int, options: FrontEndOptions) -> Front
             tracer=front.program.tracer,
         )
         graph, flat_outputs = annotate_run(program, flat_inputs, model_file.name, batch_size)
+        release_free_memory()
     traced = [(n.name, n.target) for n in compute_positions(front.graph)]
     again = [(n.name, n.target) for n in compute_positions(graph)]
     if traced != again:
