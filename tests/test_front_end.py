@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import random
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cloudless.compiler.annotate import _Annotator
 from cloudless.compiler.coarsen import block_cuts, crossing_values, liveness
 from cloudless.compiler.pipeline import (
     Compiled,
@@ -79,6 +81,20 @@ def test_annotation_values() -> None:
     assert graph.node("relu").saved_bytes == 4 * 16 * 4
     assert graph.node("embedding").saved_bytes == 0 or graph.node("embedding").saved_bytes == 4 * 7 * 8
     assert graph.outputs == ["linear_4", "add"]
+
+
+def test_annotation_leaves_nothing_of_its_run_alive() -> None:
+    """Its saved-tensor hook lives as long as the saved tensors, in C++: it once held the interpreter,
+    whose values held the autograd graph, whose saved tensors held the hook (a big model's every
+    activation, kept for the rest of the compile)."""
+    result = front_end("tricky", num_blocks=6)
+    gc.collect()
+    activations = [
+        o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is not None
+    ]
+    assert not [o for o in gc.get_objects() if isinstance(o, _Annotator)]
+    assert not activations, [tuple(t.shape) for t in activations[:5]]
+    assert result.flat_outputs and all(not t.requires_grad for t in result.flat_outputs if isinstance(t, torch.Tensor))
 
 
 def test_crossing_bytes_count_skip_connections() -> None:
