@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region, rounds_per_execution
 from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV
 from cloudless.runtimes import deploy
-from cloudless.runtimes.asl import Execution, ExecutionFailed, substitute
+from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError, substitute
 from cloudless.runtimes.openfaas_gateway import load_handler
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.stepfunctions_local import StepFunctionsExecutor
@@ -298,3 +298,21 @@ def test_a_stack_that_is_not_there_or_not_the_runs(two_stages, stack, tmp_path: 
     assert err.startswith("cloudless-run: --stack absent: ") and "does not exist" in err and err.count("\n") == 1
     assert run_main([str(build), "--stack", STACK, "--out", str(out)]) == 2
     assert "--stack: only with --invoker lambda, not local" in capsys.readouterr().err
+
+
+def test_a_function_error_ends_the_run_with_its_message_on_one_line(two_stages, stack, tmp_path: Path, capsys) -> None:
+    """A function's exception fails the execution with Lambda's error document as its cause (stack trace
+    included): the run ends with the error's type and message, one line."""
+    build, workflow, _ = two_stages
+    _, _, _ = stack
+    document = {"errorMessage": "'boom'", "errorType": "KeyError", "stackTrace": ['  File "x.py", line 1\n    y\n']}
+
+    def failing(function: str, payload: Any) -> Any:
+        raise FunctionError("KeyError", json.dumps(document))
+
+    with StepFunctionsService(failing):
+        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "boom", "--out", str(tmp_path), "-q"]
+        assert run_main([*argv, "--model", str(MLP), "--retries", "0"]) == 1
+    region = workflow.regions[0].name
+    expected = f"cloudless-run: the run failed: {region}: execution boom-0 failed: KeyError: 'boom' (attempt 1 of 1)\n"
+    assert capsys.readouterr().err == expected
