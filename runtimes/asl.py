@@ -42,6 +42,8 @@ from typing import Any
 LAMBDA_INVOKE = "arn:aws:states:::lambda:invoke"
 #: the error of a stopped execution
 ABORTED = "States.Aborted"
+#: Step Functions' limit on a task's result (and any state's input or output), UTF-8 bytes
+PAYLOAD_LIMIT = 256 * 1024
 _MISSING = object()
 
 
@@ -463,6 +465,11 @@ class Execution:
             raise
         call.result, call.ended = payload, time.time()
         self._check_stopped()  # stopped meanwhile: the function's answer goes nowhere
+        size = len(json.dumps(payload).encode())
+        if size > PAYLOAD_LIMIT:
+            raise StatesError(
+                "States.DataLimitExceeded", f"the task's result has {size} bytes, more than the limit {PAYLOAD_LIMIT}"
+            )
         return {"ExecutedVersion": "$LATEST", "Payload": payload, "StatusCode": 200}
 
     def _map(self, state: dict[str, Any], effective: Any, context: dict[str, Any]) -> list[Any]:

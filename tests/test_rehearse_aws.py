@@ -247,3 +247,97 @@ def test_rehearse_is_refused_with_another_invoker_or_a_stack(two_stages, tmp_pat
     assert run_main(argv) == 2
     expected = "cloudless-run: --stack: not with --rehearse (the rehearsal deploys its own stacks)\n"
     assert capsys.readouterr().err == expected
+
+
+def test_a_function_over_its_memory_is_stopped_with_lambdas_out_of_memory_error(tmp_path: Path) -> None:
+    """Resident memory above MemorySize: the environment is killed and the invoke fails as on Lambda."""
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "app.py").write_text(
+        "import time\n\ndef handler(event, context):\n    held = b'x' * (400 * 2**20)\n    time.sleep(600)\n"
+        "    return len(held)\n"
+    )
+    configuration = {"FunctionArn": f"{ARN}hungry", "Timeout": 900, "MemorySize": 128, "RevisionId": "1"}
+    service = LambdaService({"hungry": FunctionImage(package, "app.handler")}, lambda n: configuration, tmp_path / "l")
+    try:
+        with pytest.raises(FunctionError) as raised:
+            service("hungry", {})
+    finally:
+        service.close()
+    assert raised.value.error == "Runtime.OutOfMemory"
+    assert json.loads(raised.value.cause)["errorMessage"].endswith("Error: Runtime exited with error: signal: killed")
+    assert "Max Memory Used:" in next((tmp_path / "l").iterdir()).read_text()
+
+
+def test_a_stopped_execution_ends_at_once_even_in_a_retry_wait() -> None:
+    """StopExecution: the interpreter leaves a Retry's wait (an hour here) and the execution is ABORTED."""
+    import threading
+
+    from cloudless.runtimes.asl import ExecutionAborted
+
+    failed = threading.Event()
+
+    def invoke(function: str, payload: Any) -> Any:
+        failed.set()
+        raise FunctionError("Lambda.ServiceException", "{}")
+
+    definition = {
+        "StartAt": "Invoke",
+        "States": {
+            "Invoke": {
+                "Type": "Task",
+                "Resource": "arn:aws:states:::lambda:invoke",
+                "Parameters": {"FunctionName": "f", "Payload": {}},
+                "Retry": [{"ErrorEquals": ["Lambda.ServiceException"], "IntervalSeconds": 3600, "MaxAttempts": 3}],
+                "End": True,
+            }
+        },
+    }
+    execution = Execution(definition, {}, invoke)
+    ended: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _run_into(execution, ended), daemon=True)
+    thread.start()
+    assert failed.wait(60)
+    execution.stop()
+    thread.join(60)
+    assert not thread.is_alive() and isinstance(ended[0], ExecutionAborted)
+    assert execution.status == "ABORTED" and len(execution.calls) == 1
+
+
+def _run_into(execution: Execution, ended: list[BaseException]) -> None:
+    try:
+        execution.run()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+        ended.append(exc)
+
+
+@pytest.mark.slow
+def test_a_build_of_several_regions_is_refused_with_what_is_missing(compile_cli, tmp_path: Path, capsys) -> None:
+    from tests.test_geo_run import compile_geo
+
+    build = tmp_path / "geo"
+    workflow = compile_geo(compile_cli, build, "model-average")
+    names = ", ".join(r["name"] for r in workflow["regions"])
+    assert run_main([str(build), "--invoker", "lambda", "--rehearse", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"cloudless-run: --rehearse: several regions ({names}): ")
+    assert "PeerBucket<Region>" in err and not (tmp_path / "out" / "rehearsal").exists()
+
+
+def test_a_task_result_over_step_functions_payload_limit_fails_the_state() -> None:
+    definition = {
+        "StartAt": "Invoke",
+        "States": {
+            "Invoke": {
+                "Type": "Task",
+                "Resource": "arn:aws:states:::lambda:invoke",
+                "Parameters": {"FunctionName": "f", "Payload": {"size.$": "$.size"}},
+                "End": True,
+            }
+        },
+    }
+    answer = lambda function, payload: "x" * payload["size"]  # noqa: E731
+    assert Execution(definition, {"size": 200 * 1024}, answer).run()["Payload"] == "x" * 200 * 1024
+    with pytest.raises(ExecutionFailed) as failed:
+        Execution(definition, {"size": 300 * 1024}, answer).run()
+    assert failed.value.error == "States.DataLimitExceeded"
