@@ -6,7 +6,9 @@ runtime interface client (`python -m awslambdaric <handler>`, the image's CMD) i
 (GET /2018-06-01/runtime/invocation/next, POST .../invocation/{id}/response and .../{id}/error,
 POST .../init/error). As on Lambda, a sandbox runs one invocation at a time and stays warm for the next;
 concurrent invocations get more sandboxes. The function's configuration (memory, timeout, environment) is
-read from the endpoint's Lambda API at each invocation (a changed configuration retires warm sandboxes):
+read from the endpoint's Lambda API at each invocation (a changed configuration retires warm sandboxes).
+Between invocations a warm sandbox is frozen (SIGSTOP, its background threads included) as Lambda
+freezes an execution environment, and thawed for the next:
 
 - timeout: the invocation phase may last `Timeout` seconds from when the runtime takes the event (the init
   phase, module imports, gets INIT_LIMIT_S more, as Lambda's on-demand init); then the sandbox is killed
@@ -107,8 +109,7 @@ class Sandbox:
         self.initialised = threading.Event()
         self.started = time.monotonic()
         self.peak_mb = 0.0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _runtime_api(self))
-        self.server.daemon_threads = True
+        self.server = _QuietServer(("127.0.0.1", 0), _runtime_api(self))
         threading.Thread(target=self.server.serve_forever, name=f"runtime-api-{name}", daemon=True).start()
         self.tmp = Path(tempfile.mkdtemp(prefix=f"lambda-{name}-"))  # the sandbox's own /tmp
         host, port = str(self.server.server_address[0]), int(self.server.server_address[1])
@@ -175,6 +176,7 @@ class Sandbox:
     ) -> tuple[bytes | None, dict[str, Any] | None, bool]:
         """Run one invocation: (response, error document, whether the sandbox may be used again)."""
         pending = _Pending(uuid.uuid4().hex, event, arn, timeout_s)
+        self._signal(signal.SIGCONT)  # thawed (frozen since its last invocation)
         self._write_log(f"START RequestId: {pending.request_id} Version: $LATEST")
         began = time.monotonic()
         self.inbox.put(pending)
@@ -208,6 +210,8 @@ class Sandbox:
                 reusable = False
                 break
         self.current = None
+        if reusable:  # as Lambda freezes an environment between invocations: its threads too
+            self._freeze()
         took = (time.monotonic() - (pending.taken_at or began)) * 1000
         self._write_log(f"END RequestId: {pending.request_id}")
         self._write_log(
@@ -219,6 +223,25 @@ class Sandbox:
     def _write_log(self, line: str) -> None:
         with self.log.open("ab") as out:
             out.write(f"{line}\n".encode())
+
+    def _freeze(self) -> None:
+        """SIGSTOP, and back once the process is stopped (the signal is delivered asynchronously)."""
+        self._signal(signal.SIGSTOP)
+        status = Path(f"/proc/{self.process.pid}/status")
+        for _ in range(1000):
+            try:
+                if "State:\tT" in status.read_text():
+                    return
+            except OSError:
+                return
+            time.sleep(0.001)
+
+    def _signal(self, number: int) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, number)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -233,6 +256,13 @@ class Sandbox:
         self.server.shutdown()
         self.server.server_close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A runtime killed mid-request (a timeout, the end of the rehearsal) resets its connection: not news."""
 
 
 def _runtime_api(sandbox: Sandbox) -> type[BaseHTTPRequestHandler]:

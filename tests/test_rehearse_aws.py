@@ -154,6 +154,7 @@ def test_a_function_error_is_its_error_type_and_the_environment_stays_warm(
     assert document["errorType"] == "KeyError" and document["errorMessage"] == "'boom'" and document["stackTrace"]
     answer = sleeper(f"{ARN}sleeper", {"marker": str(marker)})
     assert sleeper.started == 1 and _alive(answer["pid"])  # the same warm environment answered
+    assert "State:\tT" in Path(f"/proc/{answer['pid']}/status").read_text()  # frozen until the next invocation
     assert 0 < answer["left_ms"] <= 1000  # the deadline Lambda gives the context
     with pytest.raises(FunctionError) as missing:
         sleeper("absent", {})
