@@ -71,6 +71,8 @@ def samconfig_deploy(build: Path, region: str) -> dict[str, Any]:
     except ImportError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     path = build / "samconfig.toml"
+    if not path.is_file():
+        raise DeployError(f"{path}: not found; the build has no SAM deployment (compile with --target sam or both)")
     try:
         config = tomllib.loads(path.read_text())
     except (OSError, ValueError) as exc:

@@ -248,6 +248,10 @@ def test_rehearse_is_refused_with_another_invoker_or_a_stack(two_stages, tmp_pat
     assert run_main(argv) == 2
     expected = "cloudless-run: --stack: not with --rehearse (the rehearsal deploys its own stacks)\n"
     assert capsys.readouterr().err == expected
+    # a build written without its SAM files (--target openfaas): named, nothing deployed
+    assert run_main([str(build), "--invoker", "lambda", "--rehearse", "--out", str(tmp_path / "c"), "-q"]) == 2
+    expected = f"cloudless-run: {build}/samconfig.toml: not found; the build has no SAM deployment (compile with "
+    assert capsys.readouterr().err == expected + "--target sam or both)\n"
 
 
 def test_a_function_over_its_memory_is_stopped_with_lambdas_out_of_memory_error(tmp_path: Path) -> None:
