@@ -441,9 +441,9 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder
             if rehearse_aws:
-                from .rehearse_aws import rehearse  # moto, the SAM translator: only for this
+                from .rehearse_aws import rehearse as rehearse_aws_stacks  # moto, the SAM translator: only here
 
-                return rehearse(args, build, workflow, iterations, out)
+                return rehearse_aws_stacks(args, build, workflow, iterations, out)
             if args.stack:
                 from .deploy import drive  # boto3 only for this
 
