@@ -127,6 +127,17 @@ def read_stack(cloudformation: Any, name: str, workflow: Workflow, region: Regio
     )
 
 
+def _cause(cause: str) -> str:
+    """An execution's cause, one line: a Lambda function's error document is its errorMessage."""
+    try:
+        document = json.loads(cause)
+    except ValueError:
+        return " ".join(cause.split())
+    if isinstance(document, dict) and isinstance(document.get("errorMessage"), str):
+        return " ".join(document["errorMessage"].split())
+    return " ".join(cause.split())
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -262,7 +273,7 @@ class Driver:
                     following = replace(following, attempt=document.attempt + 1)
                 document = following
                 continue
-            record["error"] = f"{described.get('error', '')}: {described.get('cause', '')}".strip(": ")
+            record["error"] = f"{described.get('error', '')}: {_cause(described.get('cause', ''))}".strip(": ")
             if described.get("error") == RUN_STOPPED_ERROR:  # a worker stopped the run: no retry mends it
                 raise RunError(f"{region}: execution {name} stopped: {described.get('cause') or 'no cause given'}")
             aborted = followed.channel.try_get(protocol.abort_key(protocol.namespace(self.run_id, region)))

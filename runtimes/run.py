@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rehearse",
         action="store_true",
-        help="--invoker openfaas: deploy the build's stack on this machine first (a CE-like gateway, each replica a "
-        "process behind a watchdog, the secrets and a new token) and train through it; see docs/deploying.md",
+        help="deploy the build on this machine first and train through the deployed path: --invoker openfaas, a "
+        "CE-like gateway (each replica a process behind a watchdog, the secrets and a new token); --invoker lambda, "
+        "a local AWS endpoint (moto: the SAM stacks, Step Functions, Lambda); see docs/deploying.md",
     )
     parser.add_argument(
         "--token-file",
@@ -396,8 +397,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return fail(str(exc))
         if name == STORAGE_MARKER:  # the run's keys would be a folder of that name, beside the marker
             return fail(f"{option} {name}: the name of a storage folder's marker; choose another")
-    if args.rehearse and args.invoker != "openfaas":
-        return fail(f"--rehearse: only with --invoker openfaas here, not {args.invoker}")
+    if args.rehearse and args.invoker == "local":
+        return fail("--rehearse: only with --invoker openfaas or lambda, not local")
     if args.rehearse and args.token_file is not None:
         return fail("--token-file: a rehearsal makes its own token; give it to a real gateway's run only")
     token = None
@@ -410,6 +411,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(f"--token-file: only with --invoker openfaas, not {args.invoker}")
     if args.stack and args.invoker != "lambda":
         return fail(f"--stack: only with --invoker lambda, not {args.invoker}")
+    rehearse_aws = args.rehearse and args.invoker == "lambda"
     for _, function in workflow.functions():
         if not (build / function.package / "handler.py").is_file():
             return fail(f"{build / function.package}: no handler.py; was the build written with --target?")
@@ -423,7 +425,7 @@ def _main(argv: Sequence[str] | None) -> int:
         check_output_folder(out, "run", protected=inputs)
         # Nor a storage folder (the run deletes its keys from it): new, empty, or one an earlier run
         # used (its marker); all checked before anything is written. (--stack: the stack's bucket.)
-        folders = [] if args.stack else storage_folders(workflow, args.storage, out)
+        folders = [] if args.stack or rehearse_aws else storage_folders(workflow, args.storage, out)
         for where, folder, given in folders:
             if given:
                 check_storage_folder(folder, where, protected=inputs)
@@ -438,6 +440,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(str(exc))
     try:
         with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder
+            if rehearse_aws:
+                from .rehearse_aws import rehearse as rehearse_aws_stacks  # moto, the SAM translator: only here
+
+                return rehearse_aws_stacks(args, build, workflow, iterations, out)
             if args.stack:
                 from .deploy import drive  # boto3 only for this
 

@@ -1,8 +1,9 @@
 """The deploy-and-train driver, offline: `cloudless-run BUILD --invoker lambda --stack NAME` against moto's
 server (a real HTTP endpoint for CloudFormation, S3 and Step Functions). The stack is created in moto with
 the generated template's Outputs (bucket, state machine, functions); moto records the executions the
-driver starts, and since moto cannot run the functions' code, a stand-in service runs each execution
-with the ASL interpreter (tests/asl.py), the generated Lambda handlers in this process, storage the
+driver starts, and since moto cannot run the functions' code, the rehearsal's executor
+(cloudless.runtimes.stepfunctions_local) runs each execution with the ASL interpreter
+(cloudless.runtimes.asl), the generated Lambda handlers in this process, storage the
 stack's bucket on moto, and reports its status and output back to moto, where the driver reads them.
 
 The driver stages the data into the bucket, starts the executions with the run's name, attempt and time
@@ -16,7 +17,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ from safetensors.torch import load_file
 from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region, rounds_per_execution
 from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV
 from cloudless.runtimes import deploy
+from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError, substitute
 from cloudless.runtimes.openfaas_gateway import load_handler
 from cloudless.runtimes.run import main as run_main
-from tests.asl import Execution, ExecutionFailed, InProcessLambda, ProcessLambda, substitute
+from cloudless.runtimes.stepfunctions_local import StepFunctionsExecutor
+from tests.asl import InProcessLambda, ProcessLambda
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import MLP, reference_training
 from tests.test_platforms import lambda_role
@@ -50,63 +52,22 @@ def expected_model(two_stages) -> dict[str, torch.Tensor]:
     return reference_training(result, workflow, workflow.regions[0].name)
 
 
-class StepFunctionsService:
-    """What moto cannot do: run the executions the driver starts. Each RUNNING execution of the machine
-    is run by the ASL interpreter in a thread; its end is written back into moto's record of it."""
+class StepFunctionsService(StepFunctionsExecutor):
+    """The product's executor of moto's executions (cloudless.runtimes.stepfunctions_local) over this test's
+    region, with faults: the first `fail_first` executions fail at once (a worker's error, say), and
+    `on_failure` is called with the execution's input as one fails (what its worker wrote)."""
 
-    def __init__(
-        self,
-        machine_arn: str,
-        definition: dict[str, Any],
-        invoke: Any,
-        fail_first: int = 0,
-        on_failure: Any = None,
-    ) -> None:
-        from moto.stepfunctions.models import stepfunctions_backends
+    def __init__(self, invoke: Any, fail_first: int = 0, on_failure: Any = None) -> None:
+        super().__init__([(ACCOUNT, AWS_REGION)], invoke)
+        self.fail_first, self.on_failure = fail_first, on_failure
 
-        self.backend = stepfunctions_backends[ACCOUNT][AWS_REGION]
-        self.machine_arn, self.definition, self.invoke = machine_arn, definition, invoke
-        self.fail_first = fail_first  # this many executions fail at once (a worker's error, say)
-        self.on_failure = on_failure  # called with the execution's input as one fails (what its worker wrote)
-        self.ran: list[Execution] = []
-        self.handled: set[str] = set()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> StepFunctionsService:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopped.set()
-        self.thread.join()
-
-    def _loop(self) -> None:
-        while not self.stopped.is_set():
-            machine = self.backend.describe_state_machine(self.machine_arn)
-            for execution in list(machine.executions):
-                if execution.status == "RUNNING" and execution.execution_arn not in self.handled:
-                    self.handled.add(execution.execution_arn)
-                    threading.Thread(target=self._run, args=(execution,), daemon=True).start()
-            time.sleep(0.02)
-
-    def _run(self, record: Any) -> None:
-        execution = Execution(self.definition, json.loads(record.execution_input), self.invoke, name=record.name)
-        self.ran.append(execution)
+    def execute(self, record: Any, execution: Execution) -> Any:
         if self.fail_first > 0:
             self.fail_first -= 1
             if self.on_failure is not None:
-                self.on_failure(json.loads(record.execution_input))
-            record.error, record.cause, record.status = "States.TaskFailed", "injected", "FAILED"
-            record.stop_date = datetime.now(UTC)
-            return
-        try:
-            output = execution.run()
-        except ExecutionFailed as exc:
-            record.error, record.cause, record.status = exc.error, exc.cause, "FAILED"
-        else:
-            record.output, record.status = json.dumps(output), "SUCCEEDED"
-        record.stop_date = datetime.now(UTC)
+                self.on_failure(execution.input)
+            raise ExecutionFailed("States.TaskFailed", "injected")
+        return super().execute(record, execution)
 
 
 @pytest.fixture
@@ -193,7 +154,7 @@ def test_the_driver_trains_on_the_stack_and_a_second_run_trains_again(
             for f in region.functions
         }
         invoke = ProcessLambda(packages, {}, tmp_path / "logs")  # the environment: the deployment's (the fixture's)
-    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, invoke) as service:
+    with StepFunctionsService(invoke) as service:
         for run_id in ("first", "second"):
             out = tmp_path / run_id
             argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", run_id, "--out", str(out)]
@@ -233,7 +194,7 @@ def test_a_failed_execution_is_started_again_with_the_next_attempt(
     build, workflow, _ = two_stages
     torch.set_num_threads(1)
     outputs, definition, invoke = stack
-    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, invoke, fail_first=1):
+    with StepFunctionsService(invoke, fail_first=1):
         out = tmp_path / "out"
         argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "again", "--out", str(out), "-q"]
         assert run_main([*argv, "--model", str(MLP), "--retries", "1"]) == 0
@@ -265,7 +226,7 @@ def test_an_execution_that_made_no_progress_is_followed_by_a_new_attempt(
             return {"status": "duplicate", "stop": payload["start"], "reason": ""}
         return invoke(function, payload)
 
-    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, claims_held):
+    with StepFunctionsService(claims_held):
         out = tmp_path / "out"
         argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "held", "--out", str(out), "-q"]
         assert run_main([*argv, "--model", str(MLP), "--retries", "1"]) == 0
@@ -293,7 +254,7 @@ def test_an_execution_whose_worker_recorded_an_abort_is_not_retried(two_stages, 
         record = protocol.AbortRecord("failed", why, 0, 1, workflow.regions[0].functions[1].name)
         channel.claim(protocol.abort_key(protocol.namespace(document["run"], region)), record.encode())
 
-    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, invoke, 1, model_failed):
+    with StepFunctionsService(invoke, 1, model_failed):
         out = tmp_path / "out"
         argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "raises", "--out", str(out), "-q"]
         assert run_main([*argv, "--model", str(MLP), "--retries", "3"]) == 1
@@ -320,7 +281,7 @@ def test_ctrl_c_stops_the_running_execution(two_stages, stack, tmp_path: Path, c
 
     interrupt = threading.Event()
     threading.Thread(target=lambda: interrupt.wait(60) and signal.raise_signal(signal.SIGINT), daemon=True).start()
-    with StepFunctionsService(outputs["IterationStateMachineArn"], definition, slow):
+    with StepFunctionsService(slow):
         argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "stopped", "--out", str(tmp_path)]
         assert run_main([*argv, "--model", str(MLP), "-q"]) == 130
     (execution,) = backend.describe_state_machine(outputs["IterationStateMachineArn"]).executions
@@ -337,3 +298,21 @@ def test_a_stack_that_is_not_there_or_not_the_runs(two_stages, stack, tmp_path: 
     assert err.startswith("cloudless-run: --stack absent: ") and "does not exist" in err and err.count("\n") == 1
     assert run_main([str(build), "--stack", STACK, "--out", str(out)]) == 2
     assert "--stack: only with --invoker lambda, not local" in capsys.readouterr().err
+
+
+def test_a_function_error_ends_the_run_with_its_message_on_one_line(two_stages, stack, tmp_path: Path, capsys) -> None:
+    """A function's exception fails the execution with Lambda's error document as its cause (stack trace
+    included): the run ends with the error's type and message, one line."""
+    build, workflow, _ = two_stages
+    _, _, _ = stack
+    document = {"errorMessage": "'boom'", "errorType": "KeyError", "stackTrace": ['  File "x.py", line 1\n    y\n']}
+
+    def failing(function: str, payload: Any) -> Any:
+        raise FunctionError("KeyError", json.dumps(document))
+
+    with StepFunctionsService(failing):
+        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "boom", "--out", str(tmp_path), "-q"]
+        assert run_main([*argv, "--model", str(MLP), "--retries", "0"]) == 1
+    region = workflow.regions[0].name
+    expected = f"cloudless-run: the run failed: {region}: execution boom-0 failed: KeyError: 'boom' (attempt 1 of 1)\n"
+    assert capsys.readouterr().err == expected

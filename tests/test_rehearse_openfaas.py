@@ -258,7 +258,7 @@ def test_rehearse_only_with_the_openfaas_invoker(
     build, _, _ = two_stages
     assert run_main([str(build), "--rehearse", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err == "cloudless-run: --rehearse: only with --invoker openfaas here, not local\n"
+    assert err == "cloudless-run: --rehearse: only with --invoker openfaas or lambda, not local\n"
     token = tmp_path / "token"
     token.write_text("abc\n")
     argv = [str(build), "--invoker", "openfaas", "--rehearse", "--token-file", str(token), "--out", str(tmp_path / "o")]

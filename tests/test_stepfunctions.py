@@ -23,11 +23,12 @@ from cloudless.ir import protocol
 from cloudless.ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, RUN_STOPPED_ERROR, ExecutionInput
 from cloudless.ir.protocol import STORAGE_ENV
 from cloudless.ir.workflow import Workflow
+from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError, substitute
 from cloudless.runtimes.openfaas_gateway import load_handler
 from cloudless.runtimes.run import main as run_main
 from cloudless.runtimes.staging import trained_state
 from cloudless.runtimes.storage import DirectoryChannel
-from tests.asl import Execution, ExecutionFailed, FunctionError, InProcessLambda, ProcessLambda, substitute
+from tests.asl import InProcessLambda, ProcessLambda
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import MLP, reference_training, write_training_data
 from tests.test_platforms import EAST, WEST, make_workflow
