@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 from cloudless.compiler.pipeline import FrontEndOptions, balanced_stage_ranges, run_front_end
@@ -164,3 +166,36 @@ def test_staging_holds_one_stage_at_a_time_and_each_function_loads_only_its_own(
             torch.testing.assert_close(initial[name], expected[source], rtol=0, atol=0, msg=name)
             seen.add(source)
     assert seen == set(expected)
+
+
+@pytest.mark.slow
+def test_a_staged_build_trains_through_the_deploy_driver_as_plain_pytorch(tmp_path: Path, capsys) -> None:
+    """Compiled with --weights staged (no parameter in any package), rehearsed on the deploy path: the
+    driver stages each stage's parameters into the stack's bucket, each Lambda loads its own, and the
+    trained model comes back in shards that hold plain PyTorch's parameters."""
+    from cloudless.compiler.cli import main as compile_main
+    from cloudless.compiler.model_file import load_model_file
+    from cloudless.ir.workflow import Workflow
+    from cloudless.runtimes.run import main as run_main
+    from tests.reference import plain_training
+    from tests.runtime_cases import MLP
+
+    build, out = tmp_path / "build", tmp_path / "out"
+    assert compile_main([str(MLP), "-o", str(build), "--weights", "staged", "--stages", "2", "-q"]) == 0
+    capsys.readouterr()
+    workflow = Workflow.from_json(yaml.safe_load((build / "workflow.yaml").read_text()))
+    region = workflow.regions[0]
+    assert all(f.staged_parameters for f in region.functions)
+    code = run_main([str(build), "--invoker", "lambda", "--rehearse", "--iterations", "6", "--out", str(out),
+                     "--model", str(MLP)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "weights: 2 stages' parameters staged from build_model()" in captured.out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    trained: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        trained.update(load_file(out / shard))
+    expected = plain_training(load_model_file(MLP), workflow, region.name, iterations=6)
+    assert set(trained) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
