@@ -99,9 +99,7 @@ def _rss_mb(pid: int) -> float:
 class Sandbox:
     """One execution environment: the runtime interface client's process and its Runtime API server."""
 
-    def __init__(
-        self, name: str, image: FunctionImage, configuration: dict[str, Any], region: str, log: Path
-    ) -> None:
+    def __init__(self, name: str, image: FunctionImage, configuration: dict[str, Any], region: str, log: Path) -> None:
         self.name, self.image, self.configuration, self.log = name, image, configuration, log
         self.inbox: queue.Queue[_Pending] = queue.Queue()
         self.current: _Pending | None = None

@@ -103,9 +103,8 @@ def image_handler(resource: dict[str, Any], context: Path) -> str:
     dockerfile = context / resource.get("Metadata", {}).get("Dockerfile", "Dockerfile")
     match = _CMD.search(dockerfile.read_text()) if dockerfile.is_file() else None
     if match is None:
-        raise DeployError(f"{dockerfile}: no CMD [\"module.function\"] and no ImageConfig.Command")
+        raise DeployError(f'{dockerfile}: no CMD ["module.function"] and no ImageConfig.Command')
     return str(json.loads(match.group(1))[0])
-
 
 
 def substituted(text: str, variables: dict[str, Any]) -> Any:
@@ -274,7 +273,6 @@ class AwsRehearsal:
             return
         properties["DefinitionString"] = substituted(text, substitutions or {})
 
-
     def run_functions(self) -> None:
         """The Lambda service and the Step Functions executor over every deployed stack."""
         images = {name: image for stack in self.stacks.values() for name, image in stack.images.items()}
@@ -312,8 +310,14 @@ def driver_environment(endpoint: str, where: str, credentials: dict[str, str]) -
         "AWS_DEFAULT_REGION": where,
         protocol.S3_ENDPOINT_ENV: endpoint,
     }
-    cleared = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_CLOUDFORMATION",
-               "AWS_ENDPOINT_URL_SFN", "AWS_ENDPOINT_URL_LAMBDA")
+    cleared = (
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ENDPOINT_URL_CLOUDFORMATION",
+        "AWS_ENDPOINT_URL_SFN",
+        "AWS_ENDPOINT_URL_LAMBDA",
+    )
     saved = {k: os.environ.get(k) for k in [*values, *cleared]}
     os.environ.update(values)
     for key in cleared:
@@ -376,8 +380,10 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
                     flush=True,
                 )
         rehearsal.run_functions()
-        args.stack = [f"{region}={stack.name}" if len(rehearsal.stacks) > 1 else stack.name
-                      for region, stack in rehearsal.stacks.items()]
+        args.stack = [
+            f"{region}={stack.name}" if len(rehearsal.stacks) > 1 else stack.name
+            for region, stack in rehearsal.stacks.items()
+        ]
         where = next(iter(rehearsal.stacks.values())).aws_region
         with driver_environment(rehearsal.endpoint, where, rehearsal.credentials):
             return drive(args, build, workflow, iterations, out)

@@ -399,7 +399,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return fail(f"{option} {name}: the name of a storage folder's marker; choose another")
     if args.rehearse and args.invoker == "local":
         return fail("--rehearse: only with --invoker openfaas or lambda, not local")
-    if args.rehearse and args.token_file is not None:
+    if args.rehearse and args.invoker == "openfaas" and args.token_file is not None:
         return fail("--token-file: a rehearsal makes its own token; give it to a real gateway's run only")
     token = None
     if args.invoker == "openfaas" and not args.rehearse:  # a rehearsal makes its own

@@ -26,7 +26,7 @@ ARN = "arn:aws:lambda:us-east-1:123456789012:function:"
 
 #: a function package of the tests' own: it sleeps past its timeout on its first invocation (a marker file
 #: says which invocation is the first), raises when asked, and answers with its process id (and as a worker)
-SLEEPER = '''
+SLEEPER = """
 import os, time
 from pathlib import Path
 
@@ -40,7 +40,7 @@ def handler(event, context):
     # what the generated machine selects from a worker's answer (status, stop, reason)
     return {"pid": os.getpid(), "left_ms": context.get_remaining_time_in_millis(), "status": "done",
             "stop": event.get("stop"), "reason": ""}
-'''
+"""
 
 
 @pytest.fixture
@@ -186,8 +186,20 @@ def test_a_rehearsal_trains_what_plain_pytorch_trains(
     build = sam_build
     expected = reference_training(result, workflow, workflow.regions[0].name)
     out = tmp_path / "out"
-    code = run_main([str(build), "--invoker", "lambda", "--rehearse", "--run-id", "rehearsed", "--out", str(out),
-                     "--model", str(MLP)])
+    code = run_main(
+        [
+            str(build),
+            "--invoker",
+            "lambda",
+            "--rehearse",
+            "--run-id",
+            "rehearsed",
+            "--out",
+            str(out),
+            "--model",
+            str(MLP),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "created in the local AWS endpoint http://127.0.0.1:" in captured.out

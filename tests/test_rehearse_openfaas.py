@@ -264,6 +264,10 @@ def test_rehearse_only_with_the_openfaas_invoker(
     argv = [str(build), "--invoker", "openfaas", "--rehearse", "--token-file", str(token), "--out", str(tmp_path / "o")]
     assert run_main(argv) == 2
     assert capsys.readouterr().err.startswith("cloudless-run: --token-file: a rehearsal makes its own token")
+    # a Lambda rehearsal has no token at all: the option's own refusal
+    argv[2] = "lambda"
+    assert run_main(argv) == 2
+    assert capsys.readouterr().err == "cloudless-run: --token-file: only with --invoker openfaas, not lambda\n"
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
 
 
