@@ -6,7 +6,7 @@
 Each shape is a transformers config (no download) in a generated model file, compiled in a fresh
 process (its own max RSS), micro-batch 1 x 128 tokens:
 - `--plan-only` (stand-ins for the weights, a block's weights at a time): every shape;
-- the full compile (`--weights auto`: a model whose parameters take more than 1 GiB is compiled on
+- the full compile (`--weights auto`: a model whose parameters take more than 2 GiB is compiled on
   stand-ins into a build without its weights, which the run stages; GPT-2's go into its packages),
   then `cloudless-compile --check` on the build: the shapes named by `--full`.
 Printed per run: parameters, weight bytes, path, wall seconds, peak GB, stages planned, the ratio of

@@ -45,7 +45,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 #: a model whose parameters take more bytes than this is compiled on stand-ins and its build holds no
 #: parameter weights (`--weights auto`): the run stages them into storage, stage by stage
-STAGED_WEIGHTS_BYTES = 1 << 30
+STAGED_WEIGHTS_BYTES = 2 << 30
 
 
 def parameter_bytes(model: nn.Module) -> int:
