@@ -323,6 +323,7 @@ def test_a_region_leaving_after_the_others_finished_has_its_iterations_trained_b
     assert metrics["test"]["accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_a_finished_region_is_re_planned_with_new_rounds_where_it_stands(compile_cli, tmp_path: Path) -> None:
     """The coordinator alone: aws-eu-west-1 finished its 60 iterations and waits at its end when
     aws-us-east-1 (the ASGD-GA server, 140 iterations) leaves with 15 of its 20 rounds pushed (105

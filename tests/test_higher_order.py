@@ -276,6 +276,7 @@ def test_regions_in_a_middle_stage_verify(deep: FrontEnd) -> None:
     assert set(load_stage(source, stages[1].state, "s1").state_dict()) == set(stages[1].state)
 
 
+@pytest.mark.slow
 def test_regions_train_under_cloudless_run_like_plain_pytorch(deep: FrontEnd, tmp_path: Path) -> None:
     """Two stages, the second opening with the regions, a replicated first stage, micro-batch 4 where
     the trace was at 2 (torch.export bakes the traced size into its reshapes: the stages are traced

@@ -110,6 +110,7 @@ def test_a_model_whose_graph_depends_on_the_batch_size_is_refused(tmp_path: Path
     assert "--batch-size 4" in message
 
 
+@pytest.mark.slow
 def test_stages_with_a_plan_plans_exactly_that_many(compile_cli, tmp_path: Path) -> None:
     model = MODELS / "tricky.py"
     for stages in (1, 3):

@@ -41,6 +41,7 @@ def every_program_by_bands(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return examined
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["cost", "time-under-budget", *slow("time", "cost-under-deadline")])
 def test_bands_find_the_exhaustive_optimum(objective: str, every_program_by_bands: list[int]) -> None:
     """With and without the baselines as incumbents, the optimum and its proof, as exhaustive search."""

@@ -125,6 +125,7 @@ def one_stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build
 
 
+@pytest.mark.slow
 def test_a_run_on_a_locked_redis_takes_its_password_from_the_environment(
     locked_redis: str, one_stage: Path, no_password: pytest.MonkeyPatch, tmp_path: Path, capsys: Any
 ) -> None:
