@@ -9,6 +9,12 @@ A cut is valid when every crossing value is a single tensor (what storage carrie
 them is mutated in place after the cut. Blocks are balanced by estimated cost (FLOPs plus a
 memory-traffic term, since elementwise ops count 0 FLOPs), and each cut is placed, within a
 window around its balanced position, where the fewest bytes cross.
+
+A block holds at most MAX_BLOCK_PARAM_BYTES of parameters where the graph can be cut that finely.
+When balanced blocks would hold more (a 70B model's 30 blocks hold 2.7 of its 3.4 GB layers each),
+the model is cut again, block by block, at the ends of its repeated structures (a transformer's layers,
+`model.layers.3`: `bounded_cuts`): each block as many whole layers as the bound and its share of the
+cost allow, so that identical layers make identical blocks (the profile times one for all).
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ FLOPS_PER_BYTE = 10
 #: How far from its balanced position a cut may move to find fewer crossing bytes (fraction of a block).
 WINDOW = 0.3
 DEFAULT_BLOCKS = 30
+#: the most bytes of parameters (and buffers) a block holds, where the graph allows. A function holds
+#: its blocks' weights and their gradients: a block past 4 GiB (8 GiB with its gradients) would fill
+#: most of the largest function (Lambda's 10,240 MB) alone; and the profile of a model planned from
+#: shapes makes a block's weights and gradients at once, so its memory follows this bound, not the
+#: model's size. Far above a small model's blocks (a 1.1B's are ~0.2 GB): their cuts never change.
+MAX_BLOCK_PARAM_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -168,27 +180,96 @@ def choose_cuts(live: Liveness, num_blocks: int) -> list[int]:
     return cuts
 
 
-def coarsen(graph: OpGraph, num_blocks: int = DEFAULT_BLOCKS, narrow: bool = False) -> BlockChain:
+def repeated_unit(module: str) -> str:
+    """The instance of a repeated structure a module path lies in: the path up to its first numbered
+    part ("model.layers.3" for "model.layers.3.mlp.up_proj", "3" in a Sequential), else the path."""
+    parts = module.split(".")
+    numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return module if numbered is None else ".".join(parts[: numbered + 1])
+
+
+def position_params(graph: OpGraph, positions: Sequence[OpNode]) -> list[list[str]]:
+    """Per position, the parameters and buffers it reads: its own (call_module) and through get_attr."""
+    by_name = {n.name: n for n in graph.nodes}
+    read: list[list[str]] = []
+    for node in positions:
+        readers = [node] + [by_name[i] for i in node.inputs if by_name[i].op == "get_attr"]
+        read.append(list(dict.fromkeys(name for reader in readers for name in reader.params)))
+    return read
+
+
+def held_bytes(graph: OpGraph, params_at: Sequence[Sequence[str]], bounds: Sequence[tuple[int, int]]) -> list[int]:
+    """Per block (cut before, last position), the bytes of the parameters and buffers it reads."""
+    return [
+        sum(graph.parameters[name].bytes for name in dict.fromkeys(n for p in params_at[b + 1 : e + 1] for n in p))
+        for b, e in bounds
+    ]
+
+
+def bounded_cuts(
+    live: Liveness, graph: OpGraph, params_at: Sequence[Sequence[str]], num_blocks: int, max_bytes: int
+) -> list[int]:
+    """Cuts for blocks of at most `max_bytes` of parameters, left to right, each block ending at the
+    farthest cut within the bound and its cost share (1 + WINDOW times a balanced block's): at the end
+    of a repeated structure (`repeated_unit`) where one fits, else at any valid cut (a layer bigger than
+    the bound or the share is cut inside), else at the first valid cut (an operation bigger than the
+    bound on its own)."""
+    positions = live.positions
+    costs = balancing_costs([node_cost(node) for node in positions], num_blocks)
+    share = sum(costs) / max(num_blocks, 1) * (1 + WINDOW)
+    units = [repeated_unit(node.module) for node in positions]
+    sizes = {name: info.bytes for name, info in graph.parameters.items()}
+    cuts: list[int] = []
+    start = 0
+    while True:
+        held: set[str] = set()
+        nbytes = cost = 0
+        first = at_unit_end = anywhere = None
+        for p in range(start, len(positions)):
+            for name in params_at[p]:
+                if name not in held:
+                    held.add(name)
+                    nbytes += sizes[name]
+            cost += costs[p]
+            within = nbytes <= max_bytes and cost <= share
+            if p == len(positions) - 1 and within:
+                return cuts  # the rest is one block
+            if not live.valid[p]:  # the last position is never a valid cut
+                continue
+            first = p if first is None else first
+            if not within:
+                break
+            anywhere = p
+            if units[p] != units[p + 1]:
+                at_unit_end = p
+        cut = at_unit_end if at_unit_end is not None else anywhere if anywhere is not None else first
+        if cut is None:
+            return cuts
+        cuts.append(cut)
+        start = cut + 1
+
+
+def coarsen(
+    graph: OpGraph, num_blocks: int = DEFAULT_BLOCKS, narrow: bool = False, max_bytes: int = MAX_BLOCK_PARAM_BYTES
+) -> BlockChain:
     """The block chain (times still zero: profiling fills them in); its blocks' input and output
-    bytes are those sent across the cuts (`narrow`: bf16-mixed, floating values in bf16)."""
+    bytes are those sent across the cuts (`narrow`: bf16-mixed, floating values in bf16). Blocks hold
+    at most `max_bytes` of parameters where the graph can be cut that finely (`bounded_cuts`)."""
     live = liveness(graph, narrow)
     if not live.positions:
         raise ValueError("the traced graph has no operations")
+    params_at = position_params(graph, live.positions)
+    last_position = len(live.positions) - 1
     cuts = choose_cuts(live, max(1, num_blocks))
-    bounds = list(zip([-1, *cuts], [*cuts, len(live.positions) - 1], strict=True))
-    by_name = {n.name: n for n in graph.nodes}
+    bounds = list(zip([-1, *cuts], [*cuts, last_position], strict=True))
+    if max(held_bytes(graph, params_at, bounds)) > max_bytes:
+        cuts = bounded_cuts(live, graph, params_at, max(1, num_blocks), max_bytes)
+        bounds = list(zip([-1, *cuts], [*cuts, last_position], strict=True))
     users_of_param: dict[str, set[int]] = {}
     blocks: list[Block] = []
     for index, (before, last) in enumerate(bounds):
         members = live.positions[before + 1 : last + 1]
-        params: list[str] = []
-        for node in members:
-            # A node's own tensors (call_module) and the parameters it reads through get_attr.
-            readers = [node] + [by_name[i] for i in node.inputs if by_name[i].op == "get_attr"]
-            for reader in readers:
-                for name in reader.params:
-                    if name not in params:
-                        params.append(name)
+        params = list(dict.fromkeys(name for p in params_at[before + 1 : last + 1] for name in p))
         for name in params:
             users_of_param.setdefault(name, set()).add(index)
         modules: list[str] = []
@@ -207,7 +288,7 @@ def coarsen(graph: OpGraph, num_blocks: int = DEFAULT_BLOCKS, narrow: bool = Fal
                 buffer_bytes=sum(graph.parameters[p].bytes for p in params if not graph.parameters[p].trainable),
                 saved_bytes=sum(n.saved_bytes for n in members),
                 input_bytes=live.input_bytes if before < 0 else live.crossing_bytes[before],
-                output_bytes=live.output_bytes if last == len(live.positions) - 1 else live.crossing_bytes[last],
+                output_bytes=live.output_bytes if last == last_position else live.crossing_bytes[last],
                 params=params,
             )
         )

@@ -28,7 +28,7 @@ from ..ir.plan import TrainingPlan
 from ..ir.workflow import Schedule, Workflow
 from .annotate import annotate_run, fetch_attr
 from .build import build_files, write_build
-from .coarsen import DEFAULT_BLOCKS, balanced_ranges, block_cuts, coarsen, compute_positions
+from .coarsen import DEFAULT_BLOCKS, MAX_BLOCK_PARAM_BYTES, balanced_ranges, block_cuts, coarsen, compute_positions
 from .errors import CompileError, ModelFileError, display_path
 from .geo import region_shares
 from .lower import (
@@ -63,6 +63,8 @@ class FrontEndOptions:
     model_path: Path
     batch_size: int | None = None
     num_blocks: int = DEFAULT_BLOCKS
+    #: the most bytes of parameters a block holds where the graph can be cut that finely (coarsen.py)
+    max_block_bytes: int = MAX_BLOCK_PARAM_BYTES
     leaf_modules: Sequence[str] = ()
     tracer: Literal["auto", "fx", "export"] = "auto"
     profile_repeats: int = 3
@@ -225,7 +227,7 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
         with timed("coarsen"):
             # under bf16-mixed, activations cross stages in bf16: the cuts' bytes as they are sent
             bf16_mixed = model_file.training.get("precision") == "bf16-mixed"
-            chain = coarsen(graph, options.num_blocks, bf16_mixed)
+            chain = coarsen(graph, options.num_blocks, bf16_mixed, options.max_block_bytes)
         loss_of = loss_function(program.out_spec, model_file.loss_fn, targets)
         _check_loss(model_file, flat_outputs, loss_of)
         if options.profile_from is not None:
