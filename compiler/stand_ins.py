@@ -10,8 +10,9 @@ stand-ins as on weights: the graph, shapes, FLOPs, saved activations and bytes c
 Values are another matter: a kernel given a stride-0 weight may copy it first, which a timing would
 count. The profile therefore materialises one block's parameters at a time (random values of their
 shape and dtype), runs that block's forward and backward, and puts the stand-ins back
-(`run_blocks_one_by_one`): peak memory follows the largest block, not the model. Blocks with the same
-operations on the same shapes are timed once.
+(`run_blocks_one_by_one`): peak memory follows the largest block, not the model, and a block holds
+at most MAX_BLOCK_PARAM_BYTES of parameters (coarsen.py: a 70B model's blocks one layer each). Blocks
+with the same operations on the same shapes are timed once.
 """
 
 from __future__ import annotations
