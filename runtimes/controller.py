@@ -176,8 +176,10 @@ class Controller(Coordinator):
             self.cancelled.set()  # each region kills its invocations and stops
             with self.changed:
                 self.changed.notify_all()  # a region waiting at its end too
-            for thread in threads:
-                thread.join()
+                # Not thread.join(): one that Ctrl-C interrupted may return at once from then on
+                # (CPython marks the thread stopped), and a region would stop its work unwatched.
+                while len(self.exited) < len(threads):
+                    self.changed.wait(0.2)
             raise
         if errors:
             raise errors[0]

@@ -34,7 +34,7 @@ import os
 import re
 import secrets
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ import yaml
 
 from ..ir import protocol
 from ..ir.catalog import AWS_REGION_PREFIX
+from ..ir.deployment import peer_parameter
 from ..ir.workflow import Workflow
 from .deploy import DeployError, aws_region
 from .lambda_local import FunctionImage, LambdaService
@@ -181,8 +182,10 @@ class AwsRehearsal:
             aws_secret_access_key=self.credentials["AWS_SECRET_ACCESS_KEY"],
         )
 
-    def deploy(self, region: str) -> DeployedStack:
-        """`sam build && sam deploy --config-env REGION` into the endpoint: the stack, created."""
+    def deploy(self, region: str, peers: Mapping[str, str] | None = None) -> DeployedStack:
+        """`sam build && sam deploy --config-env REGION --parameter-overrides PeerBucket<Peer>=<bucket>...`
+        into the endpoint: the stack, created, or updated where it exists (the second deploy of a region
+        deployed before its peers). `peers`: the peer regions' buckets known so far."""
         import boto3
         from samtranslator.parser.parser import Parser
         from samtranslator.translator.translator import Translator
@@ -211,6 +214,7 @@ class AwsRehearsal:
                 s3.put_object(Bucket=artifacts, Key=key, Body=body)
                 properties["DefinitionUri"] = {"Bucket": artifacts, "Key": key}
         overrides = parameter_overrides(config.get("parameter_overrides"))
+        overrides.update({peer_parameter(peer): bucket for peer, bucket in (peers or {}).items()})
         iam = self.client("iam", where)
 
         def managed_policies() -> dict[str, str]:  # only for a template naming AWS managed policies
@@ -230,8 +234,9 @@ class AwsRehearsal:
         cloudformation = self.client("cloudformation", where)
         capabilities = config.get("capabilities", [])
         capabilities = shlex.split(capabilities) if isinstance(capabilities, str) else list(capabilities)
+        action = "UpdateStack" if region in self.stacks else "CreateStack"
         try:
-            cloudformation.create_stack(
+            (cloudformation.update_stack if region in self.stacks else cloudformation.create_stack)(
                 StackName=name,
                 TemplateBody=json.dumps(transformed),
                 Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in overrides.items()],
@@ -239,8 +244,8 @@ class AwsRehearsal:
             )
             stack = cloudformation.describe_stacks(StackName=name)["Stacks"][0]
         except Exception as exc:  # noqa: BLE001 - botocore's ClientError: one line
-            raise DeployError(f"{region}: CreateStack {name} failed: {str(exc).splitlines()[0]}") from None
-        if stack["StackStatus"] != "CREATE_COMPLETE":
+            raise DeployError(f"{region}: {action} {name} failed: {str(exc).splitlines()[0]}") from None
+        if stack["StackStatus"] not in ("CREATE_COMPLETE", "UPDATE_COMPLETE"):
             raise DeployError(f"{region}: stack {name}: {stack['StackStatus']} {stack.get('StackStatusReason', '')}")
         images: dict[str, FunctionImage] = {}
         resources = cloudformation.describe_stack_resources(StackName=name)["StackResources"]
