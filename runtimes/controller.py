@@ -324,6 +324,7 @@ class Controller(Coordinator):
                 last_look = now
             for failure in self.settings.region_failures:
                 if failure.region == region.name and start <= failure.iteration <= next_iteration:
+                    self.invoker.take_down(region.name)
                     for _, handle in pending.values():
                         handle.kill()
                     # It says nothing: the other regions find out by the region timeout.

@@ -1,19 +1,21 @@
 """Deploy-and-train: `cloudless-run BUILD --invoker lambda --stack NAME` trains on a deployed SAM stack.
 
 Per region it reads the stack's outputs with CloudFormation (the run's bucket, the state machine, the
-functions' names: cloudless.ir.deployment), stages the region's training data into the bucket (under the
-workflow's storage prefix, where the functions read it), and starts the region's state machine with
-{"run", "attempt", "time_limit_s", "start", "stop"}: every invocation carries the run name (so that a new
-run in the same bucket trains anew), the attempt and the time limit. All regions' executions are started
-together and followed together: each execution's status (describe_execution), and the progress the last
-stage reports in storage. An execution runs at most a chunk of iterations (its history's quota) and
-returns where it stopped: the next execution starts from there. A failed execution is started again
-(attempt + 1, --retries times) from the newest iteration every stage has a checkpoint of, after the
-completion markers of the iterations it left are deleted. At the end the trained model is fetched into
-OUT/model.safetensors, with OUT/metrics.json, and the run's keys are deleted (the staged data stays).
+functions' names and ARNs: cloudless.ir.deployment), stages the region's training data into the bucket
+(under the workflow's storage prefix, where the functions read it), and trains under the run's
+coordinator (`StateMachineController`: controller.py's control plane, coordinator.py's plans), every
+region at once: each range the coordinator plans for a region is one execution of the region's state
+machine of one round, whose input {"run", "attempt", "time_limit_s", "start", "stop", "plan", "workers",
+"max_rounds"} carries the run name (so that a new run in the same bucket trains anew), the attempt, the
+time limit and the region's plan now (re-planned as capacities change and regions leave). Its progress
+is what the last stage reports in storage. A failed execution is started again (attempt + 1, --retries
+times) from the newest iteration every stage has a checkpoint of, after the completion markers of the
+iterations it left are deleted; with several regions, a region out of retries leaves the run and the
+others take its work. At the end the trained model is fetched into OUT/model.safetensors, with
+OUT/metrics.json, and the run's keys are deleted (the staged data stays).
 
 Credentials and regions are boto3's own (environment, profile, role); AWS_ENDPOINT_URL points every client
-at another endpoint (the tests use moto).
+at another endpoint (the tests and the rehearsal use moto).
 """
 
 from __future__ import annotations
@@ -44,9 +46,18 @@ from .controller import Controller
 from .data import data_name
 from .invokers import Handle, Invocation, Invoker
 from .retrying_channel import RetryingChannel
+from .run_outputs import left_figures
 from .run_state import Progress, RegionGone, RegionRun, RunDiverged, RunError, RunMetrics, RunSettings
 from .staged_weights import save_trained_model
-from .staging import DataError, describe_staged, model_file_state, recorded_model_file, stage_data, stage_run_weights
+from .staging import (
+    DataError,
+    describe_staged,
+    evaluate,
+    model_file_state,
+    recorded_model_file,
+    stage_data,
+    stage_run_weights,
+)
 from .storage import Channel, open_channel
 
 #: Step Functions' limit on an execution's name
@@ -312,6 +323,12 @@ class StateMachineController(Controller):
                 raise RunError("interrupted")
             described = client.describe_execution(executionArn=running["arn"])
             next_iteration = self._follow(name, last, next_iteration, document.stop, record)
+            for failure in self.settings.region_failures:  # also where the execution just reached it
+                if failure.region == name and document.start <= failure.iteration <= next_iteration:
+                    if self.take_down is not None:
+                        self.take_down(name)
+                    # It says nothing: the other regions find out by the region timeout.
+                    raise RegionGone(f"{name} stopped answering at iteration {failure.iteration}", tell=False)
             if described["status"] in FINISHED:
                 return described, next_iteration
             now = time.time()
@@ -323,12 +340,6 @@ class StateMachineController(Controller):
                     if self.plans[name].left:
                         raise RegionGone(self.plans[name].left, tell=False)
                 last_look = now
-            for failure in self.settings.region_failures:
-                if failure.region == name and document.start <= failure.iteration <= next_iteration:
-                    if self.take_down is not None:
-                        self.take_down(name)
-                    # It says nothing: the other regions find out by the region timeout.
-                    raise RegionGone(f"{name} stopped answering at iteration {failure.iteration}", tell=False)
             time.sleep(self.settings.poll_s)
 
     def _stop_execution(self, name: str, running: dict[str, Any]) -> None:
@@ -381,8 +392,6 @@ def drive(
         return fail("--storage: with --stack the storage is the stack's bucket")
     if args.resume:
         return fail("--resume: not with --stack yet; start the run again")
-    if args.region_failures and take_down is None:
-        return fail("--fail-region: fault injection takes a region's functions down: only with --rehearse or local")
     try:
         names = stack_names(workflow, list(args.stack))
         stacks = {
@@ -474,16 +483,21 @@ def drive(
                 ],
             }
             | ({"round_ends": list(controller.round_ends(name))} if several else {})
-            | ({"left": controller.plans[name].left} if controller.plans[name].left else {})
+            | (left_figures(controller, name) if controller.plans[name].left else {})
             for name, stack in stacks.items()
         },
     )
     if several:
-        metrics.measured = {"coordinator_events": controller.events}
+        metrics.measured = {"elastic": controller.events}
+    test = None
     if failure is None:
         state = final_model(build, controller.storage, workflow, run_id, stayed)  # each region's bucket
         keyed, _ = model_file_state(build, state)
         model_files = save_trained_model(out, build, workflow.regions, keyed)
+        first = workflow.regions[0].name
+        test = evaluate(build, workflow, first, controller.storage(first), state)  # as cloudless-run's
+        if test is not None:
+            metrics.measured = {**(metrics.measured or {}), "test": test}
     metrics.write(out)
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
@@ -501,4 +515,9 @@ def drive(
         f"trained {trained} iterations on the stack in {metrics.seconds:.1f} s "
         f"({executions} execution(s)); wrote {out}/: metrics.json, {model_files}"
     )
+    if test:
+        figures = f"test loss {test['loss']:.4f}"
+        if "accuracy" in test:
+            figures += f", accuracy {test['accuracy']:.1%}"
+        print(f"{figures} on {test['samples']} samples")
     return 0

@@ -52,7 +52,15 @@ from typing import Any
 
 import yaml
 
-from ..ir.protocol import EMULATE_ENV, S3_ENDPOINT_ENV, SECRETS_DIR_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_SECRET
+from ..ir.protocol import (
+    EMULATE_ENV,
+    PEERS_ENV,
+    S3_ENDPOINT_ENV,
+    SECRETS_DIR_ENV,
+    STORAGE_ENV,
+    STORAGE_SECRET,
+    TOKEN_SECRET,
+)
 from ..ir.workflow import Workflow
 from .emulation import Resources
 from .invokers import _die_with_parent
@@ -268,6 +276,7 @@ class Replica:
     process: subprocess.Popen[bytes] | None = None
     url: str = ""
     restarts: int = 0
+    down: bool = False  # its region is gone (--fail-region): not started again
 
     def start(self) -> None:
         with self.log.open("ab") as err:
@@ -373,7 +382,7 @@ def keep_running(replicas: list[Replica], gateway: Gateway, stopping: threading.
     routes to it where it now serves (calls meanwhile fail as calls to a pod being restarted do)."""
     while not stopping.wait(0.2):
         for replica in replicas:
-            if replica.process is None or replica.process.poll() is None or stopping.is_set():
+            if replica.process is None or replica.process.poll() is None or stopping.is_set() or replica.down:
                 continue
             replica.restarts += 1
             replica.start()
@@ -413,6 +422,14 @@ class RegionGateway:
     password: str
     index: Path
     replicas: list[Replica] = field(default_factory=list)
+
+    def take_down(self) -> None:
+        """Fault injection (`--fail-region`): every replica killed and none started again; the gateway
+        answers as one whose functions are gone."""
+        for replica in self.replicas:
+            replica.down = True
+            if replica.process is not None and replica.process.poll() is None:
+                replica.process.kill()
 
 
 @contextmanager
@@ -457,39 +474,51 @@ def rehearse(
     workflow: Workflow,
     iterations: int,
     out: Path,
-    train: Callable[[argparse.Namespace, Path, Workflow, int, Path, str | None], int],
+    train: Callable[..., int],
 ) -> int:
-    """`cloudless-run --invoker openfaas --rehearse`: the region's deployment rehearsed, then `train` (run.py's
-    _train, the OpenFaaS invoker's path) against its gateway with the rehearsal's token; the exit status."""
-    if len(workflow.regions) > 1:
-        names = ", ".join(r.name for r in workflow.regions)
-        print(f"cloudless-run: --rehearse: one region at a time for now; this workflow has {names}", file=sys.stderr)
-        return 2
-    region = workflow.regions[0].name
-    folder = build / "regions" / region
-    if not (folder / "stack.yaml").is_file():
-        print(f"cloudless-run: --rehearse: {folder}/stack.yaml: not found; compile for OpenFaaS", file=sys.stderr)
+    """`cloudless-run --invoker openfaas --rehearse`: every region's deployment rehearsed behind a gateway of
+    its own (its functions' storage the region's, their peers the other regions'), then `train` (run.py's
+    _train, the OpenFaaS invoker's path) against the gateways with the rehearsal's token; the exit status."""
+    missing = [r.name for r in workflow.regions if not (build / "regions" / r.name / "stack.yaml").is_file()]
+    if missing:
+        where = build / "regions" / missing[0] / "stack.yaml"
+        print(f"cloudless-run: --rehearse: {where}: not found; compile for OpenFaaS", file=sys.stderr)
         return 2
     try:
-        location = storage_locations(workflow, args.storage, out)[region]
+        locations = storage_locations(workflow, args.storage, out)
     except ValueError as exc:
         print(f"cloudless-run: {exc}", file=sys.stderr)
         return 2
-    here = local_folder(location)
-    overrides = {STORAGE_ENV: str(here.resolve()) if here is not None else location}
-    if os.environ.get(S3_ENDPOINT_ENV):
-        overrides[S3_ENDPOINT_ENV] = os.environ[S3_ENDPOINT_ENV]
+
+    def reachable(location: str) -> str:  # a folder as the functions' processes see it
+        here = local_folder(location)
+        return str(here.resolve()) if here is not None else location
+
     token = secrets.token_hex(32)  # report.md: openssl rand -hex 32
     values = {STORAGE_SECRET: storage_secret(), TOKEN_SECRET: f"{token}\n".encode()}
-    logs = out / "logs" / "openfaas"
+    deployed: dict[str, RegionGateway] = {}
     try:
-        with rehearse_region(folder, values, overrides, logs) as deployed:
-            args.gateway = deployed.gateway.url
-            if not args.quiet:
-                shape = ", ".join(f"{f} x{len(u)}" for f, u in deployed.gateway.urls.items())
-                print(f"rehearsal: OpenFaaS gateway {args.gateway} ({region}): {shape}; logs {logs}", flush=True)
-                print(f"rehearsal: the template's index.py: {deployed.index}", flush=True)
-            return train(args, build, workflow, iterations, out, token)
+        with ExitStack() as stack:
+            for region in workflow.regions:
+                overrides = {STORAGE_ENV: reachable(locations[region.name])}
+                if len(workflow.regions) > 1:
+                    peers = {r.name: reachable(locations[r.name]) for r in workflow.regions if r.name != region.name}
+                    overrides[PEERS_ENV] = json.dumps(peers)
+                if os.environ.get(S3_ENDPOINT_ENV):
+                    overrides[S3_ENDPOINT_ENV] = os.environ[S3_ENDPOINT_ENV]
+                logs = out / "logs" / "openfaas" / (region.name if len(workflow.regions) > 1 else "")
+                folder = build / "regions" / region.name
+                deployed[region.name] = stack.enter_context(rehearse_region(folder, values, overrides, logs))
+                if not args.quiet:
+                    gateway = deployed[region.name].gateway
+                    shape = ", ".join(f"{f} x{len(u)}" for f, u in gateway.urls.items())
+                    print(
+                        f"rehearsal: OpenFaaS gateway {gateway.url} ({region.name}): {shape}; logs {logs}", flush=True
+                    )
+                    print(f"rehearsal: the template's index.py: {deployed[region.name].index}", flush=True)
+            several = len(workflow.regions) > 1
+            args.gateway = [f"{name}={d.gateway.url}" if several else d.gateway.url for name, d in deployed.items()]
+            return train(args, build, workflow, iterations, out, token, lambda region: deployed[region].take_down())
     except RehearsalError as exc:
         print(f"cloudless-run: --rehearse: {exc}", file=sys.stderr)
         return 2

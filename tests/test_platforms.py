@@ -882,11 +882,19 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
                 )
             # the parent's history does not grow with the workers
             assert not any(e["type"] == "TaskScheduled" for e in history)
-            assert len(history) <= 2 * (EVENTS_PER_DISTRIBUTED_MAP + EVENTS_PER_ROUND) + 8
+            # + the input's defaults and Init (at most 15 states, 2 events each), within HISTORY_EVENTS_RESERVED
+            assert len(history) <= 2 * (EVENTS_PER_DISTRIBUTED_MAP + EVENTS_PER_ROUND) + 2 * 15
 
         output, _ = run({"stop": 1})  # start defaults to 0
         # run defaults to the execution's name, attempt to 0, the time limit to the shortest timeout - 30 s
-        assert output == {"iteration": 1, "stop": 1, "run": "run-1-None", "attempt": 0, "time_limit_s": 870.0, "plan": {}}
+        assert output == {
+            "iteration": 1,
+            "stop": 1,
+            "run": "run-1-None",
+            "attempt": 0,
+            "time_limit_s": 870.0,
+            "plan": {},
+        }
         output, history = run({"start": 3, "stop": 3})  # nothing to do
         assert output == {"iteration": 3, "stop": 3, "run": "run-2-3", "attempt": 0, "time_limit_s": 870.0, "plan": {}}
         assert not any(e["type"] == "TaskScheduled" for e in history)

@@ -328,19 +328,6 @@ def _run_into(execution: Execution, ended: list[BaseException]) -> None:
         ended.append(exc)
 
 
-@pytest.mark.slow
-def test_a_build_of_several_regions_is_refused_with_what_is_missing(compile_cli, tmp_path: Path, capsys) -> None:
-    from tests.test_geo_run import compile_geo
-
-    build = tmp_path / "geo"
-    workflow = compile_geo(compile_cli, build, "model-average")
-    names = ", ".join(r["name"] for r in workflow["regions"])
-    assert run_main([str(build), "--invoker", "lambda", "--rehearse", "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"cloudless-run: --rehearse: several regions ({names}): ")
-    assert "PeerBucket<Region>" in err and not (tmp_path / "out" / "rehearsal").exists()
-
-
 def test_a_task_result_over_step_functions_payload_limit_fails_the_state() -> None:
     definition = {
         "StartAt": "Invoke",

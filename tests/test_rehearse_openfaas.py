@@ -311,22 +311,3 @@ def test_a_rehearsal_of_the_mlp_in_two_stages_trains_as_plain_pytorch(
         for headers in ({}, {TOKEN_HEADER: "wrong"}):
             status, body, _ = post(f"{deployed.gateway.url}/function/{first}", {"iteration": 0}, headers)
             assert status == 401 and b"unauthorized" in body
-
-
-@pytest.mark.slow  # the geo compile
-def test_a_workflow_of_several_regions_is_refused_in_one_line(
-    compile_cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The OpenFaaS invoker drives one region today: a geo build's rehearsal is refused before anything starts."""
-    build = tmp_path / "geo"
-    geo = MLP.parent / "mlp_digits_geo.py"
-    profile = Path(__file__).resolve().parent / "golden" / "mlp_digits_geo" / "ir" / "blocks.json"
-    regions = ("--regions", "aws-us-east-1,aws-eu-west-1", "--objective", "time")
-    code, _, err = compile_cli(str(geo), "-o", str(build), "-q", "--profile", str(profile), *regions)
-    assert code == 0, err
-    assert run_main([str(build), "--invoker", "openfaas", "--rehearse", "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err == (
-        "cloudless-run: --rehearse: one region at a time for now; this workflow has aws-us-east-1, aws-eu-west-1\n"
-    )
-    assert not (tmp_path / "out" / "logs").exists()  # no gateway, no replica
