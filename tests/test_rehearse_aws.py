@@ -48,7 +48,8 @@ def sleeper(tmp_path: Path) -> LambdaService:
     package = tmp_path / "package"
     package.mkdir()
     (package / "app.py").write_text(SLEEPER)
-    configuration = {"FunctionArn": f"{ARN}sleeper", "Timeout": 1, "MemorySize": 256, "RevisionId": "1"}
+    # 3 s: an answer that takes none must not time out on a loaded machine (the one that sleeps still does)
+    configuration = {"FunctionArn": f"{ARN}sleeper", "Timeout": 3, "MemorySize": 256, "RevisionId": "1"}
     service = LambdaService(
         {"sleeper": FunctionImage(package, "app.handler")}, lambda name: configuration, tmp_path / "logs"
     )
@@ -87,8 +88,8 @@ def _alive(pid: int) -> bool:
 def test_a_lambda_timeout_is_lambdas_error_and_the_state_machines_retry_runs_it_again(
     sleeper: LambdaService, tmp_path: Path
 ) -> None:
-    """The first invocation sleeps past the function's 1 s timeout: its environment is killed, and the task
-    fails as on Lambda (Sandbox.Timedout, "Task timed out after 1.00 seconds"), which the Retry on that
+    """The first invocation sleeps past the function's 3 s timeout: its environment is killed, and the task
+    fails as on Lambda (Sandbox.Timedout, "Task timed out after 3.00 seconds"), which the Retry on that
     error takes; the retry runs in a new environment (a cold start) and succeeds."""
     definition = {
         "StartAt": "Invoke",
@@ -134,7 +135,7 @@ def test_the_generated_state_machine_catches_a_timeout_and_fails_with_lambdas_er
     cause = json.loads(failed.value.cause)
     assert cause["errorType"] == "Sandbox.Timedout"
     assert cause["errorMessage"].startswith("RequestId: ") and cause["errorMessage"].endswith(
-        "Error: Task timed out after 1.00 seconds"
+        "Error: Task timed out after 3.00 seconds"
     )
     # Each worker invoked once (no Retry of a timeout in the generated machine): one timed out.
     assert len(execution.calls) == sum(f.replicas for f in region.functions)
@@ -155,7 +156,7 @@ def test_a_function_error_is_its_error_type_and_the_environment_stays_warm(
     answer = sleeper(f"{ARN}sleeper", {"marker": str(marker)})
     assert sleeper.started == 1 and _alive(answer["pid"])  # the same warm environment answered
     assert "State:\tT" in Path(f"/proc/{answer['pid']}/status").read_text()  # frozen until the next invocation
-    assert 0 < answer["left_ms"] <= 1000  # the deadline Lambda gives the context
+    assert 0 < answer["left_ms"] <= 3000  # the deadline Lambda gives the context (its timeout: 3 s)
     with pytest.raises(FunctionError) as missing:
         sleeper("absent", {})
     assert missing.value.error == "Lambda.ResourceNotFoundException"
