@@ -43,7 +43,7 @@ class Solution:
 PRICE_FROM_CONFIGS = 1500
 #: Larger programs are searched by bands of their bottleneck instead (planner_bands): their relaxation
 #: is too weak for HiGHS to close the gap in time.
-BAND_FROM_CONFIGS = 1500
+BAND_FROM_CONFIGS = 500
 PRICE_SHARE = 0.6
 SEEDS_PER_BLOCK = 5  # the restricted LP starts from the heuristic's plan and these per block
 
@@ -222,6 +222,7 @@ class ConfigTable:
         work = np.array([0.0] + [b.forward_s + b.backward_s for b in problem.blocks]).cumsum()
         self.low = self.fill + self.steady + fastest * (work[-1] - (work[self.end] - work[self.first]))
         self.price = problem.region.prices.gb_second
+        self.gpipe = gpipe  # the steady term holds the forwards (their max is a term of its own)
         self.above = -math.inf  # `low` counts this much of the largest steady term at least (band)
         self.least_usd = self._least_usd()
         self.by_end = [np.flatnonzero(self.end == b) for b in range(n_blocks + 1)]
@@ -252,6 +253,7 @@ class ConfigTable:
         table.configs = [self.configs[i] for i in index]
         table.n_blocks = self.n_blocks
         table.price = self.price
+        table.gpipe = self.gpipe
         table.above = self.above
         for name in self.ARRAYS:
             setattr(table, name, getattr(self, name)[index])

@@ -113,13 +113,15 @@ class _Search:
             table, floors = prune(
                 self.problem, self.objective, table, deadline=self.deadline, budget=self.budget, cutoff=self.value
             )
-            least = float(floors.least.min()) if len(table) else math.inf
-            if not len(table) or not math.isfinite(limit) or table.price <= 0:
+            # Every plan of the band holds a configuration whose steady term exceeds its `above`.
+            leading = table.steady > table.above
+            least = float(floors.least[leading].min()) if leading.any() else math.inf
+            if not leading.any() or not math.isfinite(limit) or table.price <= 0:
                 return table, floors, least
             floor = product_floors(table)
             keep = floor <= limit * (1 + 1e-9)
             if keep.all():
-                return table, floors, least if goal.minimises_time else max(least, float(floor.min()))
+                return table, floors, least if goal.minimises_time else max(least, float(floor[leading].min()))
             table = table.subset(keep)
 
     def dominated(self, bound: float) -> bool:
@@ -129,7 +131,7 @@ class _Search:
 
 def product_floors(table: ConfigTable) -> np.ndarray:
     """Per configuration, a lower bound of the cost of a plan that holds it, tighter on a band's plans
-    than planner.prune's.
+    than planner.prune's: the larger of two linearised products of the plan's time and GB.
 
     A plan's cost is price * t * G + X (G its GB of functions, X its fixed cost), and t >= a + F: a the
     band's `above` (its largest steady term exceeds it), F the stages' fills plus the first stage's
@@ -139,7 +141,8 @@ def product_floors(table: ConfigTable) -> np.ndarray:
         price * ((a + F0) GB_s + G0 fill_s) + fixed_s,   less price * F0 G0,
     whose least over the paths through each configuration is two shortest paths. Near the band's
     best plans G is close to G0, so the bound is close to their cost (the relaxation of the MILP
-    mixes plans; this floor takes the least fills of one path and the least GB of another only)."""
+    mixes plans; this floor takes the least fills of one path and the least GB of another only).
+    The second floor (tail_floors) counts the configuration's own tail, which this one leaves out."""
     fill = table.fill + np.where(table.first == 0, table.tail, 0.0)
     least_gb = table.least_paths(table.gb, True)[-1]
     least_fill = table.least_paths(fill, True)[-1]
@@ -147,7 +150,74 @@ def product_floors(table: ConfigTable) -> np.ndarray:
         return np.full(len(table), np.inf)  # no path through the table: no plan holds any of it
     weight = table.price * ((max(table.above, 0.0) + least_fill) * table.gb + least_gb * fill) + table.fixed
     paths = table.least_paths(weight, True)[table.first] + weight + table.least_paths(weight, False)[table.end]
-    return paths - table.price * least_fill * least_gb
+    return np.maximum(paths - table.price * least_fill * least_gb, tail_floors(table))
+
+
+#: tail_floors splits the configurations into this many levels of their own term (a few shortest paths each)
+TAIL_LEVELS = 12
+
+
+def tail_floors(table: ConfigTable) -> np.ndarray:
+    """Per configuration, a lower bound of the cost of a plan that holds it, by the largest own term
+    kappa_s = steady_s + tail_s of the plan's stages: the overhang is at least a stage's tail less the
+    backward fills of the stages before it, and the steady terms at least its own, so
+        t >= U_s = sum_before forward fill + fill_s + kappa_s + sum_after fill        for every stage s.
+    A replicated stage's tail (its gradient sync) can be tens of seconds: a band of a small steady term
+    holds fast plans only by many replicas, whose syncs its floor a + F does not see.
+
+    The configurations are split into levels of kappa. A plan whose largest kappa lies in level k holds
+    only configurations up to the level's top, and one of level k, c, with t >= U_c; with U >= U0 and
+    G >= G0 (the least U of such a path through c, the least GB of such a path), U G >= U G0 + U0 G -
+    U0 G0, whose least over the paths is two shortest paths per level, as in product_floors. A plan
+    holding a configuration of level k has its largest kappa in level k or above: its floor is the
+    least of theirs."""
+    n = len(table)
+    kappa = table.steady + table.tail
+    if not n or table.price <= 0:
+        return np.zeros(n)
+    price = table.price
+    forward_fill = table.fill - table.back_fill
+    if table.gpipe and math.isfinite(table.above) and table.above > 0:
+        # GPipe's largest forwards are a term of their own, at least those of the stage whose steady
+        # term exceeds the band's `above`: a share of it no less than the least of its configurations'.
+        leading = table.steady > table.above
+        share = float((table.forward[leading] / table.steady[leading]).min()) if leading.any() else 0.0
+        kappa = np.maximum(table.forward, share * table.above) + table.drain + table.tail
+    own = table.fill + kappa
+    tops = np.unique(np.linspace(float(kappa.min()), float(kappa.max()), TAIL_LEVELS + 1)[1:])
+    level = np.minimum(np.searchsorted(tops, kappa, side="left"), len(tops) - 1)
+    least = np.full(len(tops), np.inf)  # per level, the least cost of a plan whose largest kappa is in it
+    for k, top in enumerate(tops):
+        members = level == k
+        if not members.any():
+            continue
+        inside = kappa <= top
+
+        def within(weights: np.ndarray, inside: np.ndarray = inside) -> np.ndarray:
+            return np.where(inside, weights, np.inf)
+
+        least_gb = table.least_paths(within(table.gb), True)[-1]
+        if not math.isfinite(least_gb):
+            continue  # no plan of configurations up to this level
+        u_low = (
+            table.least_paths(within(forward_fill), True)[table.first]
+            + own
+            + table.least_paths(within(table.fill), False)[table.end]
+        )[members]
+        if not np.isfinite(u_low).any():
+            continue
+        u0 = float(u_low.min())
+        before = within(price * (least_gb * forward_fill + u0 * table.gb) + table.fixed)
+        after = within(price * (least_gb * table.fill + u0 * table.gb) + table.fixed)
+        mine = (price * (least_gb * own + u0 * table.gb) + table.fixed)[members]
+        paths = (
+            table.least_paths(before, True)[table.first[members]]
+            + mine
+            + table.least_paths(after, False)[table.end[members]]
+        )
+        least[k] = float(paths.min()) - price * u0 * least_gb
+    from_level = np.minimum.accumulate(least[::-1])[::-1]
+    return from_level[level]
 
 
 def search_bands(
