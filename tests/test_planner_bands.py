@@ -81,10 +81,11 @@ def test_bands_on_the_benchmark_chain_match_the_whole_program() -> None:
         chain = synthetic_chain(12, identical=identical)
         problem = problem_from_chain(chain, region, global_batch=64, micro_batches=(4,), optimizer_state=2)
         for objective in ("cost", "time"):
-            whole = planner.solve_for_micro_batch(problem, objective, 4, time_limit=None)
             original = planner.BAND_FROM_CONFIGS
-            planner.BAND_FROM_CONFIGS = 0
             try:
+                planner.BAND_FROM_CONFIGS = 10**12  # one MILP, whatever its size
+                whole = planner.solve_for_micro_batch(problem, objective, 4, time_limit=None)
+                planner.BAND_FROM_CONFIGS = 0
                 banded = planner.solve_for_micro_batch(problem, objective, 4, time_limit=None)
             finally:
                 planner.BAND_FROM_CONFIGS = original
