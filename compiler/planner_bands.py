@@ -11,7 +11,9 @@ band use only configurations of a steady term up to `most`, their pipeline's max
 more than `above` (build_program's `above` rows), and each of their configurations has a floor of
 the iteration time raised to its fills plus `above` (ConfigTable.band). A narrow band's relaxation
 is within a fraction of a per cent of its optimum, and its path floors (prune) drop most of its
-configurations; most bands fall to those floors alone.
+configurations; most bands fall to those floors alone. The floors of the cost count the largest
+tail of a plan's stages too (tail_floors): a band of a small steady term holds plans of replicated
+stages, whose gradient syncs (tens of seconds for a Llama-3-8B layer) the band's bottom leaves out.
 
 The bands are searched best first by their lower bound (their path floor, then their LP bound): a
 band of few configurations is solved as a MILP against the best plan so far, a larger one split at
