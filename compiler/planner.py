@@ -267,6 +267,22 @@ class ConfigTable:
         the last (backward), over the configurations as edges weighted by `weights`."""
         return self._shortest(weights, forward)[0]
 
+    def least_paths_of_rows(self, weights: np.ndarray, forward: bool) -> np.ndarray:
+        """least_paths for each row of `weights` (rows x configurations) at once: rows x boundaries."""
+        n_blocks = self.n_blocks
+        best = np.full((weights.shape[0], n_blocks + 1), np.inf)
+        if forward:
+            best[:, 0] = 0.0
+            order, incoming, source = range(1, n_blocks + 1), self.by_end, self.first
+        else:
+            best[:, n_blocks] = 0.0
+            order, incoming, source = range(n_blocks - 1, -1, -1), self.by_first, self.end
+        for b in order:
+            edges = incoming[b]
+            if len(edges):
+                best[:, b] = (best[:, source[edges]] + weights[:, edges]).min(axis=1)
+        return best
+
     def cheapest_path(self, weights: np.ndarray) -> list[int] | None:
         """The configurations of a shortest path from boundary 0 to the last (ties: the earliest);
         None when an infinite weight on every path leaves none."""

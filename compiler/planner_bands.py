@@ -188,36 +188,27 @@ def tail_floors(table: ConfigTable) -> np.ndarray:
     own = table.fill + kappa
     tops = np.unique(np.linspace(float(kappa.min()), float(kappa.max()), TAIL_LEVELS + 1)[1:])
     level = np.minimum(np.searchsorted(tops, kappa, side="left"), len(tops) - 1)
+    # Row k: the configurations up to level k's top (one shortest path per level, all levels at once).
+    inside = kappa[None, :] <= tops[:, None]
+    members = level[None, :] == np.arange(len(tops))[:, None]
+    rows = table.least_paths_of_rows
+    least_gb = rows(np.where(inside, table.gb, np.inf), True)[:, -1]
+    u_low = (
+        rows(np.where(inside, forward_fill, np.inf), True)[:, table.first]
+        + own
+        + rows(np.where(inside, table.fill, np.inf), False)[:, table.end]
+    )
+    u0 = np.where(members, u_low, np.inf).min(axis=1)
+    # A level with no plan up to its top, or no path through its own configurations, holds no plan.
+    held = np.isfinite(least_gb) & np.isfinite(u0)
     least = np.full(len(tops), np.inf)  # per level, the least cost of a plan whose largest kappa is in it
-    for k, top in enumerate(tops):
-        members = level == k
-        if not members.any():
-            continue
-        inside = kappa <= top
-
-        def within(weights: np.ndarray, inside: np.ndarray = inside) -> np.ndarray:
-            return np.where(inside, weights, np.inf)
-
-        least_gb = table.least_paths(within(table.gb), True)[-1]
-        if not math.isfinite(least_gb):
-            continue  # no plan of configurations up to this level
-        u_low = (
-            table.least_paths(within(forward_fill), True)[table.first]
-            + own
-            + table.least_paths(within(table.fill), False)[table.end]
-        )[members]
-        if not np.isfinite(u_low).any():
-            continue
-        u0 = float(u_low.min())
-        before = within(price * (least_gb * forward_fill + u0 * table.gb) + table.fixed)
-        after = within(price * (least_gb * table.fill + u0 * table.gb) + table.fixed)
-        mine = (price * (least_gb * own + u0 * table.gb) + table.fixed)[members]
-        paths = (
-            table.least_paths(before, True)[table.first[members]]
-            + mine
-            + table.least_paths(after, False)[table.end[members]]
-        )
-        least[k] = float(paths.min()) - price * u0 * least_gb
+    if held.any():
+        g0, u0, inside, members = least_gb[held, None], u0[held, None], inside[held], members[held]
+        before = np.where(inside, price * (g0 * forward_fill + u0 * table.gb) + table.fixed, np.inf)
+        after = np.where(inside, price * (g0 * table.fill + u0 * table.gb) + table.fixed, np.inf)
+        mine = price * (g0 * own + u0 * table.gb) + table.fixed
+        paths = rows(before, True)[:, table.first] + mine + rows(after, False)[:, table.end]
+        least[held] = np.where(members, paths, np.inf).min(axis=1) - price * (u0 * g0)[:, 0]
     from_level = np.minimum.accumulate(least[::-1])[::-1]
     return from_level[level]
 

@@ -10,6 +10,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cloudless.compiler import planner, planner_bands
@@ -256,3 +257,17 @@ def test_the_8b_shapes_plan_is_proven_in_few_bands(monkeypatch: pytest.MonkeyPat
     solution = solve(problem, "cost", time_limit=None, incumbents=incumbents)
     assert solution.status == "optimal" and solution.gap == 0.0
     assert len(examined) == 1 and examined[0] <= 150, examined
+
+
+def test_least_paths_of_rows_is_least_paths_of_each_row() -> None:
+    """The stacked shortest paths tail_floors takes (one row per level) are those of each row alone,
+    with configurations left out (infinite weights) and both directions."""
+    problem = replicated_llama_problem()
+    table = ConfigTable(problem, 1, planner.stage_configs(problem, 1))
+    rng = random.Random(3)
+    rows = [[rng.uniform(0.0, 5.0) if rng.random() < 0.8 else math.inf for _ in range(len(table))] for _ in range(4)]
+    weights = np.array(rows)
+    for forward in (True, False):
+        stacked = table.least_paths_of_rows(weights, forward)
+        for row, found in zip(weights, stacked, strict=True):
+            assert np.array_equal(found, table.least_paths(row, forward))
