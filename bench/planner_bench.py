@@ -1,7 +1,7 @@
 """Planner benchmark.
 
     .venv/bin/python bench/planner_bench.py [--blocks 16 32 64] [--time-limit 30] [--runs 3] [--compare]
-        [--samples ...]
+        [--samples ...] [--chain MODEL_FILE BLOCKS_JSON ...]
 
 1. Solve time of the planner against the number of blocks x 10 memory tiers x up to 16 stages, on
    seeded synthetic chains shaped like BERT-large (1.3 GB of parameters, Adam; layers jittered by
@@ -9,13 +9,17 @@
    median solve time of --runs, status, proven gap and cost; with --compare, side by side with the
    same solved as one MILP (large programs before issue 29) and the ratio of their times.
    Targets (issue 29): 64 blocks proven optimal within 10 s, 128 within a 1 % gap in 30 s.
-2. Per sample (profiled here, 1 timed run): the chosen plan's cost and time as ratios to each
+2. Per --chain (a model file and a profile of it, BUILD/ir/blocks.json of `cloudless-compile --plan-only`):
+   the plan as cloudless-compile makes it at --time-limit (its TRAINING, the baselines as incumbents),
+   its solve time, status and proven gap. Target (issue 29): the Llama-3-8B shape's proven or within 1 %.
+3. Per sample (profiled here, 1 timed run): the chosen plan's cost and time as ratios to each
    baseline on the same cost model (< 1 means the plan is better).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -27,8 +31,9 @@ from pathlib import Path
 from cloudless.compiler import planner
 from cloudless.compiler.baselines import baselines
 from cloudless.compiler.cost_model import Problem, problem_from_chain
+from cloudless.compiler.model_file import load_model_file
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
-from cloudless.compiler.plan import PlanOptions
+from cloudless.compiler.plan import PlanOptions, plan_training
 from cloudless.compiler.planner import solve, stage_configs
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir.catalog import load_catalog
@@ -127,6 +132,25 @@ def solve_time_table(block_counts: list[int], time_limit: float, runs: int, comp
             print(line, flush=True)
 
 
+def chain_table(chains: list[list[str]], time_limit: float, runs: int) -> None:
+    """Each (model file, blocks.json) planned as cloudless-compile plans it (plan_training)."""
+    print(f"\nPlanned from a profile, min cost, limit {time_limit:g} s; median s of {runs} runs (worst gap)")
+    print(f"{'profile':<32} {'blocks':>6} {'s':>7} {'status':>9} {'gap':>7} {'USD/it':>10} {'stages':>6}")
+    for model, blocks in chains:
+        chain = BlockChain.from_json(json.loads(Path(blocks).read_text()))
+        model_file = load_model_file(Path(model))
+        found = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            solution = plan_training(chain, model_file, PlanOptions(time_limit=time_limit)).solution
+            found.append(Run(time.perf_counter() - start, solution.status, solution.gap, solution.evaluation.cost_usd))
+        print(
+            f"{blocks[-32:]:<32} {len(chain.blocks):>6} {summary(found)} {found[0].usd:>10.6f} "
+            f"{len(solution.plan.stages):>6}",
+            flush=True,
+        )
+
+
 def sample_ratios(samples: list[str], time_limit: float) -> None:
     print("\nPer sample, min cost (then min time): chosen plan / baseline (lower is better)")
     print(
@@ -166,9 +190,19 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="solves per chain (the median time is shown)")
     parser.add_argument("--compare", action="store_true", help="also solve as one MILP, as before issue 29")
     parser.add_argument("--samples", nargs="*", default=["mlp_digits", "resnet50", "gpt2", "bert_large"])
+    parser.add_argument(
+        "--chain",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("MODEL_FILE", "BLOCKS_JSON"),
+        help="also plan a model from its profile (BUILD/ir/blocks.json of cloudless-compile --plan-only)",
+    )
     args = parser.parse_args()
     if args.blocks:
         solve_time_table(args.blocks, args.time_limit, args.runs, args.compare)
+    if args.chain:
+        chain_table(args.chain, args.time_limit, args.runs)
     if args.samples:
         sample_ratios(args.samples, min(args.time_limit, 10.0))
     return 0

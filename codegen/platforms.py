@@ -37,6 +37,7 @@ from ..ir.catalog import AWS_REGION_PREFIX, DISTRIBUTED_MAP_MAX_CONCURRENCY, INL
 from ..ir.deployment import (
     CARRIED_FIELDS,
     EXECUTION_FIELDS,
+    ROUND_FIELDS,
     RUN_STOPPED_ERROR,
     bounded_name,
     lambda_function_name,
@@ -428,6 +429,7 @@ def _render_state_machine(workflow: Workflow, entry: Region, iteration_s: float 
         retry_errors=json.dumps(list(LAMBDA_RETRY_ERRORS)),
         invoke=LAMBDA_INVOKE,
         carried=CARRIED_FIELDS,
+        round_fields=ROUND_FIELDS,
         fields=EXECUTION_FIELDS,
         run_stopped=RUN_STOPPED_ERROR,
     )

@@ -42,8 +42,9 @@ class Solution:
 # time limit, the MILP the rest.
 PRICE_FROM_CONFIGS = 1500
 #: Larger programs are searched by bands of their bottleneck instead (planner_bands): their relaxation
-#: is too weak for HiGHS to close the gap in time.
-BAND_FROM_CONFIGS = 1500
+#: is too weak for HiGHS to close the gap in time (a Llama-3-8B shape's 850 configurations: one MILP
+#: stops at 10 s 3-5 % from proven, its bands are proven optimal in 2 s).
+BAND_FROM_CONFIGS = 500
 PRICE_SHARE = 0.6
 SEEDS_PER_BLOCK = 5  # the restricted LP starts from the heuristic's plan and these per block
 
@@ -222,6 +223,7 @@ class ConfigTable:
         work = np.array([0.0] + [b.forward_s + b.backward_s for b in problem.blocks]).cumsum()
         self.low = self.fill + self.steady + fastest * (work[-1] - (work[self.end] - work[self.first]))
         self.price = problem.region.prices.gb_second
+        self.gpipe = gpipe  # the steady term holds the forwards (their max is a term of its own)
         self.above = -math.inf  # `low` counts this much of the largest steady term at least (band)
         self.least_usd = self._least_usd()
         self.by_end = [np.flatnonzero(self.end == b) for b in range(n_blocks + 1)]
@@ -252,6 +254,7 @@ class ConfigTable:
         table.configs = [self.configs[i] for i in index]
         table.n_blocks = self.n_blocks
         table.price = self.price
+        table.gpipe = self.gpipe
         table.above = self.above
         for name in self.ARRAYS:
             setattr(table, name, getattr(self, name)[index])
@@ -263,6 +266,22 @@ class ConfigTable:
         """Shortest path lengths from boundary 0 to every boundary (forward), or from every boundary to
         the last (backward), over the configurations as edges weighted by `weights`."""
         return self._shortest(weights, forward)[0]
+
+    def least_paths_of_rows(self, weights: np.ndarray, forward: bool) -> np.ndarray:
+        """least_paths for each row of `weights` (rows x configurations) at once: rows x boundaries."""
+        n_blocks = self.n_blocks
+        best = np.full((weights.shape[0], n_blocks + 1), np.inf)
+        if forward:
+            best[:, 0] = 0.0
+            order, incoming, source = range(1, n_blocks + 1), self.by_end, self.first
+        else:
+            best[:, n_blocks] = 0.0
+            order, incoming, source = range(n_blocks - 1, -1, -1), self.by_first, self.end
+        for b in order:
+            edges = incoming[b]
+            if len(edges):
+                best[:, b] = (best[:, source[edges]] + weights[:, edges]).min(axis=1)
+        return best
 
     def cheapest_path(self, weights: np.ndarray) -> list[int] | None:
         """The configurations of a shortest path from boundary 0 to the last (ties: the earliest);

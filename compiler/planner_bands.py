@@ -11,7 +11,9 @@ band use only configurations of a steady term up to `most`, their pipeline's max
 more than `above` (build_program's `above` rows), and each of their configurations has a floor of
 the iteration time raised to its fills plus `above` (ConfigTable.band). A narrow band's relaxation
 is within a fraction of a per cent of its optimum, and its path floors (prune) drop most of its
-configurations; most bands fall to those floors alone.
+configurations; most bands fall to those floors alone. The floors of the cost count the largest
+tail of a plan's stages too (tail_floors): a band of a small steady term holds plans of replicated
+stages, whose gradient syncs (tens of seconds for a Llama-3-8B layer) the band's bottom leaves out.
 
 The bands are searched best first by their lower bound (their path floor, then their LP bound): a
 band of few configurations is solved as a MILP against the best plan so far, a larger one split at
@@ -113,13 +115,15 @@ class _Search:
             table, floors = prune(
                 self.problem, self.objective, table, deadline=self.deadline, budget=self.budget, cutoff=self.value
             )
-            least = float(floors.least.min()) if len(table) else math.inf
-            if not len(table) or not math.isfinite(limit) or table.price <= 0:
+            # Every plan of the band holds a configuration whose steady term exceeds its `above`.
+            leading = table.steady > table.above
+            least = float(floors.least[leading].min()) if leading.any() else math.inf
+            if not leading.any() or not math.isfinite(limit) or table.price <= 0:
                 return table, floors, least
             floor = product_floors(table)
             keep = floor <= limit * (1 + 1e-9)
             if keep.all():
-                return table, floors, least if goal.minimises_time else max(least, float(floor.min()))
+                return table, floors, least if goal.minimises_time else max(least, float(floor[leading].min()))
             table = table.subset(keep)
 
     def dominated(self, bound: float) -> bool:
@@ -129,7 +133,7 @@ class _Search:
 
 def product_floors(table: ConfigTable) -> np.ndarray:
     """Per configuration, a lower bound of the cost of a plan that holds it, tighter on a band's plans
-    than planner.prune's.
+    than planner.prune's: the larger of two linearised products of the plan's time and GB.
 
     A plan's cost is price * t * G + X (G its GB of functions, X its fixed cost), and t >= a + F: a the
     band's `above` (its largest steady term exceeds it), F the stages' fills plus the first stage's
@@ -139,7 +143,8 @@ def product_floors(table: ConfigTable) -> np.ndarray:
         price * ((a + F0) GB_s + G0 fill_s) + fixed_s,   less price * F0 G0,
     whose least over the paths through each configuration is two shortest paths. Near the band's
     best plans G is close to G0, so the bound is close to their cost (the relaxation of the MILP
-    mixes plans; this floor takes the least fills of one path and the least GB of another only)."""
+    mixes plans; this floor takes the least fills of one path and the least GB of another only).
+    The second floor (tail_floors) counts the configuration's own tail, which this one leaves out."""
     fill = table.fill + np.where(table.first == 0, table.tail, 0.0)
     least_gb = table.least_paths(table.gb, True)[-1]
     least_fill = table.least_paths(fill, True)[-1]
@@ -147,7 +152,65 @@ def product_floors(table: ConfigTable) -> np.ndarray:
         return np.full(len(table), np.inf)  # no path through the table: no plan holds any of it
     weight = table.price * ((max(table.above, 0.0) + least_fill) * table.gb + least_gb * fill) + table.fixed
     paths = table.least_paths(weight, True)[table.first] + weight + table.least_paths(weight, False)[table.end]
-    return paths - table.price * least_fill * least_gb
+    return np.maximum(paths - table.price * least_fill * least_gb, tail_floors(table))
+
+
+#: tail_floors splits the configurations into this many levels of their own term (a few shortest paths each)
+TAIL_LEVELS = 12
+
+
+def tail_floors(table: ConfigTable) -> np.ndarray:
+    """Per configuration, a lower bound of the cost of a plan that holds it, by the largest own term
+    kappa_s = steady_s + tail_s of the plan's stages: the overhang is at least a stage's tail less the
+    backward fills of the stages before it, and the steady terms at least its own, so
+        t >= U_s = sum_before forward fill + fill_s + kappa_s + sum_after fill        for every stage s.
+    A replicated stage's tail (its gradient sync) can be tens of seconds: a band of a small steady term
+    holds fast plans only by many replicas, whose syncs its floor a + F does not see.
+
+    The configurations are split into levels of kappa. A plan whose largest kappa lies in level k holds
+    only configurations up to the level's top, and one of level k, c, with t >= U_c; with U >= U0 and
+    G >= G0 (the least U of such a path through c, the least GB of such a path), U G >= U G0 + U0 G -
+    U0 G0, whose least over the paths is two shortest paths per level, as in product_floors. A plan
+    holding a configuration of level k has its largest kappa in level k or above: its floor is the
+    least of theirs."""
+    n = len(table)
+    kappa = table.steady + table.tail
+    if not n or table.price <= 0:
+        return np.zeros(n)
+    price = table.price
+    forward_fill = table.fill - table.back_fill
+    if table.gpipe and math.isfinite(table.above) and table.above > 0:
+        # GPipe's largest forwards are a term of their own, at least those of the stage whose steady
+        # term exceeds the band's `above`: a share of it no less than the least of its configurations'.
+        leading = table.steady > table.above
+        share = float((table.forward[leading] / table.steady[leading]).min()) if leading.any() else 0.0
+        kappa = np.maximum(table.forward, share * table.above) + table.drain + table.tail
+    own = table.fill + kappa
+    tops = np.unique(np.linspace(float(kappa.min()), float(kappa.max()), TAIL_LEVELS + 1)[1:])
+    level = np.minimum(np.searchsorted(tops, kappa, side="left"), len(tops) - 1)
+    # Row k: the configurations up to level k's top (one shortest path per level, all levels at once).
+    inside = kappa[None, :] <= tops[:, None]
+    members = level[None, :] == np.arange(len(tops))[:, None]
+    rows = table.least_paths_of_rows
+    least_gb = rows(np.where(inside, table.gb, np.inf), True)[:, -1]
+    u_low = (
+        rows(np.where(inside, forward_fill, np.inf), True)[:, table.first]
+        + own
+        + rows(np.where(inside, table.fill, np.inf), False)[:, table.end]
+    )
+    u0 = np.where(members, u_low, np.inf).min(axis=1)
+    # A level with no plan up to its top, or no path through its own configurations, holds no plan.
+    held = np.isfinite(least_gb) & np.isfinite(u0)
+    least = np.full(len(tops), np.inf)  # per level, the least cost of a plan whose largest kappa is in it
+    if held.any():
+        g0, u0, inside, members = least_gb[held, None], u0[held, None], inside[held], members[held]
+        before = np.where(inside, price * (g0 * forward_fill + u0 * table.gb) + table.fixed, np.inf)
+        after = np.where(inside, price * (g0 * table.fill + u0 * table.gb) + table.fixed, np.inf)
+        mine = price * (g0 * own + u0 * table.gb) + table.fixed
+        paths = rows(before, True)[:, table.first] + mine + rows(after, False)[:, table.end]
+        least[held] = np.where(members, paths, np.inf).min(axis=1) - price * (u0 * g0)[:, 0]
+    from_level = np.minimum.accumulate(least[::-1])[::-1]
+    return from_level[level]
 
 
 def search_bands(

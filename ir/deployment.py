@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 #: the output holding the run's bucket (the functions' storage is s3://<bucket>/<workflow.storage.prefix>)
@@ -48,6 +48,11 @@ def function_output(function_name: str) -> str:
     return f"{logical_id(function_name)}Name"
 
 
+def function_arn_output(function_name: str) -> str:
+    """The output holding the ARN of a stage's Lambda function (what the state machine invokes)."""
+    return f"{logical_id(function_name)}Arn"
+
+
 #: Several regions: each region's stack has its own bucket. A SAM stack takes each peer region's bucket (the
 #: BucketName output of that region's stack, not known when this one deploys) as a parameter named
 #: PEER_BUCKET_PARAMETER + the region in CamelCase (PeerBucketAwsEuWest1); see `peer_parameter`. Its rights
@@ -77,16 +82,41 @@ class ExecutionInput:
     `run`. The driver sends it; the generated state machine defaults each field it lacks, carries
     `CARRIED_FIELDS` unchanged through every state into every invocation, and returns them with
     `iteration` (where it stopped) in place of `start`, so that the next execution's input is
-    `continued(output)`."""
+    `continued(output)`.
+
+    The run's coordinator (runtimes/controller.py) adds what a re-plan of the region decided: `plan`, the
+    invocation fields of the region's plan now (`protocol.Invocation`'s `iterations`, `rounds`, `since`,
+    `first_round`, `replicas`, `weight`, `region_timeout`, `timeout`), which every invocation's payload
+    carries; `workers`, the (function, stage, replica) items a round invokes (fewer replicas where capacity
+    shrank; default every deployed one); and `max_rounds`, at most how many rounds the execution runs
+    (default as many as its history's quota allows): 1 makes an execution one range, as the coordinator
+    plans them."""
 
     start: int
     stop: int
     attempt: int
     time_limit_s: float
     run: str
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    workers: tuple[Mapping[str, Any], ...] | None = None
+    max_rounds: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSON the state machine reads: the fields left at their default are left out."""
+        document: dict[str, Any] = {
+            "run": self.run,
+            "attempt": self.attempt,
+            "time_limit_s": self.time_limit_s,
+            "start": self.start,
+            "stop": self.stop,
+        }
+        if self.plan:
+            document["plan"] = dict(self.plan)
+        if self.workers is not None:
+            document["workers"] = [dict(worker) for worker in self.workers]
+        if self.max_rounds is not None:
+            document["max_rounds"] = self.max_rounds
+        return document
 
     def continued(self, output: Mapping[str, Any]) -> ExecutionInput:
         """The next execution's input, from an execution's output."""
@@ -95,6 +125,8 @@ class ExecutionInput:
 
 
 #: the fields every state passes on unchanged, and every invocation's payload carries
-CARRIED_FIELDS = ("run", "attempt", "time_limit_s")
+CARRIED_FIELDS = ("run", "attempt", "time_limit_s", "plan")
+#: the fields the states pass on that the invocations do not get
+ROUND_FIELDS = ("workers", "max_rounds")
 #: the fields an execution's input may give, in the order the state machine defaults them
 EXECUTION_FIELDS = tuple(f.name for f in fields(ExecutionInput))

@@ -155,6 +155,12 @@ class Invocation:
             raise ValueError(
                 f'expected a JSON object like {{"iteration": 0, "replica": 0}}, got {type(event).__name__}'
             )
+        plan = event.get("plan", {})
+        if not isinstance(plan, Mapping):
+            raise ValueError(f"plan: expected a JSON object of the region's plan, got {type(plan).__name__}")
+        # A state machine's execution carries the coordinator's plan of the region as one object (ASL
+        # cannot spread one into the payload): its fields are the payload's.
+        event = {**{k: v for k, v in event.items() if k != "plan"}, **plan}
         if "iteration" in event:
             start = event["iteration"]  # one iteration: its stop is checked as a range's is
             fields = {"start": start, "stop": start + 1 if isinstance(start, int) else start}

@@ -176,8 +176,10 @@ class Controller(Coordinator):
             self.cancelled.set()  # each region kills its invocations and stops
             with self.changed:
                 self.changed.notify_all()  # a region waiting at its end too
-            for thread in threads:
-                thread.join()
+                # Not thread.join(): one that Ctrl-C interrupted may return at once from then on
+                # (CPython marks the thread stopped), and a region would stop its work unwatched.
+                while len(self.exited) < len(threads):
+                    self.changed.wait(0.2)
             raise
         if errors:
             raise errors[0]
@@ -322,6 +324,7 @@ class Controller(Coordinator):
                 last_look = now
             for failure in self.settings.region_failures:
                 if failure.region == region.name and start <= failure.iteration <= next_iteration:
+                    self.invoker.take_down(region.name)
                     for _, handle in pending.values():
                         handle.kill()
                     # It says nothing: the other regions find out by the region timeout.

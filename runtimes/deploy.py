@@ -1,19 +1,21 @@
 """Deploy-and-train: `cloudless-run BUILD --invoker lambda --stack NAME` trains on a deployed SAM stack.
 
 Per region it reads the stack's outputs with CloudFormation (the run's bucket, the state machine, the
-functions' names: cloudless.ir.deployment), stages the region's training data into the bucket (under the
-workflow's storage prefix, where the functions read it), and starts the region's state machine with
-{"run", "attempt", "time_limit_s", "start", "stop"}: every invocation carries the run name (so that a new
-run in the same bucket trains anew), the attempt and the time limit. All regions' executions are started
-together and followed together: each execution's status (describe_execution), and the progress the last
-stage reports in storage. An execution runs at most a chunk of iterations (its history's quota) and
-returns where it stopped: the next execution starts from there. A failed execution is started again
-(attempt + 1, --retries times) from the newest iteration every stage has a checkpoint of, after the
-completion markers of the iterations it left are deleted. At the end the trained model is fetched into
-OUT/model.safetensors, with OUT/metrics.json, and the run's keys are deleted (the staged data stays).
+functions' names and ARNs: cloudless.ir.deployment), stages the region's training data into the bucket
+(under the workflow's storage prefix, where the functions read it), and trains under the run's
+coordinator (`StateMachineController`: controller.py's control plane, coordinator.py's plans), every
+region at once: each range the coordinator plans for a region is one execution of the region's state
+machine of one round, whose input {"run", "attempt", "time_limit_s", "start", "stop", "plan", "workers",
+"max_rounds"} carries the run name (so that a new run in the same bucket trains anew), the attempt, the
+time limit and the region's plan now (re-planned as capacities change and regions leave). Its progress
+is what the last stage reports in storage. A failed execution is started again (attempt + 1, --retries
+times) from the newest iteration every stage has a checkpoint of, after the completion markers of the
+iterations it left are deleted; with several regions, a region out of retries leaves the run and the
+others take its work. At the end the trained model is fetched into OUT/model.safetensors, with
+OUT/metrics.json, and the run's keys are deleted (the staged data stays).
 
 Credentials and regions are boto3's own (environment, profile, role); AWS_ENDPOINT_URL points every client
-at another endpoint (the tests use moto).
+at another endpoint (the tests and the rehearsal use moto).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import argparse
 import json
 import math
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from ..ir.deployment import (
     RUN_STOPPED_ERROR,
     STATE_MACHINE_OUTPUT,
     ExecutionInput,
+    function_arn_output,
     function_output,
     stack_name,
 )
@@ -44,9 +46,18 @@ from .controller import Controller
 from .data import data_name
 from .invokers import Handle, Invocation, Invoker
 from .retrying_channel import RetryingChannel
-from .run_state import RunError, RunMetrics, RunSettings
+from .run_outputs import left_figures
+from .run_state import Progress, RegionGone, RegionRun, RunDiverged, RunError, RunMetrics, RunSettings
 from .staged_weights import save_trained_model
-from .staging import DataError, describe_staged, model_file_state, recorded_model_file, stage_data, stage_run_weights
+from .staging import (
+    DataError,
+    describe_staged,
+    evaluate,
+    model_file_state,
+    recorded_model_file,
+    stage_data,
+    stage_run_weights,
+)
 from .storage import Channel, open_channel
 
 #: Step Functions' limit on an execution's name
@@ -70,6 +81,7 @@ class Stack:
     state_machine: str
     functions: dict[str, str]  # stage function -> deployed Lambda function name
     parameters: dict[str, str] = field(default_factory=dict)  # the stack's parameters (peers' buckets)
+    arns: dict[str, str] = field(default_factory=dict)  # stage function -> its ARN, as the state machine has it
 
     def storage(self, workflow: Workflow) -> str:
         """Where the stack's functions keep their keys (their CLOUDLESS_STORAGE)."""
@@ -124,6 +136,7 @@ def read_stack(cloudformation: Any, name: str, workflow: Workflow, region: Regio
         outputs[STATE_MACHINE_OUTPUT],
         {f.name: outputs[function_output(f.name)] for f in region.functions},
         {p["ParameterKey"]: p.get("ParameterValue", "") for p in stack.get("Parameters", [])},
+        {f.name: outputs.get(function_arn_output(f.name), outputs[function_output(f.name)]) for f in region.functions},
     )
 
 
@@ -143,21 +156,8 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-@dataclass
-class Followed:
-    """One region's training on its stack: its executions and the progress read from storage."""
-
-    stack: Stack
-    channel: Channel
-    stop: int
-    executions: list[dict[str, Any]] = field(default_factory=list)
-    progress: list[dict[str, Any]] = field(default_factory=list)
-    next_iteration: int = 0
-    retries: int = 0
-
-
 class _NoInvoker(Invoker):
-    """The controller is used for its arithmetic only (each region's iterations): it invokes nothing."""
+    """The state machines invoke the functions: the controller starts executions, not invocations."""
 
     name = "Step Functions"
 
@@ -165,184 +165,225 @@ class _NoInvoker(Invoker):
         raise AssertionError("the state machine invokes the functions")
 
 
-class Driver:
-    """Start and follow every region's state machine executions of one run."""
+#: the fields of `protocol.Invocation` that say what the coordinator planned for a region (an
+#: execution's `plan`, which every invocation of it carries)
+PLAN_FIELDS = ("timeout", "iterations", "rounds", "since", "first_round", "replicas", "weight", "region_timeout")
+
+
+class StateMachineController(Controller):
+    """The run's control plane over deployed stacks: the coordinator's ranges (controller.py and
+    coordinator.py: each region's plan, re-planned as capacity changes and regions leave) each run as one
+    execution of the region's state machine of one round (`max_rounds` 1), carrying the region's plan
+    (`plan`) and the workers of its replicas now (`workers`). An execution that fails is started again with
+    the next attempt from the newest iteration every stage holds a checkpoint of; one that made no progress
+    (every worker answered as a duplicate of an invocation that died) with the next attempt as it was.
+    `take_down`: fault injection (`--fail-region` in a rehearsal), the region's functions stop answering."""
 
     def __init__(
         self,
         workflow: Workflow,
         stacks: dict[str, Stack],
         channels: dict[str, Channel],
+        settings: RunSettings,
         *,
-        run_id: str,
-        iterations: dict[str, int],
-        time_limit_s: float,
-        retries: int = 3,
-        poll_s: float = 1.0,
         stepfunctions: Callable[[str], Any] | None = None,
-        on_progress: Callable[[str, int, float], None] = lambda region, iteration, loss: None,
+        on_progress: Callable[[Progress], None] = lambda progress: None,
+        take_down: Callable[[str], None] | None = None,
     ) -> None:
         import boto3
 
-        self.workflow, self.run_id, self.time_limit_s = workflow, run_id, time_limit_s
-        self.retries, self.poll_s, self.on_progress = retries, poll_s, on_progress
+        first = workflow.regions[0].name
+        super().__init__(workflow, channels[first], _NoInvoker(), settings, on_progress=on_progress, channels=channels)
         make = stepfunctions or (lambda region: boto3.client("stepfunctions", region_name=aws_region(region)))
+        self.stacks, self.take_down = stacks, take_down
         self.clients = {region: make(region) for region in stacks}
-        self.regions = {region: Followed(stacks[region], channels[region], iterations[region]) for region in stacks}
+        self.executions: dict[str, list[dict[str, Any]]] = {region: [] for region in stacks}
+        # Each region's attempt: raised by each retry, kept by the ranges after it (a new range of an
+        # earlier attempt could meet that attempt's claims, held by invocations that died).
+        self.attempt = dict.fromkeys(stacks, 0)
+        self.stopped = 0  # executions stopped (StopExecution) as the run was interrupted
 
-    def run(self) -> dict[str, Followed]:
-        errors: list[BaseException] = []
-
-        def region_run(region: str) -> None:
-            try:
-                self._region(region)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=region_run, args=(r,), daemon=True) for r in self.regions]
-        for thread in threads:
-            thread.start()
-        try:
-            for thread in threads:
-                while thread.is_alive():
-                    thread.join(0.2)
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the executions would go on (and bill) without us
-            stopped = self.stop_executions()
-            print(f"cloudless-run: stopped {stopped} running execution(s) of the run", file=sys.stderr)
-            raise
-        if errors:
-            raise errors[0]
-        return self.regions
-
-    def stop_executions(self) -> int:
-        """StopExecution for every execution of the run still running (a function invoked by one finishes
-        the range it runs; nothing new starts); how many were stopped."""
-        stopped = 0
-        for region, followed in self.regions.items():
-            for record in followed.executions:
-                if "status" in record:
-                    continue
-                try:
-                    self.clients[region].stop_execution(
-                        executionArn=record["arn"], error="Cloudless.Interrupted", cause="cloudless-run was stopped"
-                    )
-                    stopped += 1
-                except Exception as exc:  # noqa: BLE001 - botocore's errors (one ended meanwhile): say, go on
-                    why = _one_line(exc)
-                    print(f"cloudless-run: {region}: could not stop {record['name']}: {why}", file=sys.stderr)
-        return stopped
-
-    def _region(self, region: str) -> None:
-        followed, client = self.regions[region], self.clients[region]
-        document = ExecutionInput(
-            start=0, stop=followed.stop, attempt=0, time_limit_s=self.time_limit_s, run=self.run_id
+    def _document(self, region: Region, start: int, stop: int, attempt: int) -> ExecutionInput:
+        """The execution's input: the range, and the region's plan and workers now."""
+        event = self._event(region.functions[0], 0, start, stop, attempt).to_json()
+        plan = {name: event[name] for name in PLAN_FIELDS if name in event}
+        arns = self.stacks[region.name].arns
+        workers = tuple(
+            {"function": arns[f.name], "stage": f.stage, "replica": replica}
+            for f, count in zip(region.functions, self.plans[region.name].replicas, strict=True)
+            for replica in range(count)
         )
-        while True:
-            number = len(followed.executions)
-            name = f"{self.run_id}-{number}"[-EXECUTION_NAME_LIMIT:]
-            try:
-                started = client.start_execution(
-                    stateMachineArn=followed.stack.state_machine, name=name, input=json.dumps(document.to_json())
-                )
-            except Exception as exc:  # noqa: BLE001 - botocore's errors: one line
-                raise RunError(f"{region}: could not start {followed.stack.state_machine}: {_one_line(exc)}") from None
-            record: dict[str, Any] = {"name": name, "input": document.to_json(), "arn": started["executionArn"]}
-            followed.executions.append(record)
-            described = self._wait(region, started["executionArn"])
-            record["status"] = described["status"]
-            if described["status"] == "SUCCEEDED":
-                output = json.loads(described.get("output") or "{}")
-                record["output"] = output
-                # A worker that diverged (or found that another did) returns instead of raising: the
-                # execution succeeds, and the function that found out why wrote the abort record.
-                aborted = followed.channel.try_get(protocol.abort_key(protocol.namespace(self.run_id, region)))
-                if aborted is not None:
-                    raise RunError(f"{region}: {protocol.AbortRecord.decode(aborted).message}")
-                reached = int(output.get("iteration", followed.stop))
-                self._follow(region, reached)
-                if reached >= followed.stop:
-                    return
-                following = document.continued(output)
-                if reached <= document.start:
-                    # No progress: every round's workers answered as duplicates of an invocation of this
-                    # attempt that holds the range's claim and died without a result. A new attempt
-                    # claims anew (from the newest checkpoint, as after a failed execution).
-                    if followed.retries >= self.retries:
-                        raise RunError(f"{region}: execution {name} made no progress from iteration {reached}")
-                    followed.retries += 1
-                    following = replace(following, attempt=document.attempt + 1)
-                document = following
-                continue
-            record["error"] = f"{described.get('error', '')}: {_cause(described.get('cause', ''))}".strip(": ")
-            if described.get("error") == RUN_STOPPED_ERROR:  # a worker stopped the run: no retry mends it
-                raise RunError(f"{region}: execution {name} stopped: {described.get('cause') or 'no cause given'}")
-            aborted = followed.channel.try_get(protocol.abort_key(protocol.namespace(self.run_id, region)))
-            if aborted is not None:  # a function recorded why (its model's code raised): a retry would too
-                raise RunError(f"{region}: {protocol.AbortRecord.decode(aborted).message}")
-            if followed.retries >= self.retries:
-                raise RunError(
-                    f"{region}: execution {name} {described['status'].lower()}: {record['error'] or 'no cause given'} "
-                    f"(attempt {document.attempt + 1} of {self.retries + 1})"
-                )
-            followed.retries += 1
-            resume = self._resume_point(region, followed.next_iteration)
-            self._forget(region, resume, followed.next_iteration + 1)
-            document = replace(document, attempt=document.attempt + 1, start=resume)
+        return ExecutionInput(
+            start=start,
+            stop=stop,
+            attempt=attempt,
+            time_limit_s=event["time_limit_s"],
+            run=self.settings.run_id,
+            plan=plan,
+            workers=workers,
+            max_rounds=1,
+        )
 
-    def _wait(self, region: str, arn: str) -> dict[str, Any]:
-        client = self.clients[region]
+    def _invoke_range(self, region: Region, start: int, stop: int, record: RegionRun) -> int:
+        """Run start..stop-1 (as far as one round of the machine goes) as an execution; where it stopped."""
+        name = region.name
+        client, stack = self.clients[name], self.stacks[name]
+        last = region.functions[-1]
+        document = self._document(region, start, stop, self.attempt[name])
+        next_iteration = start
+        running: dict[str, Any] | None = None
+        try:
+            while True:
+                number = len(self.executions[name])
+                execution = f"{self.settings.run_id}-{number}"[-EXECUTION_NAME_LIMIT:]
+                try:
+                    started = client.start_execution(
+                        stateMachineArn=stack.state_machine, name=execution, input=json.dumps(document.to_json())
+                    )
+                except Exception as exc:  # noqa: BLE001 - botocore's errors: one line
+                    raise RunError(f"{name}: could not start {stack.state_machine}: {_one_line(exc)}") from None
+                running = {"name": execution, "input": document.to_json(), "arn": started["executionArn"]}
+                self.executions[name].append(running)
+                described, next_iteration = self._wait(region, running, document, next_iteration, record)
+                running["status"] = described["status"]
+                if described["status"] == "SUCCEEDED":
+                    output = json.loads(described.get("output") or "{}")
+                    running["output"] = output
+                    running = None
+                    # A worker that diverged (or found that another did) returns instead of raising: the
+                    # execution succeeds, and the function that found out why wrote the abort record.
+                    self._raise_recorded(name)
+                    reached = int(output.get("iteration", document.stop))
+                    if reached > document.start:
+                        self._follow(name, last, next_iteration, reached, record, wait=True)
+                        self._forget_range(region, document.start, self._attempts(region, document.attempt))
+                        return reached
+                    # No progress: every worker answered as a duplicate of an invocation of this attempt that
+                    # holds the range's claim and died without a result. A new attempt claims anew.
+                    self._retry(name, f"execution {execution} made no progress from iteration {reached}", record)
+                    self.attempt[name] += 1
+                    document = replace(document, attempt=self.attempt[name])
+                    continue
+                running = None
+                error = f"{described.get('error', '')}: {_cause(described.get('cause', ''))}".strip(": ")
+                self.executions[name][-1]["error"] = error
+                if described.get("error") == RUN_STOPPED_ERROR:  # a worker stopped the run: no retry mends it
+                    self._raise_recorded(name)
+                    cause = described.get("cause") or "no cause given"
+                    raise RunDiverged(f"{name}: execution {execution} stopped: {cause}")
+                self._raise_recorded(name)  # a function recorded why (its model's code raised): a retry would too
+                status = described["status"].lower()
+                self._retry(name, f"execution {execution} {status}: {error or 'no cause given'}", record, document)
+                resume = self._resume_point(region, min(next_iteration, document.stop))
+                self._forget(region, resume, next_iteration + 1)
+                next_iteration = min(next_iteration, resume)
+                record.progress[:] = [entry for entry in record.progress if entry.iteration < resume]
+                self.attempt[name] += 1
+                document = self._document(region, resume, stop, self.attempt[name])
+                with self.lock:
+                    self.ranges[name] = (resume, stop)  # a re-plan's cut names this execution's range
+        except BaseException:
+            if running is not None:
+                self._stop_execution(name, running)
+            raise
+
+    def _attempts(self, region: Region, attempt: int) -> dict[tuple[str, int], int]:
+        """Every worker of the range and its last attempt (the markers to delete)."""
+        replicas = self.plans[region.name].replicas
+        return {(f.name, r): attempt for f, count in zip(region.functions, replicas, strict=True) for r in range(count)}
+
+    def _retry(self, name: str, what: str, record: RegionRun, document: ExecutionInput | None = None) -> None:
+        """Count a retry of the region's range, or end it: the run (one region) or the region's part (several)."""
+        if record.retries >= self.settings.retries:
+            attempt = f" (attempt {document.attempt + 1} of {self.settings.retries + 1})" if document else ""
+            message = f"{name}: {what}{attempt}"
+            if len(self.workflow.regions) > 1:  # the region leaves; the others go on
+                raise RegionGone(message, tell=True)
+            raise RunError(message)
+        record.retries += 1
+
+    def _raise_recorded(self, name: str) -> None:
+        recorded = self._abort_record(name)
+        if recorded is None:
+            return
+        if recorded.reason == "left":
+            raise RegionGone(recorded.message, tell=False)
+        raise RunError(f"{name}: {recorded.message}")
+
+    def _wait(
+        self, region: Region, running: dict[str, Any], document: ExecutionInput, next_iteration: int, record: RegionRun
+    ) -> tuple[dict[str, Any], int]:
+        """Follow the execution until it ends: its progress, the run's storage, the other regions, Ctrl-C and
+        the injected region failures; (its description, the next iteration without a report)."""
+        name, client = region.name, self.clients[region.name]
+        last = region.functions[-1]
+        last_look = time.time()
         while True:
-            described = client.describe_execution(executionArn=arn)
-            self._follow(region, self.regions[region].stop)
+            if self.cancelled.is_set():
+                raise RunError("interrupted")
+            described = client.describe_execution(executionArn=running["arn"])
+            next_iteration = self._follow(name, last, next_iteration, document.stop, record)
+            for failure in self.settings.region_failures:  # also where the execution just reached it
+                if failure.region == name and document.start <= failure.iteration <= next_iteration:
+                    if self.take_down is not None:
+                        self.take_down(name)
+                    # It says nothing: the other regions find out by the region timeout.
+                    raise RegionGone(f"{name} stopped answering at iteration {failure.iteration}", tell=False)
             if described["status"] in FINISHED:
-                return described
-            time.sleep(self.poll_s)
+                return described, next_iteration
+            now = time.time()
+            if now - last_look > self.settings.alive_check_s:
+                self._check_alive(region, next_iteration)
+                if len(self.workflow.regions) > 1:
+                    with self.lock:
+                        self._watch_departures()
+                    if self.plans[name].left:
+                        raise RegionGone(self.plans[name].left, tell=False)
+                last_look = now
+            time.sleep(self.settings.poll_s)
 
-    def _follow(self, region: str, until: int) -> None:
-        """Read the last stage's reports of the iterations done since the last look."""
-        followed = self.regions[region]
-        last = self.workflow.region(region).functions[-1]
-        namespace = protocol.namespace(self.run_id, region)
-        while followed.next_iteration < min(until, followed.stop):
-            iteration = followed.next_iteration
-            reports = []
-            for replica in range(last.replicas):
-                data = followed.channel.try_get(protocol.metrics_key(namespace, iteration, replica))
-                if data is None:
-                    return
-                reports.append(protocol.MetricsReport.decode(data))
-            losses = [x for r in reports for x in r.losses if x is not None]
-            loss = sum(losses) / len(losses) if losses else math.nan
-            followed.progress.append({"iteration": iteration, "loss": None if math.isnan(loss) else loss})
-            self.on_progress(region, iteration, loss)
-            followed.next_iteration += 1
+    def _stop_execution(self, name: str, running: dict[str, Any]) -> None:
+        """StopExecution: a function invoked by it finishes the range it runs; nothing new starts."""
+        try:
+            self.clients[name].stop_execution(
+                executionArn=running["arn"], error="Cloudless.Interrupted", cause="cloudless-run was stopped"
+            )
+            running["status"] = "ABORTED"
+            self.stopped += 1
+        except Exception as exc:  # noqa: BLE001 - botocore's errors (it ended meanwhile): say, go on
+            print(f"cloudless-run: {name}: could not stop {running['name']}: {_one_line(exc)}", file=sys.stderr)
 
-    def _resume_point(self, region: str, reached: int) -> int:
+    def _resume_point(self, region: Region, reached: int) -> int:
         """The newest iteration up to `reached` at which every stage holds a checkpoint (0: none)."""
-        followed = self.regions[region]
-        functions = self.workflow.region(region).functions
-        namespace = protocol.namespace(self.run_id, region)
-        for at in range(min(reached, followed.stop), 0, -1):
-            if all(followed.channel.exists(protocol.state_key(namespace, f.stage, at)) for f in functions):
+        namespace = self.namespace(region.name)
+        channel = self.storage(region.name)
+        for at in range(reached, 0, -1):
+            if all(channel.exists(protocol.state_key(namespace, f.stage, at)) for f in region.functions):
                 return at
         return 0
 
-    def _forget(self, region: str, first: int, stop: int) -> None:
+    def _forget(self, region: Region, first: int, stop: int) -> None:
         """A failed execution's markers from `first` on: its iterations run again with a new attempt."""
-        followed = self.regions[region]
-        namespace = protocol.namespace(self.run_id, region)
-        followed.channel.delete(protocol.abort_key(namespace))
-        for iteration in range(first, min(stop, followed.stop) + 1):
-            followed.channel.delete(protocol.stop_key(namespace, iteration))
-            for function in self.workflow.region(region).functions:
+        namespace = self.namespace(region.name)
+        channel = self.storage(region.name)
+        channel.delete(protocol.abort_key(namespace))
+        for iteration in range(first, stop + 1):
+            channel.delete(protocol.stop_key(namespace, iteration))
+            for function in region.functions:
                 for replica in range(function.replicas):
-                    followed.channel.delete(protocol.done_key(namespace, function.name, replica, iteration))
-        followed.next_iteration = min(followed.next_iteration, first)
-        del followed.progress[first:]
+                    channel.delete(protocol.done_key(namespace, function.name, replica, iteration))
 
 
-def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations: int, out: Path) -> int:
-    """`cloudless-run BUILD --invoker lambda --stack ...`: the exit status (2: bad input, 1: failed)."""
+def drive(
+    args: argparse.Namespace,
+    build: Path,
+    workflow: Workflow,
+    iterations: int,
+    out: Path,
+    take_down: Callable[[str], None] | None = None,
+) -> int:
+    """`cloudless-run BUILD --invoker lambda --stack ...`: the exit status (2: bad input, 1: failed).
+    `take_down`: a rehearsal's way to make a region's functions stop answering (`--fail-region`)."""
     import boto3
 
     from .run import fail, final_model  # the runner's own pieces (imported here: run imports this module)
@@ -351,8 +392,6 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
         return fail("--storage: with --stack the storage is the stack's bucket")
     if args.resume:
         return fail("--resume: not with --stack yet; start the run again")
-    if len(workflow.regions) > 1 and iterations != workflow.run.iterations:
-        return fail("--iterations: a workflow of several regions trains its planned iterations on a stack")
     try:
         names = stack_names(workflow, list(args.stack))
         stacks = {
@@ -382,29 +421,35 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
             print(weights, flush=True)
     except (DataError, ValueError) as exc:
         return fail(str(exc))
-    settings = RunSettings(iterations=iterations, run_id=run_id)
-    controller = Controller(workflow, channels[workflow.regions[0].name], _NoInvoker(), settings)
-    totals = {region.name: controller.region_iterations(region) for region in workflow.regions}
-    limit = args.time_limit or float(max(1, min(f.timeout_s for _, f in workflow.functions()) - 30))
-    every = args.log_every or max(1, iterations // 20)
-
-    def report(region: str, iteration: int, loss: float) -> None:
-        done = iteration + 1
-        if not args.quiet and (done % every == 0 or done == totals[region]):
-            where = f"{region}  " if len(workflow.regions) > 1 else ""
-            print(f"{where}iteration {done:>6}/{totals[region]}  loss {loss:.4f}", flush=True)
-
-    driver = Driver(
-        workflow,
-        stacks,
-        channels,
+    settings = RunSettings(
+        iterations=iterations,
         run_id=run_id,
-        iterations=totals,
-        time_limit_s=float(limit),
+        time_limit_s=args.time_limit,
+        key_timeout_s=args.key_timeout or protocol.DEFAULT_KEY_TIMEOUT_S,
         retries=args.retries,
         poll_s=POLL_S,
-        on_progress=report,
+        region_timeout_s=args.region_timeout or protocol.DEFAULT_REGION_TIMEOUT_S,
+        capacity_changes=args.capacity_changes,
+        region_failures=args.region_failures,
     )
+    several = len(workflow.regions) > 1
+    every = args.log_every or max(1, iterations // 20)
+    totals: dict[str, int] = {}
+
+    def report(progress: Progress) -> None:
+        done = progress.iteration + 1
+        totals[progress.region] = controller.plans[progress.region].end  # re-planned as the run goes
+        if not args.quiet and (done % every == 0 or done == totals[progress.region]):
+            where = f"{progress.region}  " if several else ""
+            print(f"{where}iteration {done:>6}/{totals[progress.region]}  loss {progress.loss:.4f}", flush=True)
+
+    try:
+        controller = StateMachineController(
+            workflow, stacks, channels, settings, on_progress=report, take_down=take_down
+        )
+    except RunError as exc:
+        return fail(str(exc))
+    totals.update({region.name: controller.region_iterations(region) for region in workflow.regions})
     if not args.quiet:
         for name, stack in stacks.items():
             print(f"run {run_id} on stack {stack.name} ({name}): {totals[name]} iterations", flush=True)
@@ -412,9 +457,13 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
     failure: RunError | None = None
     model_files = ""
     try:
-        followed = driver.run()
+        records = controller.run()
     except RunError as exc:
-        failure, followed = exc, driver.regions
+        failure, records = exc, controller.records
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the executions would go on (and bill) without us
+        print(f"cloudless-run: stopped {controller.stopped} running execution(s) of the run", file=sys.stderr)
+        raise
+    stayed = {name: at for name, at in controller.ends.items() if not controller.plans[name].left} or totals
     metrics = RunMetrics(
         run_id=run_id,
         invoker="lambda",  # --invoker lambda --stack: the deployed state machines
@@ -423,33 +472,52 @@ def drive(args: argparse.Namespace, build: Path, workflow: Workflow, iterations:
         error=None if failure is None else str(failure),
         regions={
             name: {
-                "stack": f.stack.name,
-                "bucket": f.stack.bucket,
-                "iterations": f.stop,
-                "executions": f.executions,
-                "retries": f.retries,
-                "progress": f.progress,
+                "stack": stack.name,
+                "bucket": stack.bucket,
+                "iterations": controller.ends.get(name, totals[name]),
+                "executions": controller.executions[name],
+                "retries": records.get(name, RegionRun()).retries,
+                "progress": [
+                    {"iteration": entry.iteration, "loss": None if math.isnan(entry.loss) else entry.loss}
+                    for entry in records.get(name, RegionRun()).progress
+                ],
             }
-            for name, f in followed.items()
+            | ({"round_ends": list(controller.round_ends(name))} if several else {})
+            | (left_figures(controller, name) if controller.plans[name].left else {})
+            for name, stack in stacks.items()
         },
     )
+    if several:
+        metrics.measured = {"elastic": controller.events}
+    test = None
     if failure is None:
-        state = final_model(build, lambda region: channels[region], workflow, run_id, totals)  # each region's bucket
+        state = final_model(build, controller.storage, workflow, run_id, stayed)  # each region's bucket
         keyed, _ = model_file_state(build, state)
         model_files = save_trained_model(out, build, workflow.regions, keyed)
+        first = workflow.regions[0].name
+        test = evaluate(build, workflow, first, controller.storage(first), state)  # as cloudless-run's
+        if test is not None:
+            metrics.measured = {**(metrics.measured or {}), "test": test}
     metrics.write(out)
     if failure is not None:
         print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
         return 1
     if not args.keep_storage:
-        for name, channel in channels.items():
-            try:
-                channel.delete_prefix(protocol.namespace(run_id, name) + "/")
-            except Exception as exc:  # noqa: BLE001 - the run itself is done
-                print(f"cloudless-run: could not delete the run's keys in {name}: {_one_line(exc)}", file=sys.stderr)
-    executions = sum(len(f.executions) for f in followed.values())
+        try:
+            controller.clean_up()  # the trained model is in OUT; the staged data stays for the next run
+        except Exception as exc:  # noqa: BLE001 - the run itself is done
+            print(f"cloudless-run: could not delete the run's keys: {_one_line(exc)}", file=sys.stderr)
+    executions = sum(len(e) for e in controller.executions.values())
+    trained = " + ".join(
+        f"{controller.ends.get(name, totals[name])}{f' ({name})' if several else ''}" for name in stacks
+    )
     print(
-        f"trained {' + '.join(str(totals[r]) for r in totals)} iterations on the stack in {metrics.seconds:.1f} s "
+        f"trained {trained} iterations on the stack in {metrics.seconds:.1f} s "
         f"({executions} execution(s)); wrote {out}/: metrics.json, {model_files}"
     )
+    if test:
+        figures = f"test loss {test['loss']:.4f}"
+        if "accuracy" in test:
+            figures += f", accuracy {test['accuracy']:.1%}"
+        print(f"{figures} on {test['samples']} samples")
     return 0

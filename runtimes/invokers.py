@@ -31,7 +31,7 @@ from ..ir.protocol import (
     STORAGE_ENV,
     InvocationResult,
 )
-from ..ir.workflow import Function
+from ..ir.workflow import Function, Workflow
 from .emulation import Resources
 from .storage import Channel
 
@@ -84,6 +84,28 @@ class Invoker(ABC):
 
     @abstractmethod
     def start(self, invocation: Invocation) -> Handle: ...
+
+    def take_down(self, region: str) -> None:  # noqa: B027 - a default that does nothing, not abstract
+        """Fault injection (`--fail-region`): the region's functions stop answering. Here nothing more than
+        killing its invocations, which the controller does."""
+
+
+class RegionInvokers(Invoker):
+    """Several regions deployed: each region's invocations through its own invoker (its gateway, its
+    account's functions). `take_down`: a rehearsal's way to stop a region's functions answering."""
+
+    def __init__(self, invokers: dict[str, Invoker], take_down: Callable[[str], None] | None = None) -> None:
+        self.invokers, self._take_down = invokers, take_down
+        first = next(iter(invokers.values()))
+        self.name, self.can_kill = first.name, all(i.can_kill for i in invokers.values())
+
+    def start(self, invocation: Invocation) -> Handle:
+        region = Path(invocation.function.package).parts[1]  # regions/<region>/functions/<function>
+        return self.invokers[region].start(invocation)
+
+    def take_down(self, region: str) -> None:
+        if self._take_down is not None:
+            self._take_down(region)
 
 
 # --- local processes -----------------------------------------------------------------------------
@@ -260,6 +282,56 @@ class _ThreadHandle(Handle):
             raise self.error
         assert self.result is not None
         return self.result
+
+
+#: where `faas-cli` finds a gateway by default (and so the OpenFaaS invoker)
+DEFAULT_GATEWAY = "http://127.0.0.1:8080"
+
+
+def gateway_urls(workflow: Workflow, given: list[str]) -> dict[str, str]:
+    """Each region's OpenFaaS gateway: `--gateway URL` (one region; default http://127.0.0.1:8080),
+    `--gateway REGION=URL` (several, each named). ValueError for a bad or missing value."""
+    regions = [r.name for r in workflow.regions]
+    urls: dict[str, str] = {regions[0]: DEFAULT_GATEWAY} if len(regions) == 1 else {}
+    for value in given:
+        region, equals, url = value.partition("=")
+        if not equals or "/" in region or ":" in region:
+            if len(regions) > 1:
+                raise ValueError(f"--gateway {value}: several regions ({', '.join(regions)}): give REGION=URL")
+            region, url = regions[0], value
+        if region not in regions:
+            raise ValueError(f"--gateway {value}: no region {region!r} in the workflow ({', '.join(regions)})")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--gateway {value}: expected an http(s) URL")
+        urls[region] = url
+    missing = [name for name in regions if name not in urls]
+    if missing:
+        raise ValueError(f"--gateway: no gateway for {', '.join(missing)}; give --gateway REGION=URL for each region")
+    return urls
+
+
+def openfaas_token(token_file: Path | None) -> str:
+    """The token the OpenFaaS functions require (the value of their secret cloudless-token): the file's
+    content, else $CLOUDLESS_TOKEN. ValueError says where it was looked for, never what it holds."""
+    if token_file is not None:
+        where = f"--token-file {token_file}"
+        try:
+            token = token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{where}: cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    else:
+        where, token = f"${protocol.TOKEN_ENV}", os.environ.get(protocol.TOKEN_ENV, "").strip()
+        if not token:
+            raise ValueError(
+                f"--invoker openfaas: the functions run only requests carrying their token (the OpenFaaS secret "
+                f"{protocol.TOKEN_SECRET}): give --token-file FILE or set {protocol.TOKEN_ENV}"
+            )
+    if not token:
+        raise ValueError(f"{where}: empty; expected the value of the OpenFaaS secret {protocol.TOKEN_SECRET}")
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        # It travels in an HTTP header: printable ASCII only, and one word.
+        raise ValueError(f"{where}: expected one word of printable ASCII (e.g. openssl rand -hex 32)")
+    return token
 
 
 class OpenFaaSInvoker(Invoker):

@@ -360,6 +360,7 @@ class LambdaService:
         self._numbers = itertools.count()
         self._active = 0
         self._shut = False
+        self._down: set[str] = set()  # functions whose region is gone (fault injection)
         self.started = 0  # sandboxes started (cold starts)
         self.invocations = 0
 
@@ -368,6 +369,8 @@ class LambdaService:
         image = self.images.get(name)
         if image is None:
             raise FunctionError("Lambda.ResourceNotFoundException", f"Function not found: {function}")
+        if name in self._down:
+            raise FunctionError("Lambda.ServiceException", f"{name}: its region is down (--fail-region)")
         configuration = self.configuration(name)
         revision = _revision(configuration)
         with self._lock:
@@ -413,6 +416,17 @@ class LambdaService:
             return json.loads(response or b"null")
         except ValueError:
             return (response or b"").decode(errors="replace")
+
+    def take_down(self, names: set[str]) -> None:
+        """Fault injection: the region of these functions is gone. Their sandboxes are killed (an invocation
+        under way ends as a killed runtime does), and every later invocation of them fails."""
+        with self._lock:
+            self._down |= names
+            victims = [s for s in self._busy if s.name in names]
+            for name in names:
+                victims += self._idle.pop(name, [])
+        for sandbox in victims:
+            sandbox.kill()
 
     def close(self) -> None:
         """Every sandbox's process and server ended (warm ones and any still running)."""

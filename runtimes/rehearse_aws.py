@@ -34,7 +34,7 @@ import os
 import re
 import secrets
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ import yaml
 
 from ..ir import protocol
 from ..ir.catalog import AWS_REGION_PREFIX
+from ..ir.deployment import BUCKET_OUTPUT, peer_parameter
 from ..ir.workflow import Workflow
 from .deploy import DeployError, aws_region
 from .lambda_local import FunctionImage, LambdaService
@@ -132,9 +133,11 @@ def substituted(text: str, variables: dict[str, Any]) -> Any:
 class AwsRehearsal:
     """The endpoint, the deployed stacks, the executor and the Lambda service of one rehearsal."""
 
-    def __init__(self, build: Path, workflow: Workflow, folder: Path, function_environment: dict[str, dict[str, str]]):
+    def __init__(
+        self, build: Path, workflow: Workflow, folder: Path, function_environment: dict[str, dict[str, dict[str, str]]]
+    ):
         self.build, self.workflow, self.folder = build, workflow, folder
-        self.function_environment = function_environment  # per workflow function name
+        self.function_environment = function_environment  # per region, then per workflow function name
         self.stacks: dict[str, DeployedStack] = {}
         self.server: Any = None
         self.endpoint = ""
@@ -181,8 +184,10 @@ class AwsRehearsal:
             aws_secret_access_key=self.credentials["AWS_SECRET_ACCESS_KEY"],
         )
 
-    def deploy(self, region: str) -> DeployedStack:
-        """`sam build && sam deploy --config-env REGION` into the endpoint: the stack, created."""
+    def deploy(self, region: str, peers: Mapping[str, str] | None = None) -> DeployedStack:
+        """`sam build && sam deploy --config-env REGION --parameter-overrides PeerBucket<Peer>=<bucket>...`
+        into the endpoint: the stack, created, or updated where it exists (the second deploy of a region
+        deployed before its peers). `peers`: the peer regions' buckets known so far."""
         import boto3
         from samtranslator.parser.parser import Parser
         from samtranslator.translator.translator import Translator
@@ -193,7 +198,9 @@ class AwsRehearsal:
         template = yaml.safe_load((folder / "template.yaml").read_text())
         s3 = self.client("s3", where)
         artifacts = f"{ARTIFACTS_BUCKET}-{self.account}-{where}"  # bucket names are global: the account's own
-        if where == "us-east-1":
+        if region in self.stacks:
+            pass  # a second deploy: the artifacts bucket is there
+        elif where == "us-east-1":
             s3.create_bucket(Bucket=artifacts)
         else:
             s3.create_bucket(Bucket=artifacts, CreateBucketConfiguration={"LocationConstraint": where})
@@ -211,6 +218,7 @@ class AwsRehearsal:
                 s3.put_object(Bucket=artifacts, Key=key, Body=body)
                 properties["DefinitionUri"] = {"Bucket": artifacts, "Key": key}
         overrides = parameter_overrides(config.get("parameter_overrides"))
+        overrides.update({peer_parameter(peer): bucket for peer, bucket in (peers or {}).items()})
         iam = self.client("iam", where)
 
         def managed_policies() -> dict[str, str]:  # only for a template naming AWS managed policies
@@ -230,8 +238,9 @@ class AwsRehearsal:
         cloudformation = self.client("cloudformation", where)
         capabilities = config.get("capabilities", [])
         capabilities = shlex.split(capabilities) if isinstance(capabilities, str) else list(capabilities)
+        action = "UpdateStack" if region in self.stacks else "CreateStack"
         try:
-            cloudformation.create_stack(
+            (cloudformation.update_stack if region in self.stacks else cloudformation.create_stack)(
                 StackName=name,
                 TemplateBody=json.dumps(transformed),
                 Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in overrides.items()],
@@ -239,24 +248,41 @@ class AwsRehearsal:
             )
             stack = cloudformation.describe_stacks(StackName=name)["Stacks"][0]
         except Exception as exc:  # noqa: BLE001 - botocore's ClientError: one line
-            raise DeployError(f"{region}: CreateStack {name} failed: {str(exc).splitlines()[0]}") from None
-        if stack["StackStatus"] != "CREATE_COMPLETE":
+            raise DeployError(f"{region}: {action} {name} failed: {str(exc).splitlines()[0]}") from None
+        if stack["StackStatus"] not in ("CREATE_COMPLETE", "UPDATE_COMPLETE"):
             raise DeployError(f"{region}: stack {name}: {stack['StackStatus']} {stack.get('StackStatusReason', '')}")
         images: dict[str, FunctionImage] = {}
         resources = cloudformation.describe_stack_resources(StackName=name)["StackResources"]
+        if action == "UpdateStack":
+            self._update_environments(transformed, resources, overrides, where)
         for resource in resources:
             logical = resource["LogicalResourceId"]
             if resource["ResourceType"] != "AWS::Lambda::Function" or logical not in contexts:
                 continue
             context = contexts[logical]
             function = json.loads((context / "function.json").read_text()).get("function", "")
-            environment = {**self.function_environment.get(function, {})}
+            environment = {**self.function_environment.get(region, {}).get(function, {})}
             images[resource["PhysicalResourceId"]] = FunctionImage(
                 context, image_handler(transformed["Resources"][logical], context), environment
             )
         deployed = DeployedStack(region, name, where, images)
         self.stacks[region] = deployed
         return deployed
+
+    def _update_environments(
+        self, transformed: dict[str, Any], resources: list[dict[str, Any]], parameters: dict[str, str], where: str
+    ) -> None:
+        """What CloudFormation's update does to the functions and moto's leaves undone: each function's
+        environment as the updated template resolves it (a second deploy's peer buckets)."""
+        physical = {r["LogicalResourceId"]: r["PhysicalResourceId"] for r in resources}
+        names = {**physical, **parameters}
+        client = self.client("lambda", where)
+        for logical, resource in transformed.get("Resources", {}).items():
+            variables = resource.get("Properties", {}).get("Environment", {}).get("Variables")
+            if resource.get("Type") != "AWS::Lambda::Function" or not variables or logical not in physical:
+                continue
+            resolved = {key: _resolved(value, names) for key, value in variables.items()}
+            client.update_function_configuration(FunctionName=physical[logical], Environment={"Variables": resolved})
 
     @staticmethod
     def _inline_definition(properties: dict[str, Any], s3: Any) -> None:
@@ -272,6 +298,17 @@ class AwsRehearsal:
         else:
             return
         properties["DefinitionString"] = substituted(text, substitutions or {})
+
+    def bucket(self, region: str) -> str:
+        """The BucketName output of the region's deployed stack."""
+        stack = self.stacks[region]
+        described = self.client("cloudformation", stack.aws_region).describe_stacks(StackName=stack.name)
+        return next(o["OutputValue"] for o in described["Stacks"][0]["Outputs"] if o["OutputKey"] == BUCKET_OUTPUT)
+
+    def take_down(self, region: str) -> None:
+        """Fault injection (`--fail-region`): the region's functions stop answering."""
+        if self.lambdas is not None:
+            self.lambdas.take_down(set(self.stacks[region].images))
 
     def run_functions(self) -> None:
         """The Lambda service and the Step Functions executor over every deployed stack."""
@@ -294,6 +331,17 @@ class AwsRehearsal:
             self.lambdas.close()
         if self.server is not None:
             self.server.stop()
+
+
+def _resolved(value: Any, names: Mapping[str, str]) -> str:
+    """A template value of a function's environment: a string, a Ref, or a Fn::Sub of names (parameters and
+    resources' physical ids)."""
+    if isinstance(value, dict) and "Ref" in value:
+        return names[value["Ref"]]
+    if isinstance(value, dict) and "Fn::Sub" in value:
+        text = value["Fn::Sub"] if isinstance(value["Fn::Sub"], str) else value["Fn::Sub"][0]
+        return re.sub(r"\$\{([^}!.]*)\}", lambda match: names[match.group(1)], text)
+    return str(value)
 
 
 @contextmanager
@@ -345,12 +393,6 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
     others = [r for r in workflow.regions if r.provider != "aws" or not r.name.startswith(AWS_REGION_PREFIX)]
     if others:
         return fail(f"--rehearse: region {others[0].name} is not an AWS region (provider {others[0].provider})")
-    if len(workflow.regions) > 1:
-        names = ", ".join(r.name for r in workflow.regions)
-        return fail(
-            f"--rehearse: several regions ({names}): the driver does not yet pass each region its peers' buckets "
-            "(the PeerBucket<Region> parameters of a second deploy) nor sync regions; rehearse one region"
-        )
     try:
         import awslambdaric  # noqa: F401 - the functions' entry point, in the same environment
         import moto.server  # noqa: F401
@@ -359,26 +401,34 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
         return fail(f"--rehearse needs {exc.name}: pip install 'cloudless[rehearse]'")
     folder = out / "rehearsal"
     resources = resources_of(workflow, args)
-    environment: dict[str, dict[str, str]] = {}
+    environment: dict[str, dict[str, dict[str, str]]] = {}
     rehearsal = AwsRehearsal(build, workflow, folder, environment)
     try:
         rehearsal.start()
         for region in workflow.regions:
             for function in region.functions:
                 given = resources(function)
-                environment[function.name] = {
+                environment.setdefault(region.name, {})[function.name] = {
                     **rehearsal.credentials,  # as Lambda gives a function its role's
                     "AWS_ENDPOINT_URL": rehearsal.endpoint,
                     **({protocol.EMULATE_ENV: json.dumps(given.to_json())} if given is not None else {}),
                 }
+        # docs/deploying.md's order: each region deployed with the buckets of those deployed before it, then
+        # those deployed before a peer existed once more, with every peer's.
+        buckets: dict[str, str] = {}
         for region in workflow.regions:
-            stack = rehearsal.deploy(region.name)
+            stack = rehearsal.deploy(region.name, buckets)
+            buckets[region.name] = rehearsal.bucket(region.name)
             if not args.quiet:
                 print(
                     f"rehearsal: stack {stack.name} ({region.name}) created in the local AWS endpoint "
                     f"{rehearsal.endpoint} (moto): {len(stack.images)} function(s), logs in {folder / 'lambda'}/",
                     flush=True,
                 )
+        for region in workflow.regions[:-1]:
+            stack = rehearsal.deploy(region.name, {name: b for name, b in buckets.items() if name != region.name})
+            if not args.quiet:
+                print(f"rehearsal: stack {stack.name} ({region.name}) deployed again with its peers' buckets")
         rehearsal.run_functions()
         args.stack = [
             f"{region}={stack.name}" if len(rehearsal.stacks) > 1 else stack.name
@@ -386,7 +436,7 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
         ]
         where = next(iter(rehearsal.stacks.values())).aws_region
         with driver_environment(rehearsal.endpoint, where, rehearsal.credentials):
-            return drive(args, build, workflow, iterations, out)
+            return drive(args, build, workflow, iterations, out, take_down=rehearsal.take_down)
     except DeployError as exc:
         return fail(str(exc))
     finally:

@@ -20,9 +20,9 @@ Per region, what `faas-cli` and OpenFaaS CE would do with the region's stack.yam
 - its `limits.cpu` as the function's CPU share, emulated as `--emulate` does (emulation.CpuShare, a CFS
   quota's throttling), and no OMP_NUM_THREADS, so the handler caps torch's threads from its share itself.
 A replica whose process ends is started again (Kubernetes' restartPolicy Always; of-watchdog ends when its
-function's process does). What it cannot show: the image build and pull (the packages run on this
-machine's Python and wheels), Kubernetes scheduling and the cluster's capacity (memory limits are not
-enforced), the network.
+function's process does), and held to its `limits.memory` (`enforce_memory`: killed above it, OOMKilled,
+then started again). What it cannot show: the image build and pull (the packages run on this machine's
+Python and wheels), Kubernetes scheduling and the cluster's capacity, the network.
 """
 
 from __future__ import annotations
@@ -52,10 +52,19 @@ from typing import Any
 
 import yaml
 
-from ..ir.protocol import EMULATE_ENV, S3_ENDPOINT_ENV, SECRETS_DIR_ENV, STORAGE_ENV, STORAGE_SECRET, TOKEN_SECRET
+from ..ir.protocol import (
+    EMULATE_ENV,
+    PEERS_ENV,
+    S3_ENDPOINT_ENV,
+    SECRETS_DIR_ENV,
+    STORAGE_ENV,
+    STORAGE_SECRET,
+    TOKEN_SECRET,
+)
 from ..ir.workflow import Workflow
 from .emulation import Resources
 from .invokers import _die_with_parent
+from .lambda_local import _rss_mb
 from .openfaas_gateway import Gateway, Watchdog, basic_auth_header, gateway_serving, serving
 from .storage_locations import local_folder, storage_locations
 
@@ -112,6 +121,18 @@ def parse_cpu(text: str, where: str) -> float:
     return float(match.group(1)) / (1000 if match.group(2) else 1)
 
 
+#: Kubernetes' memory quantity suffixes, in bytes
+_MEMORY_UNITS = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_memory(text: str, where: str) -> float:
+    """A Kubernetes memory quantity ("10240Mi", "10Gi", "512M", "1e9") in MiB."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?(?:e\d+)?)([kMGT]i?|Ki)?", str(text).strip())
+    if not match:
+        raise RehearsalError(f"{where}: {text!r}: expected a memory quantity such as 512Mi or 10Gi")
+    return float(match.group(1)) * _MEMORY_UNITS[match.group(2) or ""] / 2**20
+
+
 @dataclass(frozen=True)
 class StackFunction:
     """One function of a stack file, as the rehearsal deploys it."""
@@ -125,6 +146,7 @@ class StackFunction:
     max_inflight: int | None
     exec_timeout: float | None
     write_timeout: float | None
+    memory_mib: float | None = None  # limits.memory: the container is killed above it (OOMKilled)
 
 
 def read_stack(path: Path) -> list[StackFunction]:
@@ -158,6 +180,7 @@ def read_stack(path: Path) -> list[StackFunction]:
                 environment=environment,
                 secrets=tuple(str(s) for s in spec.get("secrets") or ()),
                 cpu=parse_cpu(limits["cpu"], f"{where} limits.cpu") if "cpu" in limits else None,
+                memory_mib=parse_memory(limits["memory"], f"{where} limits.memory") if "memory" in limits else None,
                 max_inflight=int(inflight) if inflight else None,
                 exec_timeout=parse_duration(exec_timeout, f"{where} exec_timeout") if exec_timeout else None,
                 write_timeout=parse_duration(write_timeout, f"{where} write_timeout") if write_timeout else None,
@@ -268,6 +291,9 @@ class Replica:
     process: subprocess.Popen[bytes] | None = None
     url: str = ""
     restarts: int = 0
+    down: bool = False  # its region is gone (--fail-region): not started again
+    memory_mib: float | None = None  # its function's limits.memory
+    oom_kills: int = 0
 
     def start(self) -> None:
         with self.log.open("ab") as err:
@@ -336,11 +362,12 @@ def deploy(
     logs: Path,
     stack: ExitStack,
     index_py: Path,
+    replicas: list[Replica] | None = None,
 ) -> list[Replica]:
     """Deploy the functions behind the gateway: each function's secrets (from the gateway's store; one
     missing is an error, as faas-netes has it) into its folder, its replicas started together; returns them
     once all serve (each stopped when `stack` closes)."""
-    replicas: list[Replica] = []
+    replicas = [] if replicas is None else replicas  # the caller's, watched as they start
     logs.mkdir(parents=True, exist_ok=True)
     for function in functions:
         missing = [name for name in function.secrets if name not in gateway.secrets]
@@ -356,6 +383,7 @@ def deploy(
             command += [str(t or 0) for t in (function.max_inflight, function.exec_timeout, function.write_timeout)]
             env = _environment(function, folder, overrides, index)
             replica = Replica(function.name, index, command, env, logs / f"{function.name}-{index}.log")
+            replica.memory_mib = function.memory_mib
             replica.log.write_bytes(b"")
             replica.start()
             stack.callback(replica.stop)
@@ -368,12 +396,43 @@ def deploy(
     return replicas
 
 
+def _tree_rss_mib(pid: int) -> float:
+    """The resident memory of a process and its descendants (a container's), MiB."""
+    total, pending = 0.0, [pid]
+    while pending:
+        process = pending.pop()
+        total += _rss_mb(process)
+        for children in Path(f"/proc/{process}/task").glob("*/children"):
+            try:
+                pending += [int(child) for child in children.read_text().split()]
+            except (OSError, ValueError):
+                continue  # it ended meanwhile
+    return total
+
+
+def enforce_memory(replicas: list[Replica], stopping: threading.Event) -> None:
+    """A container's memory limit, as the kernel enforces it under Kubernetes: a replica whose processes
+    hold more than its function's limits.memory is killed (OOMKilled, in its log), and Kubernetes (here
+    `keep_running`) starts it again; a call it was serving ends without an answer."""
+    while not stopping.wait(0.2):
+        for replica in list(replicas):
+            process = replica.process
+            if replica.memory_mib is None or process is None or process.poll() is not None:
+                continue
+            used = _tree_rss_mib(process.pid)
+            if used > replica.memory_mib:
+                process.kill()  # its index.py dies with it
+                replica.oom_kills += 1
+                with replica.log.open("a") as log:
+                    log.write(f"OOMKilled: {used:.0f} MiB resident, over limits.memory ({replica.memory_mib:.0f} Mi)\n")
+
+
 def keep_running(replicas: list[Replica], gateway: Gateway, stopping: threading.Event) -> None:
     """Kubernetes' restartPolicy Always: a replica whose process ended is started again, and the gateway
     routes to it where it now serves (calls meanwhile fail as calls to a pod being restarted do)."""
     while not stopping.wait(0.2):
         for replica in replicas:
-            if replica.process is None or replica.process.poll() is None or stopping.is_set():
+            if replica.process is None or replica.process.poll() is None or stopping.is_set() or replica.down:
                 continue
             replica.restarts += 1
             replica.start()
@@ -414,6 +473,14 @@ class RegionGateway:
     index: Path
     replicas: list[Replica] = field(default_factory=list)
 
+    def take_down(self) -> None:
+        """Fault injection (`--fail-region`): every replica killed and none started again; the gateway
+        answers as one whose functions are gone."""
+        for replica in self.replicas:
+            replica.down = True
+            if replica.process is not None and replica.process.poll() is None:
+                replica.process.kill()
+
 
 @contextmanager
 def rehearse_region(
@@ -437,12 +504,17 @@ def rehearse_region(
             create_secret(gateway.url, password, name, value)
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cloudless-rehearsal-")))
         index = template_index(region_folder)
-        replicas = deploy(gateway, functions, overrides, scratch, logs, stack, index)
         stopping = threading.Event()
+        replicas: list[Replica] = []
+        limiter = threading.Thread(target=enforce_memory, args=(replicas, stopping), daemon=True)
+        limiter.start()
+        stack.callback(limiter.join)
+        stack.callback(stopping.set)  # a deploy that fails: the limiter ends after the replicas
+        deploy(gateway, functions, overrides, scratch, logs, stack, index, replicas)
         restarter = threading.Thread(target=keep_running, args=(replicas, gateway, stopping), daemon=True)
         restarter.start()
         stack.callback(restarter.join)
-        stack.callback(stopping.set)  # first (last in, first out): no restart while the replicas stop
+        stack.callback(stopping.set)  # first (last in, first out): no restart or kill while the replicas stop
         yield RegionGateway(region_folder.name, gateway, password, index, replicas)
 
 
@@ -457,39 +529,51 @@ def rehearse(
     workflow: Workflow,
     iterations: int,
     out: Path,
-    train: Callable[[argparse.Namespace, Path, Workflow, int, Path, str | None], int],
+    train: Callable[..., int],
 ) -> int:
-    """`cloudless-run --invoker openfaas --rehearse`: the region's deployment rehearsed, then `train` (run.py's
-    _train, the OpenFaaS invoker's path) against its gateway with the rehearsal's token; the exit status."""
-    if len(workflow.regions) > 1:
-        names = ", ".join(r.name for r in workflow.regions)
-        print(f"cloudless-run: --rehearse: one region at a time for now; this workflow has {names}", file=sys.stderr)
-        return 2
-    region = workflow.regions[0].name
-    folder = build / "regions" / region
-    if not (folder / "stack.yaml").is_file():
-        print(f"cloudless-run: --rehearse: {folder}/stack.yaml: not found; compile for OpenFaaS", file=sys.stderr)
+    """`cloudless-run --invoker openfaas --rehearse`: every region's deployment rehearsed behind a gateway of
+    its own (its functions' storage the region's, their peers the other regions'), then `train` (run.py's
+    _train, the OpenFaaS invoker's path) against the gateways with the rehearsal's token; the exit status."""
+    missing = [r.name for r in workflow.regions if not (build / "regions" / r.name / "stack.yaml").is_file()]
+    if missing:
+        where = build / "regions" / missing[0] / "stack.yaml"
+        print(f"cloudless-run: --rehearse: {where}: not found; compile for OpenFaaS", file=sys.stderr)
         return 2
     try:
-        location = storage_locations(workflow, args.storage, out)[region]
+        locations = storage_locations(workflow, args.storage, out)
     except ValueError as exc:
         print(f"cloudless-run: {exc}", file=sys.stderr)
         return 2
-    here = local_folder(location)
-    overrides = {STORAGE_ENV: str(here.resolve()) if here is not None else location}
-    if os.environ.get(S3_ENDPOINT_ENV):
-        overrides[S3_ENDPOINT_ENV] = os.environ[S3_ENDPOINT_ENV]
+
+    def reachable(location: str) -> str:  # a folder as the functions' processes see it
+        here = local_folder(location)
+        return str(here.resolve()) if here is not None else location
+
     token = secrets.token_hex(32)  # report.md: openssl rand -hex 32
     values = {STORAGE_SECRET: storage_secret(), TOKEN_SECRET: f"{token}\n".encode()}
-    logs = out / "logs" / "openfaas"
+    deployed: dict[str, RegionGateway] = {}
     try:
-        with rehearse_region(folder, values, overrides, logs) as deployed:
-            args.gateway = deployed.gateway.url
-            if not args.quiet:
-                shape = ", ".join(f"{f} x{len(u)}" for f, u in deployed.gateway.urls.items())
-                print(f"rehearsal: OpenFaaS gateway {args.gateway} ({region}): {shape}; logs {logs}", flush=True)
-                print(f"rehearsal: the template's index.py: {deployed.index}", flush=True)
-            return train(args, build, workflow, iterations, out, token)
+        with ExitStack() as stack:
+            for region in workflow.regions:
+                overrides = {STORAGE_ENV: reachable(locations[region.name])}
+                if len(workflow.regions) > 1:
+                    peers = {r.name: reachable(locations[r.name]) for r in workflow.regions if r.name != region.name}
+                    overrides[PEERS_ENV] = json.dumps(peers)
+                if os.environ.get(S3_ENDPOINT_ENV):
+                    overrides[S3_ENDPOINT_ENV] = os.environ[S3_ENDPOINT_ENV]
+                logs = out / "logs" / "openfaas" / (region.name if len(workflow.regions) > 1 else "")
+                folder = build / "regions" / region.name
+                deployed[region.name] = stack.enter_context(rehearse_region(folder, values, overrides, logs))
+                if not args.quiet:
+                    gateway = deployed[region.name].gateway
+                    shape = ", ".join(f"{f} x{len(u)}" for f, u in gateway.urls.items())
+                    print(
+                        f"rehearsal: OpenFaaS gateway {gateway.url} ({region.name}): {shape}; logs {logs}", flush=True
+                    )
+                    print(f"rehearsal: the template's index.py: {deployed[region.name].index}", flush=True)
+            several = len(workflow.regions) > 1
+            args.gateway = [f"{name}={d.gateway.url}" if several else d.gateway.url for name, d in deployed.items()]
+            return train(args, build, workflow, iterations, out, token, lambda region: deployed[region].take_down())
     except RehearsalError as exc:
         print(f"cloudless-run: --rehearse: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -44,7 +43,15 @@ from .controller import Controller
 from .data import data_name
 from .elastic import CapacityChange, RegionFailure, check_regions
 from .emulation import EmulatedChannel, Resources
-from .invokers import Invoker, LambdaInvoker, LocalProcessInvoker, OpenFaaSInvoker
+from .invokers import (
+    Invoker,
+    LambdaInvoker,
+    LocalProcessInvoker,
+    OpenFaaSInvoker,
+    RegionInvokers,
+    gateway_urls,
+    openfaas_token,
+)
 from .preflight import add_arguments as add_preflight_arguments
 from .preflight import gate as preflight_gate
 from .retrying_channel import RetryingChannel, StorageError
@@ -107,7 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="local",
         help="how functions are invoked: local processes (default), an OpenFaaS gateway, AWS Lambda",
     )
-    parser.add_argument("--gateway", default="http://127.0.0.1:8080", help="OpenFaaS gateway URL (--invoker openfaas)")
+    parser.add_argument(
+        "--gateway",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="OpenFaaS gateway URL (--invoker openfaas; default http://127.0.0.1:8080); several regions: "
+        "REGION=URL, one per region (repeatable)",
+    )
     parser.add_argument(
         "--stack",
         action="append",
@@ -219,30 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
 def fail(message: str) -> int:
     print(f"cloudless-run: {message}", file=sys.stderr)
     return 2
-
-
-def openfaas_token(token_file: Path | None) -> str:
-    """The token the OpenFaaS functions require (the value of their secret cloudless-token): the file's
-    content, else $CLOUDLESS_TOKEN. ValueError says where it was looked for, never what it holds."""
-    if token_file is not None:
-        where = f"--token-file {token_file}"
-        try:
-            token = token_file.read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{where}: cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
-    else:
-        where, token = f"${protocol.TOKEN_ENV}", os.environ.get(protocol.TOKEN_ENV, "").strip()
-        if not token:
-            raise ValueError(
-                f"--invoker openfaas: the functions run only requests carrying their token (the OpenFaaS secret "
-                f"{protocol.TOKEN_SECRET}): give --token-file FILE or set {protocol.TOKEN_ENV}"
-            )
-    if not token:
-        raise ValueError(f"{where}: empty; expected the value of the OpenFaaS secret {protocol.TOKEN_SECRET}")
-    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
-        # It travels in an HTTP header: printable ASCII only, and one word.
-        raise ValueError(f"{where}: expected one word of printable ASCII (e.g. openssl rand -hex 32)")
-    return token
 
 
 def deployed_lambda_names(workflow: Workflow, region: str) -> dict[str, str]:
@@ -411,6 +401,13 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(f"--token-file: only with --invoker openfaas, not {args.invoker}")
     if args.stack and args.invoker != "lambda":
         return fail(f"--stack: only with --invoker lambda, not {args.invoker}")
+    if failures and args.invoker != "local" and not args.rehearse:
+        return fail("--fail-region: fault injection takes a region's functions down: only with --rehearse or local")
+    if args.invoker == "openfaas" and not args.rehearse:
+        try:
+            gateway_urls(workflow, list(args.gateway))
+        except ValueError as exc:
+            return fail(str(exc))
     rehearse_aws = args.rehearse and args.invoker == "lambda"
     for _, function in workflow.functions():
         if not (build / function.package / "handler.py").is_file():
@@ -458,10 +455,17 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _train(
-    args: argparse.Namespace, build: Path, workflow: Workflow, iterations: int, out: Path, token: str | None = None
+    args: argparse.Namespace,
+    build: Path,
+    workflow: Workflow,
+    iterations: int,
+    out: Path,
+    token: str | None = None,
+    take_down: Callable[[str], None] | None = None,
 ) -> int:
     """Stage the data, run the workflow, write the outputs into `out`; the exit status. `token`: what the
-    OpenFaaS functions require (--invoker openfaas)."""
+    OpenFaaS functions require (--invoker openfaas); `take_down`: a rehearsal's way to make a region's
+    functions stop answering (--fail-region)."""
     try:
         locations = storage_locations(workflow, args.storage, out)
     except ValueError as exc:
@@ -473,8 +477,10 @@ def _train(
     run_id = args.resume or args.run_id or protocol.new_run_id()
     regions = workflow.regions
     region = regions[0].name
-    if len(regions) > 1 and args.invoker != "local":
-        return fail(f"--invoker {args.invoker}: a workflow of several regions runs here with --invoker local")
+    try:
+        gateways = gateway_urls(workflow, list(args.gateway)) if args.invoker == "openfaas" else {}
+    except ValueError as exc:
+        return fail(str(exc))
     try:
         # Each region's own storage; its requests are counted (several regions: the controller's cost)
         counters = {name: EmulatedChannel(open_channel(where)) for name, where in locations.items()}
@@ -505,7 +511,6 @@ def _train(
         capacity_changes=args.capacity_changes,
         region_failures=args.region_failures,
     )
-    namespace = protocol.namespace(run_id, region)
     invoker: Invoker
     if args.invoker == "local":
         invoker = LocalProcessInvoker(
@@ -516,9 +521,25 @@ def _train(
             threads=args.threads,
         )
     elif args.invoker == "openfaas":
-        invoker = OpenFaaSInvoker(args.gateway, channel, namespace, token=token)
+        invoker = RegionInvokers(
+            {
+                name: OpenFaaSInvoker(url, channels[name], protocol.namespace(run_id, name), token=token)
+                for name, url in gateways.items()
+            },
+            take_down,
+        )
     else:
-        invoker = LambdaInvoker(channel, namespace, deployed_lambda_names(workflow, region))
+        invoker = RegionInvokers(
+            {
+                entry.name: LambdaInvoker(
+                    channels[entry.name],
+                    protocol.namespace(run_id, entry.name),
+                    deployed_lambda_names(workflow, entry.name),
+                )
+                for entry in regions
+            },
+            take_down,
+        )
     every = args.log_every or max(1, iterations // 20)
     began = time.time()
     # Per region: (time, iterations done) of the last line; the rate excludes start-up.

@@ -25,7 +25,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region, rounds_per_execution
+from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region
 from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV
 from cloudless.runtimes import deploy
 from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError, substitute
@@ -41,7 +41,6 @@ ITERATIONS = TWO_STAGE_ITERATIONS  # the two_stages build's (tests/conftest.py)
 ACCOUNT = "123456789012"
 AWS_REGION = "us-east-1"
 STACK = "mlp-digits-trial"
-CHUNK = 2  # iterations per execution here (the generated machine's is larger): the driver continues
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +69,20 @@ class StepFunctionsService(StepFunctionsExecutor):
         return super().execute(record, execution)
 
 
+def deployed_workers(workflow: Any) -> list[dict[str, Any]]:
+    """What a round invokes: every replica of every function, by the ARN the state machine has."""
+    region = workflow.regions[0]
+    return [
+        {
+            "function": f"arn:aws:lambda:{AWS_REGION}:{ACCOUNT}:function:{lambda_function_name(f.name, region.name)}",
+            "stage": f.stage,
+            "replica": replica,
+        }
+        for f in region.functions
+        for replica in range(f.replicas)
+    ]
+
+
 @pytest.fixture
 def stack(
     two_stages, moto_endpoint: str, aws_env: None, monkeypatch: pytest.MonkeyPatch
@@ -88,8 +101,6 @@ def stack(
     names = {f.name: lambda_function_name(f.name, region.name) for f in region.functions}
     arns = {f"{logical_id(f)}Arn": f"arn:aws:lambda:{AWS_REGION}:{ACCOUNT}:function:{n}" for f, n in names.items()}
     text = files[f"regions/{region.name}/statemachine.asl.json"]
-    chunk = rounds_per_execution(sum(f.replicas for f in region.functions))
-    text = text.replace(f'"NumericLessThan": {chunk}', f'"NumericLessThan": {CHUNK}')
     definition = substitute(text, arns)
     role = lambda_role()
     resources: dict[str, Any] = {
@@ -170,11 +181,16 @@ def test_the_driver_trains_on_the_stack_and_a_second_run_trains_again(
             region = metrics["regions"][workflow.regions[0].name]
             assert metrics["status"] == "done" and region["bucket"] == outputs["BucketName"]
             assert (metrics["invoker"], metrics["run_id"], "error" in metrics) == ("lambda", run_id, False)
-            # Two executions: iterations [0, 2), then [2, 3) from where the first stopped.
-            assert [e["input"] for e in region["executions"]] == [
-                {"run": run_id, "attempt": 0, "time_limit_s": 870.0, "start": 0, "stop": ITERATIONS},
-                {"run": run_id, "attempt": 0, "time_limit_s": 870.0, "start": CHUNK, "stop": ITERATIONS},
+            # One execution per round of the machine (1 iteration here: no predicted iteration time), each
+            # from where the last stopped, with the run's plan and every deployed worker.
+            inputs = [e["input"] for e in region["executions"]]
+            assert [(i["start"], i["stop"], i["attempt"], i["max_rounds"]) for i in inputs] == [
+                (start, ITERATIONS, 0, 1) for start in range(ITERATIONS)
             ]
+            assert {(i["run"], i["time_limit_s"], i["plan"]["iterations"]) for i in inputs} == {
+                (run_id, 870.0, ITERATIONS)
+            }
+            assert all(i["workers"] == deployed_workers(workflow) for i in inputs)
             assert [p["iteration"] for p in region["progress"]] == list(range(ITERATIONS))
         # Every invocation carried its run's name, attempt and time limit, and trained (no duplicate).
         calls = [c for e in service.ran for c in e.calls]
@@ -203,7 +219,8 @@ def test_a_failed_execution_is_started_again_with_the_next_attempt(
     assert [(e["input"]["attempt"], e["input"]["start"], e["status"]) for e in executions] == [
         (0, 0, "FAILED"),
         (1, 0, "SUCCEEDED"),
-        (1, CHUNK, "SUCCEEDED"),
+        (1, 1, "SUCCEEDED"),
+        (1, 2, "SUCCEEDED"),
     ]
     model = load_file(out / "model.safetensors")
     for name, value in expected_model.items():

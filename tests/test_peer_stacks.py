@@ -131,6 +131,15 @@ def test_the_driver_refuses_stacks_that_do_not_grant_their_peers(
     workflow = make_workflow()
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     memory = {lambda_function_name(f.name, r.name): f.memory_mb for r in workflow.regions for f in r.functions}
+    try:
+        _check_peers(workflow, memory, moto_endpoint, monkeypatch)
+    finally:  # moto's state lives as long as the session's server: a stack left here is another test's stack
+        for region, name in ((EAST, f"{RUN}-{EAST}"), (WEST, f"{RUN}-{WEST}"), (EAST, "other-east")):
+            client = boto3.client("cloudformation", region_name=region.removeprefix("aws-"), endpoint_url=moto_endpoint)
+            client.delete_stack(StackName=name)
+
+
+def _check_peers(workflow: Any, memory: dict[str, int], moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     east = _deploy(EAST, {WEST: ""}, moto_endpoint)
     west = _deploy(WEST, {EAST: east}, moto_endpoint)
     args = argparse.Namespace(stack=[], preflight_only=True)

@@ -301,14 +301,14 @@ def test_sam_template_content(good_build: Path) -> None:
 def test_state_machine_shape(good_build: Path) -> None:
     definition = json.loads((good_build / "regions" / EAST / "statemachine.asl.json").read_text())
     states = definition["States"]
-    assert [w["replica"] for w in states["Workers"]["Result"]] == [0, 0, 1, 0, 1, 2, 3]
-    assert states["Workers"]["Result"][0] == {"function": "${MlpDigitsS0FunctionArn}", "stage": 0, "replica": 0}
+    assert [w["replica"] for w in states["DefaultWorkers"]["Result"]] == [0, 0, 1, 0, 1, 2, 3]
+    assert states["DefaultWorkers"]["Result"][0] == {"function": "${MlpDigitsS0FunctionArn}", "stage": 0, "replica": 0}
     iteration = states["Iteration"]
     assert iteration["Type"] == "Map" and iteration["MaxConcurrency"] == 7
     invoke = iteration["ItemProcessor"]["States"]["Invoke"]
     assert invoke["Resource"] == "arn:aws:states:::lambda:invoke"
     # Every invocation carries the run's name, attempt and time limit (a new run trains anew in the same
-    # bucket); several regions: also the region's iterations.
+    # bucket) and the coordinator's plan of the region; several regions: also the region's iterations.
     assert invoke["Parameters"]["Payload"] == {
         "start.$": "$.start",
         "stop.$": "$.stop",
@@ -316,8 +316,11 @@ def test_state_machine_shape(good_build: Path) -> None:
         "run.$": "$.run",
         "attempt.$": "$.attempt",
         "time_limit_s.$": "$.time_limit_s",
+        "plan.$": "$.plan",
         "iterations.$": "$.iterations",
     }
+    # the workers and the number of rounds an execution runs: the input's, else the deployed ones
+    assert states["Continue"]["Choices"][0]["And"][1] == {"Variable": "$.round", "NumericLessThanPath": "$.max_rounds"}
     # a round's range: from the iteration to at most `span` more, clamped to the stop
     assert iteration["ItemSelector"]["start.$"] == "$.iteration" and iteration["ItemSelector"]["stop.$"] == "$.next"
     assert states["RangeEnd"]["Parameters"]["next.$"].startswith("States.MathAdd($.iteration, ")
@@ -844,7 +847,14 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
             return json.loads(described["output"]), history
 
         output, history = run({"start": 0, "stop": 2})
-        assert output == {"iteration": 2, "stop": 2, "run": output["run"], "attempt": 0, "time_limit_s": 870.0}
+        assert output == {
+            "iteration": 2,
+            "stop": 2,
+            "run": output["run"],
+            "attempt": 0,
+            "time_limit_s": 870.0,
+            "plan": {},
+        }
         if len(region_workers) <= 40:  # an inline Map: the invocations are the execution's own events
             invoked = [
                 json.loads(e["taskScheduledEventDetails"]["parameters"])
@@ -872,13 +882,21 @@ def test_state_machine_runs_in_moto(replicas: tuple[int, int, int], monkeypatch:
                 )
             # the parent's history does not grow with the workers
             assert not any(e["type"] == "TaskScheduled" for e in history)
-            assert len(history) <= 2 * (EVENTS_PER_DISTRIBUTED_MAP + EVENTS_PER_ROUND) + 8
+            # + the input's defaults and Init (at most 15 states, 2 events each), within HISTORY_EVENTS_RESERVED
+            assert len(history) <= 2 * (EVENTS_PER_DISTRIBUTED_MAP + EVENTS_PER_ROUND) + 2 * 15
 
         output, _ = run({"stop": 1})  # start defaults to 0
         # run defaults to the execution's name, attempt to 0, the time limit to the shortest timeout - 30 s
-        assert output == {"iteration": 1, "stop": 1, "run": "run-1-None", "attempt": 0, "time_limit_s": 870.0}
+        assert output == {
+            "iteration": 1,
+            "stop": 1,
+            "run": "run-1-None",
+            "attempt": 0,
+            "time_limit_s": 870.0,
+            "plan": {},
+        }
         output, history = run({"start": 3, "stop": 3})  # nothing to do
-        assert output == {"iteration": 3, "stop": 3, "run": "run-2-3", "attempt": 0, "time_limit_s": 870.0}
+        assert output == {"iteration": 3, "stop": 3, "run": "run-2-3", "attempt": 0, "time_limit_s": 870.0, "plan": {}}
         assert not any(e["type"] == "TaskScheduled" for e in history)
 
 

@@ -38,6 +38,9 @@ import json, os, pathlib, time
 
 def handle(event, context):
     request = json.loads(event.body or b"{}")
+    if "allocate_mb" in request:  # more than the container's limit, held until it is killed
+        held = b"x" * (request["allocate_mb"] << 20)
+        time.sleep(60)
     if "wait_for" in request:
         pathlib.Path(request["started"]).touch()
         while not pathlib.Path(request["wait_for"]).exists():
@@ -164,6 +167,28 @@ def test_a_replica_whose_process_ends_is_restarted_as_kubernetes_restarts_a_cont
         assert json.loads(body)["pid"] != killed
         assert deployed.replicas[0].restarts == 1
     assert "index.py ended" in (tmp_path / "logs" / "probe-0.log").read_text()
+
+
+def test_a_replica_over_its_memory_limit_is_killed_and_started_again(tmp_path: Path) -> None:
+    """limits.memory (256Mi here), as the kernel holds a container to it: a call that makes the replica's
+    processes hold more ends without an answer (OOMKilled, in the replica's log), and the replica is
+    started again, as Kubernetes restarts the container."""
+    folder = region_folder(tmp_path)
+    with rehearse_region(folder, {TOKEN_SECRET: b"t"}, {}, tmp_path / "logs") as deployed:
+        url = f"{deployed.gateway.url}/function/probe"
+        status, body, _ = post(url, {})
+        assert status == 200
+        before = json.loads(body)["pid"]
+        status, _, _ = post(url, {"allocate_mb": 400})
+        assert status in (500, 502)
+        for _ in range(3000):  # however long a loaded machine takes to start it again
+            status, body, _ = post(url, {})
+            if status == 200:
+                break
+            threading.Event().wait(0.1)
+        assert status == 200 and json.loads(body)["pid"] != before
+        assert (deployed.replicas[0].oom_kills, deployed.replicas[0].restarts) == (1, 1)
+    assert "OOMKilled: " in (tmp_path / "logs" / "probe-0.log").read_text()
 
 
 def test_a_busy_replica_answers_429_and_the_gateway_passes_it_back(tmp_path: Path) -> None:
@@ -311,22 +336,3 @@ def test_a_rehearsal_of_the_mlp_in_two_stages_trains_as_plain_pytorch(
         for headers in ({}, {TOKEN_HEADER: "wrong"}):
             status, body, _ = post(f"{deployed.gateway.url}/function/{first}", {"iteration": 0}, headers)
             assert status == 401 and b"unauthorized" in body
-
-
-@pytest.mark.slow  # the geo compile
-def test_a_workflow_of_several_regions_is_refused_in_one_line(
-    compile_cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The OpenFaaS invoker drives one region today: a geo build's rehearsal is refused before anything starts."""
-    build = tmp_path / "geo"
-    geo = MLP.parent / "mlp_digits_geo.py"
-    profile = Path(__file__).resolve().parent / "golden" / "mlp_digits_geo" / "ir" / "blocks.json"
-    regions = ("--regions", "aws-us-east-1,aws-eu-west-1", "--objective", "time")
-    code, _, err = compile_cli(str(geo), "-o", str(build), "-q", "--profile", str(profile), *regions)
-    assert code == 0, err
-    assert run_main([str(build), "--invoker", "openfaas", "--rehearse", "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err == (
-        "cloudless-run: --rehearse: one region at a time for now; this workflow has aws-us-east-1, aws-eu-west-1\n"
-    )
-    assert not (tmp_path / "out" / "logs").exists()  # no gateway, no replica

@@ -21,7 +21,7 @@ import torch
 from cloudless.codegen.platforms import LAMBDA_RETRY_ERRORS, lambda_function_name, logical_id, render_region, workers
 from cloudless.ir import protocol
 from cloudless.ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, RUN_STOPPED_ERROR, ExecutionInput
-from cloudless.ir.protocol import STORAGE_ENV
+from cloudless.ir.protocol import STORAGE_ENV, Invocation
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError, substitute
 from cloudless.runtimes.openfaas_gateway import load_handler
@@ -97,12 +97,19 @@ def test_the_state_machine_trains_what_cloudless_run_trains_and_trains_again(
         execution = Execution(machine, given, invoke, name=f"execution-{number}")
         output = execution.run()
         run = given.get("run", execution.name)  # by default the execution's name
-        assert output == {"iteration": ITERATIONS, "stop": ITERATIONS, "run": run, "attempt": 0, "time_limit_s": limit}
+        assert output == {
+            "iteration": ITERATIONS,
+            "stop": ITERATIONS,
+            "run": run,
+            "attempt": 0,
+            "time_limit_s": limit,
+            "plan": {},
+        }
         workers_ = [(f.name, r) for f in region.functions for r in range(f.replicas)]
         assert len(execution.calls) == len(workers_) * ITERATIONS
         for call in execution.calls:
             payload = call.payload
-            assert set(payload) == {"start", "stop", "replica", "run", "attempt", "time_limit_s"}
+            assert set(payload) == {"start", "stop", "replica", "run", "attempt", "time_limit_s", "plan"}
             assert (payload["run"], payload["attempt"], payload["time_limit_s"]) == (run, 0, limit)
             # Each trained: none took the other run's markers for its own (a duplicate trains nothing).
             assert call.result["status"] == "done" and not call.result["duplicate"], call.result
@@ -160,7 +167,7 @@ def test_every_worker_of_an_iteration_runs_at_once_with_the_run_attempt_and_time
     stub = Barrier(len(region_workers))
     given = {"run": "r1", "attempt": 2, "time_limit_s": 12.5, "start": 5, "stop": 7}
     execution = Execution(definition(workflow, EAST), given, stub, name="e1")
-    assert execution.run() == {"iteration": 7, "stop": 7, "run": "r1", "attempt": 2, "time_limit_s": 12.5}
+    assert execution.run() == {"iteration": 7, "stop": 7, "run": "r1", "attempt": 2, "time_limit_s": 12.5, "plan": {}}
     expected = sorted((arn(w.function, EAST), i, w.replica) for w in region_workers for i in (5, 6))
     assert sorted((c.function, c.payload["start"], c.payload["replica"]) for c in execution.calls) == expected
     carried = {(c.payload["run"], c.payload["attempt"], c.payload["time_limit_s"]) for c in execution.calls}
@@ -184,6 +191,7 @@ def test_the_defaults_of_the_input_and_several_regions_own_iteration_counts() ->
             "run": f"default-{region}",
             "attempt": 0,
             "time_limit_s": limit,
+            "plan": {},
         }
         assert sorted({p["start"] for p in stub.payloads}) == list(range(stop))
         # Several regions: each invocation says how many iterations its region trains.
@@ -192,17 +200,38 @@ def test_the_defaults_of_the_input_and_several_regions_own_iteration_counts() ->
 
 def test_the_drivers_typed_input_is_what_the_state_machine_reads_and_returns() -> None:
     """The driver's ExecutionInput, every field given, runs as given: each payload carries the carried
-    fields, and the output continued by ExecutionInput.continued is the next execution's input."""
-    workflow = make_workflow((1, 1, 1))
+    fields (the coordinator's plan of the region among them), a round invokes the workers given (fewer
+    replicas where capacity shrank), `max_rounds` ends the execution after its rounds, and the output
+    continued by ExecutionInput.continued is the next execution's input."""
+    workflow = make_workflow((1, 2, 2))
     limit = float(min(f.timeout_s for f in workflow.region(EAST).functions) - 30)
-    sent = ExecutionInput(start=1, stop=3, attempt=2, time_limit_s=limit / 2, run="typed")
+    plan = {"iterations": 9, "rounds": 3, "since": 1, "first_round": 1, "replicas": [1, 1, 1], "weight": 0.5}
+    given = tuple(
+        {"function": arn(w.function, EAST), "stage": w.stage, "replica": w.replica}
+        for w in workers(workflow, EAST)
+        if w.replica == 0
+    )
+    sent = ExecutionInput(
+        start=1, stop=5, attempt=2, time_limit_s=limit / 2, run="typed", plan=plan, workers=given, max_rounds=1
+    )
     assert set(EXECUTION_FIELDS) == set(sent.to_json()) and set(CARRIED_FIELDS) < set(EXECUTION_FIELDS)
-    stub = Barrier(3)
-    output = Execution(definition(workflow, EAST), sent.to_json(), stub, name="unused").run()
-    assert output == {"iteration": 3, "stop": 3, "run": "typed", "attempt": 2, "time_limit_s": limit / 2}
-    assert {tuple(p[name] for name in CARRIED_FIELDS) for p in stub.payloads} == {("typed", 2, limit / 2)}
-    assert sorted({p["start"] for p in stub.payloads}) == [1, 2]
-    assert sent.continued(output) == dataclasses.replace(sent, start=3)
+    stub = Barrier(len(given))
+    execution = Execution(definition(workflow, EAST), sent.to_json(), stub, name="unused")
+    output = execution.run()
+    # One round of the given workers (the machine's span here: 1 iteration), then the execution ends.
+    assert output == {"iteration": 2, "stop": 5, "run": "typed", "attempt": 2, "time_limit_s": limit / 2, "plan": plan}
+    called = sorted((c.function, c.payload["replica"]) for c in execution.calls)
+    assert called == sorted((w["function"], 0) for w in given)
+    assert {tuple(str(p[name]) for name in CARRIED_FIELDS) for p in stub.payloads} == {
+        ("typed", "2", str(limit / 2), str(plan))
+    }
+    # The handler reads the plan's fields as the payload's own.
+    invocation = Invocation.from_json(stub.payloads[0])
+    assert (invocation.iterations, invocation.rounds, invocation.since, invocation.replicas) == (9, 3, 1, (1, 1, 1))
+    assert sent.continued(output) == dataclasses.replace(sent, start=2)
+    # Without the coordinator's fields the machine runs every deployed worker until `stop`.
+    plain = ExecutionInput(start=1, stop=3, attempt=0, time_limit_s=limit, run="plain")
+    assert set(plain.to_json()) == {"start", "stop", "attempt", "time_limit_s", "run"}
 
 
 def test_transient_lambda_errors_are_retried_and_a_function_error_fails_the_execution() -> None:
