@@ -160,13 +160,30 @@ def test_a_controller_paused_mid_run_catches_up_at_once(long_pipeline: Path, tmp
     did not read: it rebuilds them from the invocations' results instead of waiting 2 s for each, and
     the throughput it prints is measured, not divided by the rebuilt reports' zero steps."""
 
+    storage = tmp_path / "storage"
+
+    def checkpointed() -> int:
+        """The newest checkpoint every stage's record names (its `latest_state_key`), 0 before one."""
+        newest = []
+        for record in storage.rglob("state/s*/latest"):
+            try:
+                newest.append(int(json.loads(record.read_text())["latest"]))
+            except (OSError, ValueError, KeyError):
+                newest.append(0)  # being written
+        return min(newest, default=0)
+
     def pause(process: subprocess.Popen[str]) -> None:
         os.kill(process.pid, signal.SIGSTOP)
-        time.sleep(30)  # the functions pass two checkpoints meanwhile (every 100 iterations)
+        # Until the functions pass two checkpoints (every 100 iterations) without it, however long a
+        # loaded machine takes; they sweep the reports it has not read.
+        began = checkpointed()
+        deadline = time.monotonic() + HANG_S
+        while checkpointed() < began + 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
         os.kill(process.pid, signal.SIGCONT)
 
     out = tmp_path / "out"
-    code, stderr = run_and_meddle(long_pipeline, out, ["--storage", str(tmp_path / "storage")], pause)
+    code, stderr = run_and_meddle(long_pipeline, out, ["--storage", str(storage)], pause)
     assert code == 0, stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "done" and len(metrics["progress"]) == ITERATIONS
