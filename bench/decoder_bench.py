@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from cloudless.compiler.cli import main as compile_main
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.ir.files import load_workflow
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.run import main as cloudless_run
+from cloudless.runtimes.cli import main as cloudless_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "llama_text.py"

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from cloudless.compiler.annotate import annotate
-from cloudless.compiler.coarsen import DEFAULT_BLOCKS, coarsen
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.annotate import annotate
+from cloudless.compiler.frontend.coarsen import DEFAULT_BLOCKS, coarsen
+from cloudless.compiler.frontend.model_file import load_model_file
+from cloudless.compiler.frontend.profile import loss_function, profile_blocks
+from cloudless.compiler.frontend.state import preserved_state
+from cloudless.compiler.frontend.trace import export_module, trace_model
 from cloudless.compiler.pipeline import _default_batch_size
-from cloudless.compiler.profile import loss_function, profile_blocks
-from cloudless.compiler.state import preserved_state
-from cloudless.compiler.trace import export_module, trace_model
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 ALL = ["mlp_digits", "resnet50", "resnet101", "gpt2", "bert_large"]

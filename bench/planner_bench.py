@@ -28,13 +28,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cloudless.compiler import planner
-from cloudless.compiler.baselines import baselines
-from cloudless.compiler.cost_model import Problem, problem_from_chain
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
-from cloudless.compiler.plan import PlanOptions, plan_training
-from cloudless.compiler.planner import solve, stage_configs
+from cloudless.compiler.planner import pipeline_milp as planner
+from cloudless.compiler.planner.baselines import baselines
+from cloudless.compiler.planner.cost_model import Problem, problem_from_chain
+from cloudless.compiler.planner.pipeline_milp import solve
+from cloudless.compiler.planner.pipeline_program import stage_configs
+from cloudless.compiler.planner.plan import PlanOptions, plan_training
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir.catalog import load_catalog
 

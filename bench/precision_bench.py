@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from cloudless.compiler.coarsen import block_cuts
-from cloudless.compiler.cost_model import CostModel, Plan, StageChoice
+from cloudless.compiler.frontend.coarsen import block_cuts
+from cloudless.compiler.frontend.split import partition
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
-from cloudless.compiler.plan import PlanOptions, build_problem
-from cloudless.compiler.planner import solve
-from cloudless.compiler.split import partition
-from cloudless.runtimes.tensors import autocast, pack, wire_dtype
+from cloudless.compiler.planner.cost_model import CostModel, Plan, StageChoice
+from cloudless.compiler.planner.pipeline_milp import solve
+from cloudless.compiler.planner.plan import PlanOptions, build_problem
+from cloudless.runtimes.storage.tensors import autocast, pack, wire_dtype
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 

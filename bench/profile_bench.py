@@ -10,7 +10,7 @@ processes run: none, steadily, or in bursts (busy 0.25 s, asleep 0.25 s). The ma
 (other users) is shown as the 1-minute load average.
 Both chains are planned (--objective, default time) and the predicted iteration times compared with
 the first unloaded round's. Target (issue 16): two compiles' predictions within 20%, or the new
-profile warns (compiler/profile.py: profile_warnings).
+profile warns (compiler/frontend/profile.py: profile_warnings).
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
-from cloudless.compiler.plan import PlanOptions, plan_training
-from cloudless.compiler.profile import (
+from cloudless.compiler.frontend.profile import (
     UNSTABLE_SHARE,
     Probe,
     ProfileRuns,
@@ -42,6 +40,8 @@ from cloudless.compiler.profile import (
     measure_runs,
     profile_warnings,
 )
+from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
+from cloudless.compiler.planner.plan import PlanOptions, plan_training
 from cloudless.ir import BlockChain
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from cloudless.compiler.build import package_files, write_build
-from cloudless.compiler.cost_model import CostModel, Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, run_front_end
-from cloudless.compiler.plan import PlanOptions, build_problem
-from cloudless.compiler.simulate import simulate
+from cloudless.compiler.planner.cost_model import CostModel, Plan, StageChoice
+from cloudless.compiler.planner.plan import PlanOptions, build_problem
+from cloudless.compiler.planner.simulate import simulate
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.run import main as cloudless_run
+from cloudless.runtimes.cli import main as cloudless_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"mid_mlp": ROOT / "bench" / "models" / "mid_mlp.py", "mlp_digits": ROOT / "samples" / "mlp_digits.py"}

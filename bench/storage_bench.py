@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 from cloudless.compiler.build import package_files, write_build
-from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
 from cloudless.compiler.pipeline import FrontEndOptions, lower, run_front_end
+from cloudless.compiler.planner.cost_model import Plan, StageChoice
 from cloudless.ir.catalog import load_catalog
-from cloudless.runtimes.run import main as cloudless_run
-from cloudless.runtimes.storage import open_channel
+from cloudless.runtimes.cli import main as cloudless_run
+from cloudless.runtimes.storage.channels import open_channel
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "mlp_digits.py"

@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloudless.compiler.cost_model import CostModel, Problem
+from cloudless.compiler.planner.cost_model import CostModel, Problem
 from cloudless.ir.catalog import load_catalog
 from cloudless.ir.schedule import MAX_SYNC_PIECES, SYNC_PIECE_BYTES, sync_pieces
-from cloudless.runtimes.emulation import EmulatedChannel, Resources
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.sync import scatter_reduce
+from cloudless.runtimes.function.scatter_reduce import scatter_reduce
+from cloudless.runtimes.storage.channels import DirectoryChannel
+from cloudless.runtimes.storage.emulation import EmulatedChannel, Resources
 
 TARGET = 0.85
 BLOCK = 2**20

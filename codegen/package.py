@@ -3,8 +3,9 @@
 `regions/<region>/functions/<fn>/` holds the handler (OpenFaaS and Lambda entry points), the stage's
 generated source and weights (safetensors), the loss module on the last stage, `function.json` (the
 function's name and region and the whole workflow), the requirements, a Dockerfile for Lambda's
-container image, and the vendored runtime: `cloudless/runtimes/` (this project's `runtimes/`, but
-the controller and the local runner) with the `cloudless/ir/` modules it imports (the workflow, the
+container image, and the vendored runtime: `cloudless/runtimes/function/` and `cloudless/runtimes/storage/`
+(the worker and the storage channels: this project's folders of those names, whole) with the `cloudless/ir/`
+modules they import (the workflow, the
 schedule and the protocol: standard library and torch only), under the same import names as here. What the
 images are built from (Python 3.12 on Amazon Linux 2023 for Lambda, on Debian bookworm for OpenFaaS) is
 codegen/images.py's.
@@ -93,30 +94,11 @@ IMAGE_MARKERS = {
 }
 #: what the images install anyway: torch (its own step, with its dependencies) and the pinned packages
 _INSTALLED_OTHERWISE = frozenset({"torch", *(pin.name for pin in PYPI_PINS)})
-#: what a function runs, by package: the runtime modules (the controller and local runner stay out
-#: of the packages) and the ir modules they import
-VENDORED_MODULES = {
-    "runtimes": (
-        "__init__",
-        "checkpoints",
-        "data",
-        "emulation",
-        "failures",
-        "function_channel",
-        "initial_weights",
-        "pipeline_steps",
-        "polling",
-        "region_sync",
-        "replica_sync",
-        "secrets",
-        "storage",
-        "sync",
-        "tensors",
-        "worker",
-        "worker_base",
-    ),
-    "ir": ("__init__", "protocol", "schedule", "workflow"),
-}
+#: what a function runs: every module of these runtime folders (the stage worker and its parts, and the
+#: storage channels it reads and writes through; the control plane, the clouds' drivers and the local clouds
+#: stay out of the packages), and the ir modules they import (the run contract: standard library and torch)
+VENDORED_FOLDERS = ("runtimes/function", "runtimes/storage")
+VENDORED_IR = ("__init__", "protocol", "schedule", "workflow")
 
 
 @cache
@@ -131,13 +113,18 @@ def _environment() -> jinja2.Environment:
 
 @cache
 def runtime_sources() -> dict[str, bytes]:
-    """The vendored modules by path in a package (`cloudless/<package>/<module>.py`)."""
-    sources = {}
-    for package, modules in VENDORED_MODULES.items():
-        folder = resources.files(f"cloudless.{package}")
-        for name in modules:
-            sources[f"cloudless/{package}/{name}.py"] = folder.joinpath(f"{name}.py").read_bytes()
-    return sources
+    """The vendored modules by path in a package (`cloudless/runtimes/function/worker.py`), in path order."""
+    runtimes = resources.files("cloudless.runtimes")
+    sources = {"cloudless/runtimes/__init__.py": runtimes.joinpath("__init__.py").read_bytes()}
+    for folder in VENDORED_FOLDERS:
+        package = resources.files("cloudless." + folder.replace("/", "."))
+        for entry in package.iterdir():
+            if entry.name.endswith(".py"):
+                sources[f"cloudless/{folder}/{entry.name}"] = entry.read_bytes()
+    ir = resources.files("cloudless.ir")
+    for name in VENDORED_IR:
+        sources[f"cloudless/ir/{name}.py"] = ir.joinpath(f"{name}.py").read_bytes()
+    return dict(sorted(sources.items()))
 
 
 def weights_bytes(state: dict[str, torch.Tensor]) -> bytes:

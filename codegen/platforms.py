@@ -60,7 +60,7 @@ OPENFAAS_GATEWAY = "http://127.0.0.1:8080"
 TIMEOUT_MARGIN_S = 10
 
 #: What a Lambda function may do with the objects under the run's prefix, and nothing more: the worker's
-#: storage requests (runtimes/storage.py, S3Channel) are GetObject (`try_get`), PutObject (`put`, and `claim`,
+#: storage requests (runtimes/storage/channels.py, S3Channel) are GetObject (`try_get`), PutObject (`put`, and `claim`,
 #: a conditional PutObject with If-None-Match, which needs no other right) and DeleteObject (`delete`).
 #: `delete_prefix` (ListObjectsV2, DeleteObjects) is the controller's, which runs with the user's credentials.
 #: The role also gets s3:ListBucket on the bucket (and on the peers' buckets), with no s3:prefix condition: S3
@@ -401,7 +401,7 @@ def _render_template(workflow: Workflow, entry: Region, tags: Mapping[str, str])
 
 def default_time_limit(entry: Region) -> float:
     """The time limit an invocation gets when the execution's input names none: 30 s less than the region's
-    shortest function timeout (at least 1 s), as cloudless-run gives (runtimes/controller.py)."""
+    shortest function timeout (at least 1 s), as cloudless-run gives (runtimes/control/controller.py)."""
     return float(max(1, min(function.timeout_s for function in entry.functions) - 30))
 
 

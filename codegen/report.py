@@ -323,7 +323,7 @@ def region_picture(schedule: RegionSchedule) -> list[str]:
 
 def why_lines(plan: TrainingPlan) -> list[str]:
     """The "Why this plan" section: one bullet per family of plans the chosen plan is not in (plan.json's
-    `explanation`, compiler/explain.py), with its best plan and the term it loses most by."""
+    `explanation`, compiler/planner/explain.py), with its best plan and the term it loses most by."""
     measure = "time" if plan.objective in ("time", "time-under-budget") else "cost"
     lines = [
         "For each family of plans this one is not in: the family's best plan for the objective within the limits "

@@ -28,10 +28,10 @@ from ..ir.files import BUILD_MARKER, build_manifest, plan_text, workflow_text
 from ..ir.folders import FolderError, check_output_folder, run_lock, run_outputs, shortened
 from ..ir.graph import OpGraph, dumps
 from ..ir.plan import TrainingPlan
+from .frontend.verify import check_library_ops_resolve, check_stage_loads
 from .lower import Lowered
-from .plan import PlanOptions
-from .simulate import Timeline
-from .verify import check_library_ops_resolve, check_stage_loads
+from .planner.plan import PlanOptions
+from .planner.simulate import Timeline
 
 
 def build_files(

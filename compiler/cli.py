@@ -22,16 +22,16 @@ from ..ir.arguments import OneLineParser
 from ..ir.catalog import load_catalog, registry_problem
 from ..ir.folders import FolderError, check_output_folder
 from ..ir.schema import SchemaError
-from .baselines import ratio, ratio_text
-from .coarsen import DEFAULT_BLOCKS
 from .errors import CompileError, display_path
-from .explain import summary_line
+from .frontend.coarsen import DEFAULT_BLOCKS
+from .frontend.profile import profile_warnings
+from .frontend.stand_ins import STAGED_WEIGHTS_BYTES
+from .frontend.verify import TOLERANCE
 from .pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
-from .plan import PlanOptions
-from .profile import profile_warnings
-from .solver import solver_log
-from .stand_ins import STAGED_WEIGHTS_BYTES
-from .verify import TOLERANCE
+from .planner.baselines import ratio, ratio_text
+from .planner.explain import summary_line
+from .planner.plan import PlanOptions
+from .planner.solver import solver_log
 
 #: --verify without a plan splits into this many stages unless --stages says otherwise
 DEFAULT_VERIFY_STAGES = 4
@@ -381,7 +381,7 @@ def _main(argv: Sequence[str] | None) -> int:
             + ("; --verify was skipped (stand-ins hold no weights to compare)" if args.verify else ""),
             markup=False,
         )
-    # An unstable or loaded profile (compiler/profile.py): on stderr, after the summary, and -q keeps them.
+    # An unstable or loaded profile (compiler/frontend/profile.py): on stderr, after the summary, and -q keeps them.
     for warning in profile_warnings(result.front.chain, reused_from=args.profile):
         console.print(f"cloudless-compile: warning: {warning}", markup=False)
     for warning in deployment_warnings(args.output):  # e.g. OpenFaaS images without a registry to push to
@@ -444,7 +444,7 @@ def print_plan(out: Console, result: Compiled) -> None:
                 f"  baseline    {b.name}: {b.evaluation.iteration_s:.2f} s, {b.evaluation.cost_usd * 1e3:.4f} mUSD "
                 f"per iteration (ours: {ratio_text(time_ratio)} time, {ratio_text(cost_ratio)} cost)"
             )
-    # Why this plan: compiler/explain.py's comparison, as the plan pass recorded it (plan.json's).
+    # Why this plan: compiler/planner/explain.py's comparison, as the plan pass recorded it (plan.json's).
     why = summary_line(result.record) if result.record is not None else None
     if why is not None:
         out.print(f"  why         {why}", markup=False)

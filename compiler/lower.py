@@ -45,10 +45,10 @@ from ..ir.workflow import (
     WanLink,
     Workflow,
 )
-from .cost_model import Plan, checkpoint_interval
 from .errors import CompileError
-from .model_file import ModelFile, probe_learning_rates, probe_optimizer, probe_parameter_groups
-from .trace import trace_model
+from .frontend.model_file import ModelFile, probe_learning_rates, probe_optimizer, probe_parameter_groups
+from .frontend.trace import trace_model
+from .planner.cost_model import Plan, checkpoint_interval
 
 
 def default_staleness_bound(training_regions: int) -> int:

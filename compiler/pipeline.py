@@ -26,11 +26,24 @@ from ..ir.blocks import BlockChain
 from ..ir.graph import OpGraph
 from ..ir.plan import TrainingPlan
 from ..ir.workflow import Schedule, Workflow
-from .annotate import annotate_run, fetch_attr
 from .build import build_files, write_build
-from .coarsen import DEFAULT_BLOCKS, MAX_BLOCK_PARAM_BYTES, balanced_ranges, block_cuts, coarsen, compute_positions
 from .errors import CompileError, ModelFileError, display_path
-from .geo import region_shares
+from .frontend.annotate import annotate_run, fetch_attr
+from .frontend.coarsen import (
+    DEFAULT_BLOCKS,
+    MAX_BLOCK_PARAM_BYTES,
+    balanced_ranges,
+    block_cuts,
+    coarsen,
+    compute_positions,
+)
+from .frontend.model_file import ModelFile, default_loss, load_model_file, probe_learning_rates
+from .frontend.profile import loss_function, profile_blocks, reuse_profile
+from .frontend.split import inline_leaf_modules, partition
+from .frontend.stand_ins import holds_stand_ins, staged_parameter_names
+from .frontend.state import preserved_state, release_free_memory
+from .frontend.trace import TracedProgram, trace_model
+from .frontend.verify import VerifyReport, verify_stages
 from .lower import (
     InterRegion,
     Lowered,
@@ -42,16 +55,10 @@ from .lower import (
     loss_source,
     lower_plan,
 )
-from .model_file import ModelFile, default_loss, load_model_file, probe_learning_rates
-from .plan import PlanOptions, PlanResult, plan_training
-from .plan_record import plan_record
-from .profile import loss_function, profile_blocks, reuse_profile
-from .simulate import Timeline, simulate
-from .split import inline_leaf_modules, partition
-from .stand_ins import holds_stand_ins, staged_parameter_names
-from .state import preserved_state, release_free_memory
-from .trace import TracedProgram, trace_model
-from .verify import VerifyReport, verify_stages
+from .planner.geo import region_shares
+from .planner.plan import PlanOptions, PlanResult, plan_training
+from .planner.plan_record import plan_record
+from .planner.simulate import Timeline, simulate
 
 DEFAULT_BATCH_SIZE = 2
 #: iterations a learning-rate schedule is first checked over when TRAINING gives none (epochs)

@@ -35,7 +35,7 @@ class Block:
     """A contiguous range of op-graph nodes (by topological position, inclusive).
 
     `input_bytes`/`output_bytes` count every tensor live across the cut before/after the block,
-    skip connections included. Times are the fastest of the timed runs (compiler/profile.py), in seconds.
+    skip connections included. Times are the fastest of the timed runs (compiler/frontend/profile.py), in seconds.
     """
 
     index: int
@@ -61,7 +61,7 @@ class Block:
 @dataclass
 class ProfileStability:
     """How well the profile's repeated measurements agreed: what the compile warns from, never a
-    planning input (compiler/profile.py defines the figures and the thresholds).
+    planning input (compiler/frontend/profile.py defines the figures and the thresholds).
 
     `spread` and `reference_spread` are the relative gap between the two fastest timed runs of the
     whole chain, and between the two fastest reference matmuls; `cpu_share` is the CPU time the

@@ -1,5 +1,5 @@
 """What a deployed SAM stack exports, as the generated template names it and the deploy-and-train driver
-(runtimes/deploy.py) reads it: the stack's output keys and each stage function's logical id."""
+(runtimes/clouds/deploy.py) reads it: the stack's output keys and each stage function's logical id."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class ExecutionInput:
     `iteration` (where it stopped) in place of `start`, so that the next execution's input is
     `continued(output)`.
 
-    The run's coordinator (runtimes/controller.py) adds what a re-plan of the region decided: `plan`, the
+    The run's coordinator (runtimes/control/controller.py) adds what a re-plan of the region decided: `plan`, the
     invocation fields of the region's plan now (`protocol.Invocation`'s `iterations`, `rounds`, `since`,
     `first_round`, `replicas`, `weight`, `region_timeout`, `timeout`), which every invocation's payload
     carries; `workers`, the (function, stage, replica) items a round invokes (fewer replicas where capacity

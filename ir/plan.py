@@ -23,7 +23,7 @@ PLAN_KIND = "Plan"
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
 SolverStatus = Literal["optimal", "feasible"]
-#: the families of plans the chosen plan is compared with (compiler/explain.py)
+#: the families of plans the chosen plan is compared with (compiler/planner/explain.py)
 AlternativeFamily = Literal[
     "pipeline",
     "data-parallel",
@@ -282,7 +282,8 @@ class AlternativeStage(_Document):
 
 @dataclass(frozen=True)
 class PlanTerm(_Document):
-    """One term of an iteration's time or cost (compiler/explain.py), in an alternative and in the chosen plan."""
+    """One term of an iteration's time or cost (compiler/planner/explain.py), in an alternative and in the
+    chosen plan."""
 
     name: str
     alternative: float
@@ -292,7 +293,7 @@ class PlanTerm(_Document):
 @dataclass(frozen=True)
 class Alternative(_Document):
     """Why the plan won: the best plan of a family the chosen plan is not in, on the same cost model, and
-    the term it loses by (compiler/explain.py)."""
+    the term it loses by (compiler/planner/explain.py)."""
 
     family: AlternativeFamily
     label: str

@@ -1,6 +1,6 @@
 """The timeline of one training iteration: which task ran on which function's lane, and when.
 
-The compiler's simulator (`cloudless.compiler.simulate`) produces it and the report
+The compiler's simulator (`cloudless.compiler.planner.simulate`) produces it and the report
 (`cloudless.codegen.report`) draws it; it lives here so that neither imports the other. Standard
 library only.
 """

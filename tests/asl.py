@@ -1,6 +1,6 @@
-"""The tests' Lambda invokes for the ASL interpreter (cloudless.runtimes.asl): the generated handlers run
+"""The tests' Lambda invokes for the ASL interpreter (cloudless.runtimes.rehearsal.asl): the generated handlers run
 in this process (InProcessLambda) or each invocation in a cold `python handler.py` process (ProcessLambda).
-The rehearsal's own invoke, through the runtime interface client, is cloudless.runtimes.lambda_local."""
+The rehearsal's own invoke, through the runtime interface client, is cloudless.runtimes.rehearsal.lambda_local."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cloudless.runtimes.asl import FunctionError
+from cloudless.runtimes.rehearsal.asl import FunctionError
 
 
 class ProcessLambda:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from cloudless.compiler.cost_model import BlockCost, Plan, Problem, StageChoice
+from cloudless.compiler.planner.cost_model import BlockCost, Plan, Problem, StageChoice
 from cloudless.ir.catalog import load_catalog
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cloudless.compiler.model_file import ModelFile, make_model_optimizer
+from cloudless.compiler.frontend.model_file import ModelFile, make_model_optimizer
 from cloudless.ir.schedule import sample_indices
 from cloudless.ir.workflow import DataSource, OptimizerSpec, Region, RunSettings, Workflow, round_ends
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from cloudless.compiler.build import package_files, write_build
-from cloudless.compiler.cost_model import Plan, StageChoice
 from cloudless.compiler.lower import RegionTraining
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, lower, retrace, run_front_end
+from cloudless.compiler.planner.cost_model import Plan, StageChoice
 from cloudless.ir.catalog import load_catalog
 from cloudless.ir.files import BUILD_MARKER, build_manifest
 from cloudless.ir.folders import write_storage_marker
@@ -20,9 +20,9 @@ from cloudless.ir.graph import dumps
 from cloudless.ir.protocol import InvocationResult
 from cloudless.ir.workflow import Function, StepKind, Workflow
 from cloudless.ir.workflow import round_ends as plan_round_ends
-from cloudless.runtimes.staging import stage_data
-from cloudless.runtimes.storage import Channel, DirectoryChannel
-from cloudless.runtimes.worker import StageWorker, span_step
+from cloudless.runtimes.control.staging import stage_data
+from cloudless.runtimes.function.worker import StageWorker, span_step
+from cloudless.runtimes.storage.channels import Channel, DirectoryChannel
 from tests.reference import plain_training
 
 ROOT = Path(__file__).resolve().parents[1]

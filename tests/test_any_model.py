@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.compiler.pipeline import balanced_stage_ranges
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
 from tests.runtime_cases import front_end, reference_training, write_packages
 
 from .conftest import MODELS, SAMPLES

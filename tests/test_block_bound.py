@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from cloudless.compiler.coarsen import MAX_BLOCK_PARAM_BYTES, repeated_unit
+from cloudless.compiler.frontend.coarsen import MAX_BLOCK_PARAM_BYTES, repeated_unit
+from cloudless.compiler.frontend.profile import block_keys
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
-from cloudless.compiler.profile import block_keys
 
 #: an embedding, LAYERS identical residual layers (`layers.3`) of two WIDTH x WIDTH linears, a head
 LAYERED = """

@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 
 from cloudless.compiler.cli import main as compile_main
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
-from cloudless.runtimes.initial_weights import package_weights
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.staged_weights import stage_weights
-from cloudless.runtimes.staging import load_model_module
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.control.staged_weights import stage_weights
+from cloudless.runtimes.control.staging import load_model_module
+from cloudless.runtimes.function.initial_weights import package_weights
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.runtime_cases import reference_training, write_packages
 
 transformers = pytest.importorskip("transformers")

@@ -13,9 +13,9 @@ import torch
 
 from cloudless.ir.protocol import DATA_META, data_key, shard_name
 from cloudless.ir.schedule import epoch_permutation, sample_indices
-from cloudless.runtimes.data import SplitChangedError, SplitReader, write_split
-from cloudless.runtimes.staging import DataError, StagedData, describe_staged, stage_data
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.control.staging import DataError, StagedData, describe_staged, stage_data
+from cloudless.runtimes.function.data import SplitChangedError, SplitReader, write_split
+from cloudless.runtimes.storage.channels import DirectoryChannel
 
 
 def test_gather_across_shards_returns_samples_in_order(tmp_path: Path) -> None:
@@ -267,7 +267,7 @@ def test_staged_samples_are_checked_against_the_examples(tmp_path: Path, version
 
 def test_samples_of_different_shapes_are_one_error_naming_them(tmp_path: Path) -> None:
     """Ragged data (a sequence not padded): the split, the samples and their shapes, not torch.stack's error."""
-    from cloudless.runtimes.storage import DirectoryChannel
+    from cloudless.runtimes.storage.channels import DirectoryChannel
 
     samples = [([torch.zeros(3)], [torch.tensor(0)]), ([torch.zeros(4)], [torch.tensor(1)])]
     with pytest.raises(ValueError) as raised:
@@ -284,7 +284,7 @@ def test_a_run_finds_the_model_file_it_was_compiled_from_or_says_which_it_found(
     """workflow.yaml names the model file as the compiler was given it, with its sha256: run from another
     folder, the run finds none or another file of that name, and says so instead of training on it."""
     from cloudless.ir.files import load_workflow
-    from cloudless.runtimes.staging import recorded_model_file
+    from cloudless.runtimes.control.staging import recorded_model_file
 
     from .conftest import ROOT
 

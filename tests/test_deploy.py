@@ -2,8 +2,8 @@
 server (a real HTTP endpoint for CloudFormation, S3 and Step Functions). The stack is created in moto with
 the generated template's Outputs (bucket, state machine, functions); moto records the executions the
 driver starts, and since moto cannot run the functions' code, the rehearsal's executor
-(cloudless.runtimes.stepfunctions_local) runs each execution with the ASL interpreter
-(cloudless.runtimes.asl), the generated Lambda handlers in this process, storage the
+(cloudless.runtimes.rehearsal.stepfunctions_local) runs each execution with the ASL interpreter
+(cloudless.runtimes.rehearsal.asl), the generated Lambda handlers in this process, storage the
 stack's bucket on moto, and reports its status and output back to moto, where the driver reads them.
 
 The driver stages the data into the bucket, starts the executions with the run's name, attempt and time
@@ -27,11 +27,11 @@ from safetensors.torch import load_file
 
 from cloudless.codegen.platforms import lambda_function_name, logical_id, render_region
 from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_ENV
-from cloudless.runtimes import deploy
-from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError, substitute
-from cloudless.runtimes.openfaas_gateway import load_handler
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.stepfunctions_local import StepFunctionsExecutor
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.clouds import deploy
+from cloudless.runtimes.rehearsal.asl import Execution, ExecutionFailed, FunctionError, substitute
+from cloudless.runtimes.rehearsal.openfaas_gateway import load_handler
+from cloudless.runtimes.rehearsal.stepfunctions_local import StepFunctionsExecutor
 from tests.asl import InProcessLambda, ProcessLambda
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import MLP, reference_training
@@ -52,7 +52,7 @@ def expected_model(two_stages) -> dict[str, torch.Tensor]:
 
 
 class StepFunctionsService(StepFunctionsExecutor):
-    """The product's executor of moto's executions (cloudless.runtimes.stepfunctions_local) over this test's
+    """The product's executor of moto's executions (cloudless.runtimes.rehearsal.stepfunctions_local) over this test's
     region, with faults: the first `fail_first` executions fail at once (a worker's error, say), and
     `on_failure` is called with the execution's input as one fails (what its worker wrote)."""
 
@@ -259,7 +259,7 @@ def test_an_execution_whose_worker_recorded_an_abort_is_not_retried(two_stages, 
     """A function whose model code raised records why (the abort record) and fails its invocation, which
     fails the execution with the function's error: the driver reads the record and stops, no retry."""
     from cloudless.ir import protocol
-    from cloudless.runtimes.storage import open_channel
+    from cloudless.runtimes.storage.channels import open_channel
 
     build, workflow, _ = two_stages
     outputs, definition, invoke = stack

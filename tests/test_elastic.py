@@ -20,8 +20,10 @@ from cloudless.ir import protocol
 from cloudless.ir.files import load_workflow
 from cloudless.ir.protocol import Invocation, global_key, global_owner, namespace
 from cloudless.ir.workflow import Region, round_ends, round_meets
-from cloudless.runtimes.controller import Controller
-from cloudless.runtimes.elastic import (
+from cloudless.runtimes.cli import final_model
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.control.controller import Controller
+from cloudless.runtimes.control.elastic import (
     CapacityChange,
     RegionFailure,
     extra_rounds,
@@ -29,13 +31,11 @@ from cloudless.runtimes.elastic import (
     share_iterations,
     slowdown,
 )
-from cloudless.runtimes.region_sync import weighted_mean
-from cloudless.runtimes.run import final_model
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.run_state import RunSettings
-from cloudless.runtimes.staging import trained_state
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.tensors import pack, unpack
+from cloudless.runtimes.control.run_state import RunSettings
+from cloudless.runtimes.control.staging import trained_state
+from cloudless.runtimes.function.region_sync import weighted_mean
+from cloudless.runtimes.storage.channels import DirectoryChannel
+from cloudless.runtimes.storage.tensors import pack, unpack
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import write_training_data
 from tests.test_geo_run import REGIONS, compile_geo, rewrite_workflow, run_geo

@@ -1,4 +1,4 @@
-"""Why the chosen plan won (compiler/explain.py): on real compiles of small models with their golden
+"""Why the chosen plan won (compiler/planner/explain.py): on real compiles of small models with their golden
 profiles, each family's alternative is that family's best plan (checked by enumeration), its figures are
 the cost model's evaluation of it, and the term it loses by is the one the cost model's terms say; the
 report, plan.json and the CLI say the same."""
@@ -16,20 +16,21 @@ import pytest
 
 from cloudless.codegen.numbers import fmt
 from cloudless.codegen.report import render_markdown
-from cloudless.compiler.baselines import baselines
-from cloudless.compiler.cost_model import CostModel, Evaluation, Plan, Problem, StageChoice
-from cloudless.compiler.exhaustive import best_plan, contiguous_ranges
-from cloudless.compiler.explain import (
+from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
+from cloudless.compiler.planner.baselines import baselines
+from cloudless.compiler.planner.cost_model import CostModel, Evaluation, Plan, Problem, StageChoice
+from cloudless.compiler.planner.exhaustive import best_plan, contiguous_ranges
+from cloudless.compiler.planner.explain import (
     Alternative,
     alternatives_ir,
     cost_terms,
     explain,
     time_terms,
 )
-from cloudless.compiler.explain_text import COST_TERMS, TIME_TERMS
-from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
-from cloudless.compiler.plan import PlanOptions, PlanResult, plan_training
-from cloudless.compiler.planner import Infeasible, objective_key, solve
+from cloudless.compiler.planner.explain_text import COST_TERMS, TIME_TERMS
+from cloudless.compiler.planner.pipeline_milp import solve
+from cloudless.compiler.planner.pipeline_program import Infeasible, objective_key
+from cloudless.compiler.planner.plan import PlanOptions, PlanResult, plan_training
 from cloudless.ir.files import load_plan
 from cloudless.ir.timeline import Timeline
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloudless.compiler.annotate import _Annotator
-from cloudless.compiler.coarsen import block_cuts, crossing_values, liveness
+from cloudless.compiler.frontend.annotate import _Annotator
+from cloudless.compiler.frontend.coarsen import block_cuts, crossing_values, liveness
+from cloudless.compiler.frontend.verify import verify_stages
 from cloudless.compiler.pipeline import (
     Compiled,
     CompileOptions,
@@ -22,7 +23,6 @@ from cloudless.compiler.pipeline import (
     generate_stages,
     run_front_end,
 )
-from cloudless.compiler.verify import verify_stages
 from cloudless.ir import BlockChain, OpGraph, SchemaError, validate
 
 from .conftest import MODELS

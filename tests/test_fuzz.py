@@ -297,7 +297,7 @@ limits = st.none() | st.sampled_from([0.0, -1.0, math.nan, math.inf, 1e-300, 1e-
 @pytest.fixture(scope="module")
 def planning_inputs() -> tuple[Any, Any]:
     """The MLP sample's saved block profile (no tracing, no timing) and its model file."""
-    from cloudless.compiler.model_file import load_model_file
+    from cloudless.compiler.frontend.model_file import load_model_file
     from cloudless.ir import BlockChain
 
     return BlockChain.load(GOLDEN_PROFILE), load_model_file(MLP)
@@ -305,10 +305,10 @@ def planning_inputs() -> tuple[Any, Any]:
 
 def plan_or_compile_error(chain: Any, model_file: Any, catalog: Catalog, options: Any) -> None:
     """The planning pass on `catalog`: a feasible plan with finite figures, or one CompileError line."""
-    from cloudless.compiler.plan import plan_training
-    from cloudless.compiler.simulate import simulate
+    from cloudless.compiler.planner.plan import plan_training
+    from cloudless.compiler.planner.simulate import simulate
 
-    with mock.patch("cloudless.compiler.plan.load_catalog", return_value=catalog):
+    with mock.patch("cloudless.compiler.planner.plan.load_catalog", return_value=catalog):
         try:
             planned = plan_training(chain, model_file, options)
         except CompileError as exc:
@@ -326,7 +326,7 @@ def plan_or_compile_error(chain: Any, model_file: Any, catalog: Catalog, options
 
 @sizes(12, 400)
 def test_catalogs_that_parse_plan_or_fail_with_one_line(examples: int, planning_inputs: tuple[Any, Any]) -> None:
-    from cloudless.compiler.plan import PlanOptions
+    from cloudless.compiler.planner.plan import PlanOptions
 
     chain, model_file = planning_inputs
 
@@ -364,8 +364,8 @@ def test_catalogs_that_parse_plan_or_fail_with_one_line(examples: int, planning_
 def test_catalogs_that_parse_plan_across_regions_or_fail_with_one_line(
     examples: int, planning_inputs: tuple[Any, Any]
 ) -> None:
-    """Two regions of a fuzzed catalog: the inter-region schedule (compiler/geo.py) with either sync."""
-    from cloudless.compiler.plan import PlanOptions, plan_training
+    """Two regions of a fuzzed catalog: the inter-region schedule (compiler/planner/geo.py) with either sync."""
+    from cloudless.compiler.planner.plan import PlanOptions, plan_training
 
     chain, model_file = planning_inputs
 
@@ -389,7 +389,7 @@ def test_catalogs_that_parse_plan_across_regions_or_fail_with_one_line(
             budget=limit if objective == "time-under-budget" else None,
             time_limit=PLAN_TIME_LIMIT_S,
         )
-        with mock.patch("cloudless.compiler.plan.load_catalog", return_value=catalog):
+        with mock.patch("cloudless.compiler.planner.plan.load_catalog", return_value=catalog):
             try:
                 planned = plan_training(chain, model_file, options)
             except CompileError as exc:
@@ -777,7 +777,7 @@ def test_compile_command_lines_fail_fast_with_one_line(
 def test_run_command_lines_fail_fast_with_one_line(
     examples: int, cli_sandbox: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cloudless.runtimes import run
+    from cloudless.runtimes import cli as run
 
     monkeypatch.chdir(cli_sandbox)
     parser = run.build_parser()
@@ -791,7 +791,7 @@ def test_run_command_lines_fail_fast_with_one_line(
     @example(["badflow", "--out", "out"])
     def check(argv: list[str]) -> None:
         capsys.readouterr()
-        with mock.patch("cloudless.runtimes.run._train", side_effect=CommandStarted(argv)):
+        with mock.patch("cloudless.runtimes.cli._train", side_effect=CommandStarted(argv)):
             try:
                 outcome = run_main(run.main, argv)
             except Exception as exc:  # noqa: BLE001 - a traceback: a finding
@@ -927,9 +927,9 @@ def test_invocation_payloads_give_an_invocation_in_bounds_or_a_value_error(examp
 def staged_storage(tmp_path_factory: pytest.TempPathFactory, mlp_build: Path) -> Path:
     """A storage folder holding the MLP's training data, as cloudless-run stages it: copied per test."""
     from cloudless.ir.files import load_workflow
-    from cloudless.runtimes.data import data_name
-    from cloudless.runtimes.staging import stage_data
-    from cloudless.runtimes.storage import DirectoryChannel
+    from cloudless.runtimes.control.staging import stage_data
+    from cloudless.runtimes.function.data import data_name
+    from cloudless.runtimes.storage.channels import DirectoryChannel
 
     storage = tmp_path_factory.mktemp("fuzz-storage") / "storage"
     region = load_workflow(mlp_build / "workflow.yaml").regions[0]
@@ -957,7 +957,7 @@ class Recorder:
         self.lock = threading.Lock()
 
     def channel(self, location: str) -> Any:
-        from cloudless.runtimes.storage import DirectoryChannel
+        from cloudless.runtimes.storage.channels import DirectoryChannel
 
         recorder = self
 
@@ -986,8 +986,8 @@ class Function:
 def check_handler(function: Function, payload: Any) -> None:
     """One payload through handle_request: a result or a one-line bad request, and nothing touched
     (read, written, deleted) outside the run's prefix and the training data."""
-    from cloudless.runtimes import worker
-    from cloudless.runtimes.storage import KeyTimeout
+    from cloudless.runtimes.function import worker
+    from cloudless.runtimes.storage.channels import KeyTimeout
 
     try:
         invocation: Invocation | None = Invocation.from_json(payload)
@@ -1032,8 +1032,8 @@ def test_handler_answers_or_refuses_and_stays_in_its_prefix(
     examples: int, mlp_build: Path, staged_storage: Path, tmp_path: Path
 ) -> None:
     from cloudless.ir.files import load_workflow
-    from cloudless.runtimes import worker
-    from cloudless.runtimes.data import data_name
+    from cloudless.runtimes.function import worker
+    from cloudless.runtimes.function.data import data_name
 
     workflow = load_workflow(mlp_build / "workflow.yaml")
     region = workflow.regions[0]
@@ -1085,8 +1085,8 @@ def test_a_retried_invocation_of_a_huge_range_starts_at_once(
     where to resume in a few reads (it used to look for a checkpoint at every multiple of checkpoint_every
     from the top of its range down, 2 * 10**10 requests, before training one iteration)."""
     from cloudless.ir.files import load_workflow
-    from cloudless.runtimes import worker
-    from cloudless.runtimes.storage import DirectoryChannel
+    from cloudless.runtimes.function import worker
+    from cloudless.runtimes.storage.channels import DirectoryChannel
 
     region = load_workflow(mlp_build / "workflow.yaml").regions[0]
     package = mlp_build / region.functions[0].package
@@ -1118,7 +1118,7 @@ def test_bytecode_a_handler_writes_into_its_package_does_not_block_a_recompile(
     (cloudless-run's function processes write none): a recompile into the build still accepts it."""
     from cloudless.ir.files import load_workflow
     from cloudless.ir.folders import check_output_folder
-    from cloudless.runtimes import worker
+    from cloudless.runtimes.function import worker
 
     build = tmp_path / "build"
     shutil.copytree(mlp_build, build)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cloudless.compiler import geo
-from cloudless.compiler.cost_model import Plan
-from cloudless.compiler.geo import (
+from cloudless.compiler.planner import geo
+from cloudless.compiler.planner.cost_model import Plan
+from cloudless.compiler.planner.geo import (
     GeoInfeasible,
     GeoPlan,
     GeoProblem,
@@ -23,7 +23,7 @@ from cloudless.compiler.geo import (
     sync_coefficients,
     within,
 )
-from cloudless.compiler.solver import Goal, solve_program
+from cloudless.compiler.planner.solver import Goal, solve_program
 from cloudless.ir.catalog import Link
 from cloudless.ir.deployment import peer_parameter
 

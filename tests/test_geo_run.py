@@ -18,13 +18,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.ir import protocol
 from cloudless.ir.protocol import InvocationResult, global_key, global_owner, namespace
 from cloudless.ir.workflow import Workflow, round_ends
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.tensors import unpack
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.storage.channels import DirectoryChannel
+from cloudless.runtimes.storage.tensors import unpack
 from tests.reference import plain_model_average, plain_sync
 from tests.runtime_cases import check_step_order
 
@@ -302,7 +302,7 @@ def test_a_killed_run_of_several_regions_resumes_to_the_same_parameters(compile_
     compile_geo(compile_cli, build, "model-average")
     run_geo(build, tmp_path / "whole")
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "cloudless.runtimes.run", str(build), "--out", str(out), "--log-every", "1"]
+    command = [sys.executable, "-m", "cloudless.runtimes.cli", str(build), "--out", str(out), "--log-every", "1"]
     process = subprocess.Popen([*command, "--run-id", "k"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     checkpoint_every = yaml.safe_load((build / "workflow.yaml").read_text())["run"]["checkpoint_every"]

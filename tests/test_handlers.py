@@ -17,8 +17,8 @@ import torch
 
 from cloudless.ir.protocol import STORAGE_ENV, TOKEN_HEADER, TOKEN_SECRET
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.openfaas_gateway import load_handler, mount_secrets, serve
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.rehearsal.openfaas_gateway import load_handler, mount_secrets, serve
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.runtime_cases import front_end, write_packages, write_training_data
 
 TOKEN = "5f0c3a9e1d7b4c2a8e6f0b1d3c5a7e9f"
@@ -203,7 +203,7 @@ def test_a_deployed_function_runs_as_many_torch_threads_as_its_cpu_share() -> No
 
     shares = (580, 1000, 1770, 5790)
     probe = (
-        "import torch; from cloudless.runtimes.worker import cap_threads\n"
+        "import torch; from cloudless.runtimes.function.worker import cap_threads\n"
         f"for share in {shares}:\n"
         "    torch.set_num_threads(7); cap_threads(share); print(torch.get_num_threads())"
     )

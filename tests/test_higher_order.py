@@ -18,6 +18,8 @@ from torch import nn
 
 from cloudless.codegen.stage_source import StageHeader, render_stage_source
 from cloudless.compiler.errors import CompileError, VerificationError
+from cloudless.compiler.frontend.trace import export_module
+from cloudless.compiler.frontend.verify import check_stage_loads, load_stage, verify_stages
 from cloudless.compiler.pipeline import (
     Compiled,
     CompileOptions,
@@ -27,9 +29,7 @@ from cloudless.compiler.pipeline import (
     generate_stages,
     run_front_end,
 )
-from cloudless.compiler.trace import export_module
-from cloudless.compiler.verify import check_stage_loads, load_stage, verify_stages
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
 from tests.runtime_cases import reference_training, write_packages
 
 from .conftest import MODELS

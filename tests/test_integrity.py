@@ -18,9 +18,9 @@ import torch
 
 from cloudless.ir import protocol
 from cloudless.ir.protocol import CorruptBlob
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.tensors import unpack
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.storage.channels import DirectoryChannel
+from cloudless.runtimes.storage.tensors import unpack
 from tests.runtime_cases import front_end, run_workers, write_packages, write_training_data
 
 ROOT = Path(__file__).resolve().parents[1]

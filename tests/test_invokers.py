@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 
 from cloudless.ir.protocol import STORAGE_ENV, TOKEN_ENV, TOKEN_HEADER, TOKEN_SECRET
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.openfaas_gateway import load_handler, results, serve_gateway
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.rehearsal.openfaas_gateway import load_handler, results, serve_gateway
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import MLP, reference_training, write_training_data
 

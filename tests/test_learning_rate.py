@@ -13,9 +13,9 @@ import yaml
 from safetensors.torch import load_file
 
 from cloudless.compiler.errors import ModelFileError
-from cloudless.compiler.model_file import load_model_file, probe_learning_rates
+from cloudless.compiler.frontend.model_file import load_model_file, probe_learning_rates
 from cloudless.ir.workflow import OptimizerSpec, Workflow
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
 from tests.reference import PlainTrainer, region_items
 
 MODEL = """\

@@ -16,9 +16,9 @@ from cloudless.codegen.libraries import import_lines, library_ops, unimported_cl
 from cloudless.codegen.library_objects import REBUILD_SOURCE, LibraryObjects
 from cloudless.codegen.validate import BuildCheckError, check_build
 from cloudless.compiler.errors import CompileError
+from cloudless.compiler.frontend.verify import check_library_ops_resolve
 from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
-from cloudless.compiler.verify import check_library_ops_resolve
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
 from tests.runtime_cases import reference_training, write_packages
 
 GROUPED_MM = "torch.ops.transformers.grouped_mm_fallback.default(x, w, offs)"

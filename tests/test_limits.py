@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from cloudless.compiler.errors import CompileError
-from cloudless.compiler.model_file import load_model_file
-from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_training
+from cloudless.compiler.frontend.model_file import load_model_file
+from cloudless.compiler.planner.plan import PlanInfeasible, PlanOptions, plan_training
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import (
     DISTRIBUTED_MAP_MAX_CONCURRENCY,

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from cloudless.ir.files import load_plan
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
 
 from .conftest import SAMPLES
 

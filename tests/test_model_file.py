@@ -290,7 +290,7 @@ def test_the_optimizer_probe_gives_options_its_class_takes(model_file, optimizer
     recorded must be one the constructor takes (AdamW keeps a default it does not: a worker failed)."""
     import torch
 
-    from cloudless.compiler.model_file import load_model_file, probe_optimizer
+    from cloudless.compiler.frontend.model_file import load_model_file, probe_optimizer
 
     path = model_file(
         "import torch\n\n"
@@ -429,7 +429,7 @@ def test_a_split_that_cannot_reproduce_the_model_never_exits_0_and_says_why(
     ],
 )
 def test_a_gradient_only_one_side_has_is_named_with_its_cause(detail: str, cause: str) -> None:
-    from cloudless.compiler.verify import VerifyReport, _cause_and_fix
+    from cloudless.compiler.frontend.verify import VerifyReport, _cause_and_fix
 
     text = _cause_and_fix(VerifyReport(gradient_error=float("inf"), worst_gradient="w", details=[detail]))
     assert text.startswith(cause) and "Fix: " in text and "requires_grad_(False)" in text

@@ -18,7 +18,7 @@ import yaml
 
 from cloudless.codegen.platforms import lambda_function_name, render_region
 from cloudless.ir.deployment import function_output, peer_parameter, stack_name
-from cloudless.runtimes.preflight import lambda_preflight
+from cloudless.runtimes.clouds.preflight import lambda_preflight
 from tests.preflight_servers import lambda_api, serve
 from tests.test_platforms import EAST, RUN, WEST, make_workflow
 

@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 import pytest
 
-from cloudless.compiler.cost_model import OutOfRange
-from cloudless.compiler.model_file import load_model_file
-from cloudless.compiler.plan import PlanInfeasible, PlanOptions, plan_training
-from cloudless.compiler.plan_record import plan_ir
-from cloudless.compiler.simulate import simulate
+from cloudless.compiler.frontend.model_file import load_model_file
+from cloudless.compiler.planner.cost_model import OutOfRange
+from cloudless.compiler.planner.plan import PlanInfeasible, PlanOptions, plan_training
+from cloudless.compiler.planner.plan_record import plan_ir
+from cloudless.compiler.planner.simulate import simulate
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir import plan as ir_plan
 from cloudless.ir.catalog import AWS_REGIONS, aws_region_of, load_catalog

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cloudless.compiler.errors import CompileError, ModelFileError
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.compiler.pipeline import FrontEndOptions, retrace, run_front_end
 from cloudless.ir.files import load_plan
 
@@ -165,7 +165,7 @@ def test_the_run_length_follows_training_and_the_summary_says_from_where(
 
 
 def test_epochs_without_data_and_both_lengths_are_errors(model_file, tmp_path: Path) -> None:
-    from cloudless.compiler.plan import run_length
+    from cloudless.compiler.planner.plan import run_length
 
     contract = "import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
     contract += "def example_inputs(batch_size):\n    return (torch.randn(batch_size, 4),)\n"

@@ -8,12 +8,14 @@ import random
 
 import pytest
 
-from cloudless.compiler import planner
-from cloudless.compiler.baselines import baselines, ratio, ratio_text
-from cloudless.compiler.cost_model import CostModel, OutOfRange, check_range, problem_from_chain
-from cloudless.compiler.exhaustive import exhaustive
-from cloudless.compiler.planner import Infeasible, solve
-from cloudless.compiler.solver import Program, solve_program
+from cloudless.compiler.planner import pipeline_milp as planner
+from cloudless.compiler.planner import pipeline_program as program
+from cloudless.compiler.planner.baselines import baselines, ratio, ratio_text
+from cloudless.compiler.planner.cost_model import CostModel, OutOfRange, check_range, problem_from_chain
+from cloudless.compiler.planner.exhaustive import exhaustive
+from cloudless.compiler.planner.pipeline_milp import solve
+from cloudless.compiler.planner.pipeline_program import Infeasible
+from cloudless.compiler.planner.solver import Program, solve_program
 from cloudless.ir.catalog import load_catalog
 
 from .planning_cases import random_problem
@@ -102,7 +104,7 @@ def test_reduced_cost_fixing_keeps_the_optimum(objective: str, monkeypatch: pyte
     """Reduced-cost fixing (normally only on large programs) on every small one: the configurations it
     drops never hold a better plan, so the optimum and its proof survive; on some it drops some."""
     calls: list[tuple[int, int]] = []
-    price = planner.price_configurations
+    price = program.price_configurations
 
     def recording(stage, initial, stop_at):
         pricing = price(stage, initial, stop_at)
@@ -137,15 +139,15 @@ def test_pricing_bound_is_the_lp_relaxation() -> None:
     problem = problem_from_chain(
         synthetic_chain(10), load_catalog().regions[0], global_batch=64, micro_batches=(4,), optimizer_state=2
     )
-    configs = planner.stage_configs(problem, 4)
-    table, floors = planner.prune(
-        problem, "cost", planner.ConfigTable(problem, 4, configs), deadline=None, budget=None, cutoff=None
+    configs = program.stage_configs(problem, 4)
+    table, floors = program.prune(
+        problem, "cost", program.ConfigTable(problem, 4, configs), deadline=None, budget=None, cutoff=None
     )
-    found = planner.heuristic_plan(problem, "cost", 4, table, None, None)
+    found = program.heuristic_plan(problem, "cost", 4, table, None, None)
     cutoff = found[1]
-    table, floors = planner.prune(problem, "cost", table, deadline=None, budget=None, cutoff=cutoff)
-    stage = planner.build_program(problem, "cost", 4, table, floors, deadline=None, budget=None, cutoff=cutoff)
-    pricing = planner.price_configurations(stage, planner._indices(table, found[0].plan), math.inf)
+    table, floors = program.prune(problem, "cost", table, deadline=None, budget=None, cutoff=cutoff)
+    stage = program.build_program(problem, "cost", 4, table, floors, deadline=None, budget=None, cutoff=cutoff)
+    pricing = program.price_configurations(stage, program._indices(table, found[0].plan), math.inf)
     assert pricing is not None and pricing.rounds > 1
 
     relaxed = stage.program
@@ -155,7 +157,7 @@ def test_pricing_bound_is_the_lp_relaxation() -> None:
     assert pricing.bound == pytest.approx(outcome.bound, rel=1e-7)
     # The heuristic's plan is one of the plans: its cost (program units) is above its stages' bounds.
     value = cutoff * stage.scale
-    for i in planner._indices(table, found[0].plan):
+    for i in program._indices(table, found[0].plan):
         assert pricing.with_config[i] <= value * (1 + 1e-7)
 
 
@@ -169,13 +171,13 @@ def test_cbc_finds_the_optimum_highs_and_exhaustive_search_find(objective: str) 
         kwargs = limits(seed, problem).get(objective, {})
         bounds = {"deadline": None, "budget": None, **kwargs}
         for mu in sorted(problem.micro_batch_counts()):
-            configs = planner.stage_configs(problem, mu)
-            table, floors = planner.prune(
-                problem, objective, planner.ConfigTable(problem, mu, configs), cutoff=None, **bounds
+            configs = program.stage_configs(problem, mu)
+            table, floors = program.prune(
+                problem, objective, program.ConfigTable(problem, mu, configs), cutoff=None, **bounds
             )
             if not len(table):
                 continue
-            stage = planner.build_program(problem, objective, mu, table, floors, cutoff=None, **bounds)
+            stage = program.build_program(problem, objective, mu, table, floors, cutoff=None, **bounds)
             highs = solve_program(stage.program, None, backend="HiGHS")
             cbc = solve_program(stage.program, None, backend="CBC")
             assert (highs.solver, cbc.solver) == ("HiGHS", "CBC")
@@ -188,7 +190,7 @@ def test_cbc_finds_the_optimum_highs_and_exhaustive_search_find(objective: str) 
             chosen = sorted(
                 (table.configs[i][0] for i in range(len(table)) if cbc.values[stage.x[i]] > 0.5), key=lambda c: c.first
             )
-            evaluation = CostModel(problem).evaluate(planner.Plan(mu, tuple(chosen)))
+            evaluation = CostModel(problem).evaluate(program.Plan(mu, tuple(chosen)))
             expected = exhaustive(dataclasses.replace(problem, micro_batches=(mu,)), objective, **kwargs)
             assert expected is not None
             assert primary(objective, evaluation) == pytest.approx(primary(objective, expected[1]), rel=1e-6)
@@ -232,7 +234,7 @@ def test_model_state_is_one_formula() -> None:
         buffers = sum(b.buffer_bytes for b in problem.blocks)
         assert model.model_state_bytes(0, n - 1) == (2 + problem.optimizer_state) * params + buffers
         mu = min(problem.micro_batch_counts())
-        terms = model.stage_terms(planner.StageChoice(0, n - 1, max(problem.region.tiers_mb), 1), 0, 1, mu)
+        terms = model.stage_terms(program.StageChoice(0, n - 1, max(problem.region.tiers_mb), 1), 0, 1, mu)
         activations = mu / problem.profile_batch * sum(b.saved_bytes for b in problem.blocks)
         inputs = mu / problem.profile_batch * problem.blocks[0].input_bytes
         held = problem.global_batch // mu if problem.schedule == "gpipe" else 1
@@ -334,19 +336,19 @@ def test_extreme_but_finite_figures_plan() -> None:
 
 def test_a_solver_answer_that_is_no_chain_of_stages_is_no_plan() -> None:
     """HiGHS in numerical trouble may set no configuration (or overlapping ones): that is no plan."""
-    choice = planner.StageChoice
-    assert planner._tiles([choice(0, 1, 1024, 1), choice(2, 2, 1024, 1)], 3)
-    assert not planner._tiles([], 3)
-    assert not planner._tiles([choice(0, 1, 1024, 1)], 3)
-    assert not planner._tiles([choice(0, 1, 1024, 1), choice(1, 2, 1024, 1)], 3)
-    assert not planner._tiles([choice(0, 0, 1024, 1), choice(2, 2, 1024, 1)], 3)
+    choice = program.StageChoice
+    assert program._tiles([choice(0, 1, 1024, 1), choice(2, 2, 1024, 1)], 3)
+    assert not program._tiles([], 3)
+    assert not program._tiles([choice(0, 1, 1024, 1)], 3)
+    assert not program._tiles([choice(0, 1, 1024, 1), choice(1, 2, 1024, 1)], 3)
+    assert not program._tiles([choice(0, 0, 1024, 1), choice(2, 2, 1024, 1)], 3)
 
 
 def test_a_region_frontier_keeps_within_its_total_memory() -> None:
     """limits.max_total_memory_mb (a region's capacity): the frontier keeps the plans within it, and
     when none is, finds the cheapest plan with fewer functions that fits (or none: the region cannot
     train)."""
-    from cloudless.compiler.plan import plan_memory_mb, region_frontier, within_memory
+    from cloudless.compiler.planner.plan import plan_memory_mb, region_frontier, within_memory
 
     checked = 0
     for seed in range(12):
@@ -395,7 +397,7 @@ def test_with_a_fixed_stage_count_the_heuristic_starts_from_a_plan_of_that_many_
     """--stages N on a chain the MILP cannot finish in its time: the heuristic's incumbent is a plan of
     N stages (a path of any length would be none), so the planner answers with one rather than "no
     plan fits"."""
-    from cloudless.compiler.planner import ConfigTable, heuristic_plan, stage_configs
+    from cloudless.compiler.planner.pipeline_program import ConfigTable, heuristic_plan, stage_configs
 
     checked = 0
     for seed in range(20):
@@ -417,7 +419,7 @@ def test_with_a_fixed_stage_count_the_heuristic_starts_from_a_plan_of_that_many_
 
 
 def test_a_solver_out_of_time_without_a_plan_is_told_so_not_that_no_plan_fits() -> None:
-    from cloudless.compiler.plan import PlanOptions, diagnose
+    from cloudless.compiler.planner.plan import PlanOptions, diagnose
 
     problem = next(p for seed in range(20) if exhaustive(p := random_problem(seed), "cost") is not None)
     told = diagnose(problem, PlanOptions(time_limit=2.0), out_of_time=True)

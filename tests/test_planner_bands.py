@@ -13,11 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloudless.compiler import planner, planner_bands
-from cloudless.compiler.baselines import baselines
-from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, Problem, StageChoice, problem_from_chain
-from cloudless.compiler.exhaustive import contiguous_ranges, exhaustive
-from cloudless.compiler.planner import ConfigTable, Infeasible, solve
+from cloudless.compiler.planner import bands as planner_bands
+from cloudless.compiler.planner import pipeline_milp as planner
+from cloudless.compiler.planner import pipeline_program as program
+from cloudless.compiler.planner.baselines import baselines
+from cloudless.compiler.planner.cost_model import BlockCost, CostModel, Plan, Problem, StageChoice, problem_from_chain
+from cloudless.compiler.planner.exhaustive import contiguous_ranges, exhaustive
+from cloudless.compiler.planner.pipeline_milp import solve
+from cloudless.compiler.planner.pipeline_program import ConfigTable, Infeasible
 from cloudless.ir import BlockChain
 from cloudless.ir.catalog import load_catalog
 
@@ -115,7 +118,7 @@ def test_band_floors_hold_for_every_plan_of_the_band() -> None:
             continue
         model = CostModel(problem)
         mu = min(problem.micro_batch_counts())
-        table = ConfigTable(problem, mu, planner.stage_configs(problem, mu))
+        table = ConfigTable(problem, mu, program.stage_configs(problem, mu))
         if not len(table):
             continue
         levels = sorted(set(table.steady.tolist()))
@@ -148,8 +151,8 @@ def test_a_search_out_of_time_keeps_its_incumbent_and_a_valid_bound() -> None:
     problem = problem_from_chain(
         synthetic_chain(10), region, global_batch=64, micro_batches=(4,), optimizer_state=2, max_stages=4
     )
-    table = ConfigTable(problem, 4, planner.stage_configs(problem, 4))
-    found = planner.heuristic_plan(problem, "cost", 4, table, None, None)
+    table = ConfigTable(problem, 4, program.stage_configs(problem, 4))
+    found = program.heuristic_plan(problem, "cost", 4, table, None, None)
     assert found is not None
     # The optimum as one MILP finds it (small programs are solved so, against exhaustive search above).
     optimum = planner.solve_for_micro_batch(problem, "cost", 4, time_limit=None)[0]
@@ -203,7 +206,7 @@ def test_tail_floors_hold_and_count_the_syncs_of_replicated_stages() -> None:
     optimum (24 % below before the tails counted: the fills and the band's bottom alone)."""
     problem = replicated_llama_problem()
     model = CostModel(problem)
-    table = ConfigTable(problem, 1, planner.stage_configs(problem, 1))
+    table = ConfigTable(problem, 1, program.stage_configs(problem, 1))
     where = {config[0]: i for i, config in enumerate(table.configs)}
     plans = []
     for plan in plans_of(problem, 1):
@@ -263,7 +266,7 @@ def test_least_paths_of_rows_is_least_paths_of_each_row() -> None:
     """The stacked shortest paths tail_floors takes (one row per level) are those of each row alone,
     with configurations left out (infinite weights) and both directions."""
     problem = replicated_llama_problem()
-    table = ConfigTable(problem, 1, planner.stage_configs(problem, 1))
+    table = ConfigTable(problem, 1, program.stage_configs(problem, 1))
     rng = random.Random(3)
     rows = [[rng.uniform(0.0, 5.0) if rng.random() < 0.8 else math.inf for _ in range(len(table))] for _ in range(4)]
     weights = np.array(rows)

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from cloudless.compiler.planner_paths import cheapest_path_with_stages
+from cloudless.compiler.planner.paths import cheapest_path_with_stages
 
 
 def _paths(edges: list[tuple[int, int]], n: int, at: int = 0) -> list[list[int]]:

@@ -913,7 +913,7 @@ def test_the_function_policy_allows_what_the_runtime_does_in_moto(monkeypatch: p
     from moto import mock_aws
     from moto.core import set_initial_no_auth_action_count
 
-    from cloudless.runtimes.storage import S3Channel, StorageRefused
+    from cloudless.runtimes.storage.channels import S3Channel, StorageRefused
 
     template = yaml.safe_load(render_region(make_workflow(), EAST, {"sam"})[f"regions/{EAST}/template.yaml"])
     statements = template["Resources"]["MlpDigitsS0Function"]["Properties"]["Policies"][0]["Statement"]
@@ -1014,7 +1014,7 @@ def lambda_role() -> str:
 
 def test_cloudless_run_invokes_the_lambda_functions_by_the_names_sam_deploys() -> None:
     """`cloudless-run --invoker lambda` without --stack: the names the template gives the functions."""
-    from cloudless.runtimes.run import deployed_lambda_names
+    from cloudless.runtimes.cli import deployed_lambda_names
 
     workflow = make_workflow()
     template = yaml.safe_load(render_region(workflow, EAST, {"sam"})[f"regions/{EAST}/template.yaml"])

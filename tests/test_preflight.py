@@ -1,4 +1,4 @@
-"""Pre-flight (runtimes/preflight.py): Lambda quotas against a real HTTP server answering Lambda's own API, the
+"""Pre-flight (runtimes/clouds/preflight.py): Lambda quotas against a real HTTP server answering Lambda's own API, the
 OpenFaaS cluster's capacity read by the real kubectl from a server answering the Kubernetes API, and image
 visibility against a registry speaking the Docker Registry HTTP API v2 with its token service over TLS
 (tests/preflight_servers.py). A failed pre-flight starts nothing: exit status 2, one line per failure."""
@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from cloudless.codegen.platforms import render_region
-from cloudless.runtimes import preflight
-from cloudless.runtimes.preflight import (
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.clouds import preflight
+from cloudless.runtimes.clouds.preflight import (
     Node,
     Pod,
     anonymous_pull_problem,
@@ -27,7 +28,6 @@ from cloudless.runtimes.preflight import (
     lambda_quotas,
     quantity,
 )
-from cloudless.runtimes.run import main as run_main
 from tests.preflight_servers import (
     kubeconfig,
     kubernetes_api,

@@ -12,10 +12,9 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from cloudless.compiler import profile
-from cloudless.compiler.chain import ChainRun
-from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
-from cloudless.compiler.profile import (
+from cloudless.compiler.frontend import profile
+from cloudless.compiler.frontend.chain import ChainRun
+from cloudless.compiler.frontend.profile import (
     BUSY_SHARE,
     EXTRA_BUDGET_S,
     MAX_RUNS_FACTOR,
@@ -33,6 +32,7 @@ from cloudless.compiler.profile import (
     profile_warnings,
     repeat_until_stable,
 )
+from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
 from cloudless.ir import Block, BlockChain, MachineInfo
 from cloudless.ir.blocks import ProfileStability
 from cloudless.ir.schema import SchemaError

@@ -31,12 +31,12 @@ import torch
 from cloudless.ir import protocol
 from cloudless.ir.protocol import Invocation, InvocationResult
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.controller import Controller
-from cloudless.runtimes.invokers import Handle, InvocationFailed, Invoker
-from cloudless.runtimes.invokers import Invocation as Call
-from cloudless.runtimes.run_state import RegionRun, RunSettings
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.worker import handle_request
+from cloudless.runtimes.control.controller import Controller
+from cloudless.runtimes.control.invokers import Handle, InvocationFailed, Invoker
+from cloudless.runtimes.control.invokers import Invocation as Call
+from cloudless.runtimes.control.run_state import RegionRun, RunSettings
+from cloudless.runtimes.function.worker import handle_request
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.runtime_cases import check_step_order, front_end, write_packages, write_training_data
 
 ROOT = Path(__file__).resolve().parents[1]

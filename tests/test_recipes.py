@@ -16,14 +16,14 @@ from safetensors.torch import load_file
 
 from cloudless.codegen.validate import BuildCheckError, check_build
 from cloudless.compiler.errors import ModelFileError
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.compiler.pipeline import FrontEnd, FrontEndOptions, run_front_end
 from cloudless.ir import protocol
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.tensors import pack, unpack
-from cloudless.runtimes.worker import StageWorker
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.function.worker import StageWorker
+from cloudless.runtimes.storage.channels import DirectoryChannel
+from cloudless.runtimes.storage.tensors import pack, unpack
 from tests.runtime_cases import reference_training, write_packages, write_training_data
 
 FROZEN_BACKBONE = """
@@ -528,7 +528,7 @@ def test_bf16_mixed_plans_with_the_bytes_a_stage_sends(tmp_path: Path) -> None:
 
 
 def test_clipping_is_planned_with_its_norm_exchange(tmp_path: Path) -> None:
-    from cloudless.compiler.plan import PlanOptions, build_problem
+    from cloudless.compiler.planner.plan import PlanOptions, build_problem
 
     path = tmp_path / "model.py"
     for text, clipped in ((CLIPPED, True), (CLIPPED.replace(', "max_grad_norm": 0.05', ""), False)):

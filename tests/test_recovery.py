@@ -23,10 +23,10 @@ from cloudless.ir.protocol import (
     state_key,
 )
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.data import write_split
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.worker import StageWorker
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.function.data import write_split
+from cloudless.runtimes.function.worker import StageWorker
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.runtime_cases import MLP, front_end, write_packages, write_training_data
 
 ITERATIONS = 6

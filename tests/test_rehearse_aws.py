@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError
-from cloudless.runtimes.lambda_local import FunctionImage, LambdaService
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.rehearsal.asl import Execution, ExecutionFailed, FunctionError
+from cloudless.runtimes.rehearsal.lambda_local import FunctionImage, LambdaService
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import MLP, reference_training
 
@@ -121,7 +121,7 @@ def test_the_generated_state_machine_catches_a_timeout_and_fails_with_lambdas_er
     fails the execution with Lambda's error name and document, as on AWS; the driver then starts the next
     attempt. The timed-out process is gone."""
     from cloudless.codegen.platforms import render_region
-    from cloudless.runtimes.asl import substitute
+    from cloudless.runtimes.rehearsal.asl import substitute
 
     _, workflow, _ = two_stages
     region = workflow.regions[0]
@@ -291,7 +291,7 @@ def test_a_stopped_execution_ends_at_once_even_in_a_retry_wait() -> None:
     """StopExecution: the interpreter leaves a Retry's wait (an hour here) and the execution is ABORTED."""
     import threading
 
-    from cloudless.runtimes.asl import ExecutionAborted
+    from cloudless.runtimes.rehearsal.asl import ExecutionAborted
 
     failed = threading.Event()
 

@@ -1,4 +1,4 @@
-"""`cloudless-run --invoker openfaas --rehearse` (runtimes/rehearse_openfaas.py): a region's stack deployed on
+"""`cloudless-run --invoker openfaas --rehearse` (runtimes/rehearsal/openfaas.py): a region's stack deployed on
 this machine behind a CE-like gateway, each replica a process of its own (a watchdog front, the template's
 request handling under waitress), then trained through the OpenFaaS invoker.
 
@@ -22,13 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cloudless.compiler.model_file import load_model_file
+from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.ir.files import load_workflow
 from cloudless.ir.protocol import STORAGE_SECRET, TOKEN_HEADER, TOKEN_SECRET
-from cloudless.runtimes import openfaas_index
-from cloudless.runtimes.openfaas_gateway import LIMIT_EXCEEDED, basic_auth_header
-from cloudless.runtimes.rehearse_openfaas import RehearsalError, read_stack, rehearse_region, template_index
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.rehearsal import openfaas_index
+from cloudless.runtimes.rehearsal.openfaas import RehearsalError, read_stack, rehearse_region, template_index
+from cloudless.runtimes.rehearsal.openfaas_gateway import LIMIT_EXCEEDED, basic_auth_header
 from tests.reference import plain_training
 from tests.runtime_cases import MLP
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cloudless.compiler.cli import main as compile_main
-from cloudless.runtimes.run import main as run_main
+from cloudless.runtimes.cli import main as run_main
 from tests.test_geo_run import GEO, PROFILE, REGIONS
 
 US, EU = REGIONS.split(",")

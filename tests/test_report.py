@@ -27,12 +27,12 @@ from cloudless.codegen.report_figures import (
     schedule_rows,
     svg_summary,
 )
-from cloudless.compiler.baselines import baselines
-from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, Problem, StageChoice
-from cloudless.compiler.plan import PlanOptions, PlanResult
-from cloudless.compiler.plan_record import plan_ir
-from cloudless.compiler.planner import Solution
-from cloudless.compiler.simulate import simulate
+from cloudless.compiler.planner.baselines import baselines
+from cloudless.compiler.planner.cost_model import BlockCost, CostModel, Plan, Problem, StageChoice
+from cloudless.compiler.planner.pipeline_program import Solution
+from cloudless.compiler.planner.plan import PlanOptions, PlanResult
+from cloudless.compiler.planner.plan_record import plan_ir
+from cloudless.compiler.planner.simulate import simulate
 from cloudless.ir import Block, BlockChain
 from cloudless.ir.files import plan_text
 from cloudless.ir.plan import BaselinePlan, Totals, TrainingPlan

@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.worker import StageWorker
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.function.worker import StageWorker
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.runtime_cases import MLP, front_end, reference_training, write_packages, write_training_data
 
 ITERATIONS = 6
@@ -290,7 +290,7 @@ def _start_run(build: Path, out: Path, *options: str) -> subprocess.Popen[str]:
     """`cloudless-run` in its own process, once its function trains (it printed an iteration)."""
     # The key timeout is explicit: a run that waits for keys that never come takes it; one that ends
     # as it should takes a small part of it, however loaded the machine.
-    command = [sys.executable, "-m", "cloudless.runtimes.run", str(build), "--out", str(out), "--log-every", "1"]
+    command = [sys.executable, "-m", "cloudless.runtimes.cli", str(build), "--out", str(out), "--log-every", "1"]
     command += ["--key-timeout", str(KEY_TIMEOUT_S)]
     process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
@@ -394,7 +394,7 @@ def test_storage_that_stops_answering_ends_the_run_with_one_line(mlp_build: Path
 
 
 def test_a_storage_password_is_never_printed() -> None:
-    from cloudless.runtimes.storage_locations import shown
+    from cloudless.runtimes.control.storage_locations import shown
 
     assert shown("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
     assert shown("redis://user:s3cret@cache.internal/2#runs") == "redis://user:***@cache.internal/2#runs"

@@ -55,7 +55,7 @@ def run_and_meddle(
     build: Path, out: Path, options: list[str], meddle: Callable[[subprocess.Popen[str]], None]
 ) -> tuple[int, str]:
     """Start cloudless-run, let it train a few iterations, `meddle` with it; (exit code, stderr)."""
-    command = [sys.executable, "-m", "cloudless.runtimes.run", str(build), "--out", str(out), "--model", str(MLP)]
+    command = [sys.executable, "-m", "cloudless.runtimes.cli", str(build), "--out", str(out), "--model", str(MLP)]
     command += [*options, "--log-every", "1", "--no-verify-build"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cloudless.ir.protocol import state_key
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.tensors import unpack
+from cloudless.runtimes.storage.channels import DirectoryChannel
+from cloudless.runtimes.storage.tensors import unpack
 from tests.runtime_cases import front_end, reference_training, run_workers, write_packages, write_training_data
 
 

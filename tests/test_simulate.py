@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from cloudless.compiler.cost_model import BlockCost, CostModel, Plan, StageChoice
-from cloudless.compiler.simulate import simulate
+from cloudless.compiler.planner.cost_model import BlockCost, CostModel, Plan, StageChoice
+from cloudless.compiler.planner.simulate import simulate
 from cloudless.ir.schedule import SYNC_MAX_POLL_S
 from cloudless.ir.timeline import LANES, Span, Timeline
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from cloudless.compiler.pipeline import FrontEndOptions, balanced_stage_ranges, run_front_end
-from cloudless.runtimes.initial_weights import package_weights
-from cloudless.runtimes.staged_weights import parameters_in_files
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.control.staged_weights import parameters_in_files
+from cloudless.runtimes.function.initial_weights import package_weights
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.runtime_cases import write_packages
 
 
@@ -110,9 +110,9 @@ STAGER = """
 import json, sys, yaml
 from pathlib import Path
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.staged_weights import stage_weights
-from cloudless.runtimes.staging import load_model_module
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.control.staged_weights import stage_weights
+from cloudless.runtimes.control.staging import load_model_module
+from cloudless.runtimes.storage.channels import DirectoryChannel
 
 def hwm():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
@@ -174,9 +174,9 @@ def test_a_staged_build_trains_through_the_deploy_driver_as_plain_pytorch(tmp_pa
     driver stages each stage's parameters into the stack's bucket, each Lambda loads its own, and the
     trained model comes back in shards that hold plain PyTorch's parameters."""
     from cloudless.compiler.cli import main as compile_main
-    from cloudless.compiler.model_file import load_model_file
+    from cloudless.compiler.frontend.model_file import load_model_file
     from cloudless.ir.workflow import Workflow
-    from cloudless.runtimes.run import main as run_main
+    from cloudless.runtimes.cli import main as run_main
     from tests.reference import plain_training
     from tests.runtime_cases import MLP
 

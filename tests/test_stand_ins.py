@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
-from cloudless.compiler.stand_ins import (
+from cloudless.compiler.frontend.stand_ins import (
     is_stand_in,
     materialised,
     parameters_on_meta,
     replace_with_stand_ins,
     run_blocks_one_by_one,
 )
+from cloudless.compiler.pipeline import FrontEndOptions, run_front_end
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,11 +23,11 @@ from cloudless.ir import protocol
 from cloudless.ir.deployment import CARRIED_FIELDS, EXECUTION_FIELDS, RUN_STOPPED_ERROR, ExecutionInput
 from cloudless.ir.protocol import STORAGE_ENV, Invocation
 from cloudless.ir.workflow import Workflow
-from cloudless.runtimes.asl import Execution, ExecutionFailed, FunctionError, substitute
-from cloudless.runtimes.openfaas_gateway import load_handler
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.staging import trained_state
-from cloudless.runtimes.storage import DirectoryChannel
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.control.staging import trained_state
+from cloudless.runtimes.rehearsal.asl import Execution, ExecutionFailed, FunctionError, substitute
+from cloudless.runtimes.rehearsal.openfaas_gateway import load_handler
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.asl import InProcessLambda, ProcessLambda
 from tests.conftest import TWO_STAGE_ITERATIONS
 from tests.runtime_cases import MLP, reference_training, write_training_data

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cloudless.ir.protocol import CorruptBlob, seal, unseal
-from cloudless.runtimes.storage import (
+from cloudless.runtimes.storage.channels import (
     Channel,
     DirectoryChannel,
     KeyTimeout,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from cloudless.ir.protocol import REDIS_PASSWORD_ENV, REDIS_PASSWORD_FILE_ENV, seal
-from cloudless.runtimes.run import main as run_main
-from cloudless.runtimes.storage import DirectoryChannel, StorageRefused, open_channel
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.storage.channels import DirectoryChannel, StorageRefused, open_channel
 from tests.runtime_cases import MLP, front_end, write_packages
 
 PASSWORD = "correct-horse-battery-staple"

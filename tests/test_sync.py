@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloudless.runtimes.storage import DirectoryChannel, KeyTimeout
-from cloudless.runtimes.sync import scatter_reduce
+from cloudless.runtimes.function.scatter_reduce import scatter_reduce
+from cloudless.runtimes.storage.channels import DirectoryChannel, KeyTimeout
 
 
 def reduce_among(root: Path, grads: list[torch.Tensor], pipelined: bool, **options: int) -> list[torch.Tensor]:

@@ -23,11 +23,11 @@ from cloudless.ir.workflow import (
     WanLink,
     Workflow,
 )
-from cloudless.runtimes.cost import measured_cost, wan_pairs
-from cloudless.runtimes.emulation import Resources, wan_channel, wan_link
-from cloudless.runtimes.run import resources_of
-from cloudless.runtimes.storage import DirectoryChannel
-from cloudless.runtimes.storage_locations import storage_locations
+from cloudless.runtimes.cli import resources_of
+from cloudless.runtimes.control.cost import measured_cost, wan_pairs
+from cloudless.runtimes.control.storage_locations import storage_locations
+from cloudless.runtimes.storage.channels import DirectoryChannel
+from cloudless.runtimes.storage.emulation import Resources, wan_channel, wan_link
 
 PRICES = RegionPrices(
     gb_second=2e-5,

@@ -19,7 +19,7 @@ from ..libraries import (
     unimported_classes,
     unregistered_ops,
 )
-from ..package import VENDORED_MODULES
+from ..package import runtime_sources
 from ..stage_source import TensorKind
 from .base import EDITED, MISSING, BuildContext, fail, shorten
 
@@ -161,9 +161,8 @@ def _check_package_files(context: BuildContext, workflow: Workflow, function: Fu
     needed = dict(_PACKAGE_FILES)
     if last:
         needed[f"{workflow.data.loss}.py"] = "the loss module, which the last stage runs"
-    for package, modules in VENDORED_MODULES.items():
-        for module in modules:
-            needed[f"cloudless/{package}/{module}.py"] = "part of the vendored runtime the handler imports"
+    for path in runtime_sources():
+        needed[path] = "part of the vendored runtime the handler imports"
     for name, why in needed.items():
         if not (folder / name).is_file():
             path = f"{function.package}/{name}"

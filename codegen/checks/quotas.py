@@ -1,7 +1,7 @@
 """Warnings about what a deployment's platform account or cluster may not hold, known at compile time: SAM
 functions above a new AWS account's memory quota, iterations above its concurrency, and OpenFaaS stacks whose
 requests exceed a small cluster. One line each, deterministic; `cloudless-run BUILD --preflight-only` reads
-the real account's quotas and cluster's capacity (runtimes/preflight.py)."""
+the real account's quotas and cluster's capacity (runtimes/clouds/preflight.py)."""
 
 from __future__ import annotations
 

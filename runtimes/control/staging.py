@@ -1,0 +1,346 @@
+"""Putting a region's training data into storage, and evaluating a trained run on its test split.
+
+The data comes from the user's model file: `load_shard(region, split)` returns a torch Dataset whose
+items are (inputs, target), each a tensor or a nested structure of tensors. It is written per
+storage (`protocol.data_key`, see data.py) and shared by the runs that use that storage; each run
+fingerprints what load_shard gives and re-stages a split whose stored content differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypedDict
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ...ir import protocol
+from ...ir.protocol import DATA_META, data_key
+from ...ir.schedule import SHARD_SAMPLES
+from ...ir.workflow import DataSource, Region, Workflow
+from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
+from ..function.initial_weights import package_weights
+from ..function.worker import load_module
+from ..storage.channels import Channel
+from ..storage.tensors import autocast, unpack
+from .staged_weights import stage_weights, staged_functions, state_names
+
+
+class DataError(ValueError):
+    """The model file cannot give the data a run needs."""
+
+
+def load_model_module(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise DataError(f"{path}: no such model file (pass --model MODEL.py, the file the build was compiled from)")
+    spec = importlib.util.spec_from_file_location(f"cloudless_data_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise DataError(f"{path}: cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent.resolve()))  # the model file may import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise DataError(f"{path}: importing it failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    if not callable(getattr(module, "load_shard", None)):
+        raise DataError(f"{path}: defines no load_shard(region, split); a run needs it to read its training data")
+    return module
+
+
+def _leaf_specs(example: Any) -> list[tuple[str, tuple[int, ...]] | type]:
+    """Per leaf of a batch from example_inputs / example_targets: a tensor's dtype and shape without
+    the batch dimension (what one sample of the data must have), else the leaf's type."""
+    return [
+        (str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape[1:]))
+        if isinstance(leaf, torch.Tensor)
+        else type(leaf)
+        for leaf in pytree.tree_leaves(example)
+    ]
+
+
+def _mismatch(what: str, leaves: list[Any], expected: list[tuple[str, tuple[int, ...]] | type]) -> str | None:
+    """How one sample's `leaves` differ from what the example batch says, or None."""
+    if len(leaves) != len(expected):
+        return f"{len(leaves)} {what} tensors, but the example gives {len(expected)}"
+    for index, (leaf, spec) in enumerate(zip(leaves, expected, strict=True)):
+        if isinstance(spec, tuple):
+            if not isinstance(leaf, torch.Tensor):
+                return f"{what} {index} is a {type(leaf).__name__}, but the example's is a tensor"
+            found = (str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape))
+            if found != spec:
+                return (
+                    f"{what} {index} is {found[0]} of shape {list(found[1])}, but the example's is {spec[0]} of shape "
+                    f"{list(spec[1])} (without the batch dimension)"
+                )
+        elif not isinstance(leaf, spec):
+            return f"{what} {index} is a {type(leaf).__name__}, but the example's is a {spec.__name__}"
+    return None
+
+
+def _samples(module: ModuleType, path: Path, region: str, split: str, first: int = 0, count: int | None = None) -> Any:
+    """load_shard(region, split)'s samples first..first+count-1 as (flat inputs, flat targets), each
+    checked against what example_inputs and example_targets give (one sample of the batch): data that
+    does not fit the compiled stages is an error here, naming the sample, not at a function's first step."""
+    try:
+        dataset = module.load_shard(region, split)
+        stop = len(dataset) if count is None else first + count
+        if stop > len(dataset):
+            raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(dataset)}")
+        make_inputs, make_targets = getattr(module, "example_inputs", None), getattr(module, "example_targets", None)
+        expected_inputs = _leaf_specs(make_inputs(1)) if make_inputs is not None else None
+        expected_targets = _leaf_specs(make_targets(1)) if make_targets is not None else None
+    except Exception as exc:
+        raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
+    for i in range(first, stop):
+        try:
+            inputs, target = dataset[i]
+        except Exception as exc:
+            what = f"load_shard({region!r}, {split!r})[{i}] failed: {type(exc).__name__}: {exc}"
+            raise DataError(f"{path}: {what}") from exc
+        sample = pytree.tree_leaves(inputs), pytree.tree_leaves(target)
+        wrong = _mismatch("input", sample[0], expected_inputs) if expected_inputs is not None else None
+        if wrong is None and expected_targets is not None:
+            wrong = _mismatch("target", sample[1], expected_targets)
+        if wrong is not None:
+            raise DataError(f"{path}: load_shard({region!r}, {split!r})[{i}]: {wrong}")
+        yield sample
+
+
+def recorded_model_file(workflow: Workflow, given: Path | None) -> Path:
+    """The model file to read the data (and the adapter's base) from: `given` (--model), else the file
+    workflow.yaml names, resolved from the current folder as the compiler was run, and refused (DataError)
+    when it is not there or is not the file the build was compiled from (its sha256)."""
+    if given is not None:
+        return given
+    path = Path(workflow.data.model_file)
+    fix = "run cloudless-run from the folder cloudless-compile ran in, or pass --model PATH"
+    if not path.is_file():
+        raise DataError(f"{path}: the model file workflow.yaml names is not in {Path.cwd()}; {fix}")
+    recorded = workflow.data.model_sha256
+    found = hashlib.sha256(path.read_bytes()).hexdigest()
+    if recorded is not None and found != recorded:
+        raise DataError(
+            f"{path}: not the model file the build was compiled from (sha256 {found[:12]}… here, {recorded[:12]}… "
+            f"in workflow.yaml); {fix} (--model {path} trains on this one)"
+        )
+    return path
+
+
+class StagedData(TypedDict):
+    """What `stage_data` did: the samples of each split (for a missing test split, why it is missing),
+    and per staged split the fingerprint of its content and whether it was staged, re-staged (the
+    stored data differed, or was damaged: `reason` says how) or reused."""
+
+    train: int
+    test: int | str
+    fingerprint: dict[str, str]
+    action: dict[str, Staging]
+    reason: dict[str, str]
+
+
+def stage_data(
+    channel: Channel,
+    region: str,
+    model_path: Path,
+    *,
+    force: bool = False,
+    sources: Sequence[DataSource] = (),
+    name: str | None = None,
+    shard_samples: int = SHARD_SAMPLES,
+) -> StagedData:
+    """Make storage hold the region's train split (required) and test split (if load_shard gives
+    one) as load_shard gives them now: storage is shared by runs, and the model file may have changed
+    since it was staged. load_shard is always read and fingerprinted; what is stored is reused when
+    its fingerprint matches (no writes), else re-staged (`write_split`); `force` rewrites it anyway.
+    A stored test split that load_shard no longer gives is deleted, so no run is tested on it.
+    `sources` (several regions, data moved) are the slices of other regions' train splits it trains
+    on, kept under `name` (data.data_name)."""
+    module = load_model_module(model_path)
+    # Recorded in meta as where the data came from; not part of the fingerprint: the data is shared
+    # per region and split, and a model file whose load_shard gives the same samples (an edit of the
+    # model, another copy of the file) must reuse it rather than re-stage it for every run.
+    provenance = {"model_file": model_path.name, "model_sha256": hashlib.sha256(model_path.read_bytes()).hexdigest()}
+    counts: dict[str, int | str] = {}
+    fingerprints: dict[str, str] = {}
+    actions: dict[str, Staging] = {}
+    reasons: dict[str, str] = {}
+    for split in ("train", "test"):
+        where = name if name and split == "train" else region
+        if split == "train" and sources:
+            slices = [_samples(module, model_path, s.region, split, s.first, s.count) for s in sources]
+            samples: Any = (sample for part in slices for sample in part)
+        else:
+            samples = _samples(module, model_path, region, split)
+        try:
+            written = write_split(channel, where, split, samples, shard_samples, force=force, provenance=provenance)
+        except (DataError, ValueError) as exc:
+            if split == "train":
+                raise DataError(str(exc)) from exc
+            remove_split(channel, where, split)  # a test split of other data would give wrong figures
+            counts[split] = str(exc)  # no test split: the run trains but reports no test figures
+            continue
+        counts[split], fingerprints[split], actions[split] = written.samples, written.fingerprint, written.action
+        if written.reason:
+            reasons[split] = written.reason
+    return StagedData(
+        train=int(counts["train"]), test=counts["test"], fingerprint=fingerprints, action=actions, reason=reasons
+    )
+
+
+def stage_run_weights(
+    model: Path, regions: Sequence[Region], channels: Mapping[str, Channel], run_id: str
+) -> str | None:
+    """A staged build's weights into each region's storage for run `run_id` (staged_weights.py), from
+    the model file's build_model(); the line saying so, or None for a build that holds its weights."""
+    if not staged_functions(regions):
+        return None
+    targets = {region.name: (channels[region.name], protocol.namespace(run_id, region.name)) for region in regions}
+    done = stage_weights(load_model_module(model), regions, targets)
+    return (
+        f"weights: {done.functions} stages' parameters staged from build_model(), "
+        f"{done.bytes / 2**20:.1f} MiB in {done.seconds:.1f} s"
+    )
+
+
+def describe_staged(staged: StagedData) -> str:
+    """One line for the run's banner: per split its samples, short fingerprint and what was done, so
+    that a user sees when the data changed or was damaged (re-staged, and why) or which data a run
+    trained on."""
+    parts = []
+    for split, samples in (("train", staged["train"]), ("test", staged["test"])):
+        if isinstance(samples, str):
+            reason = " ".join(samples.split())
+            parts.append(f"no {split} split ({reason if len(reason) <= 100 else reason[:99] + '…'})")
+            continue
+        fingerprint = staged["fingerprint"][split]
+        short = fingerprint[: len(FINGERPRINT_PREFIX) + 12]
+        why = staged["reason"].get(split)
+        parts.append(f"{split} {samples} samples ({short}, {staged['action'][split]}{f': {why}' if why else ''})")
+    return "data: " + ", ".join(parts)
+
+
+def load_stages(build: Path, workflow: Workflow, region: str) -> tuple[list[Any], torch.nn.Module]:
+    """The region's stage modules, in order, and its loss module (as the packages hold them)."""
+    functions = workflow.region(region).functions  # in stage order
+    stages = [load_module(build / f.package / "stage.py", f"cloudless_eval_{f.stage}") for f in functions]
+    loss = load_module(build / functions[-1].package / f"{workflow.data.loss}.py", "cloudless_eval_loss")
+    return stages, loss.Stage()
+
+
+def trained_state(channel: Channel, namespace: str, stages: int, iteration: int) -> dict[str, torch.Tensor]:
+    """The whole model's parameters and buffers after `iteration` iterations (original names)."""
+    state: dict[str, torch.Tensor] = {}
+    for s in range(stages):
+        values = unpack(channel.get(protocol.state_key(namespace, s, iteration), timeout=60))
+        state.update(protocol.module_values(values))
+    return state
+
+
+def newer_global_version(channel: Channel, namespace: str, stage: int, version: int) -> dict[str, torch.Tensor] | None:
+    """ASGD-GA: the stage's newest global version after `version` in the server's storage (`channel`,
+    `namespace`: the server region's), one written by a region that left after pushing it, which no
+    region that stayed holds; None if none (a version claimed but voided, `LEFT_MARK`, does not count)."""
+    newest = None
+    version += 1
+    while channel.try_get(protocol.global_key(namespace, stage, version, "owner")) is not None:
+        data = channel.try_get(protocol.global_key(namespace, stage, version, "model"))
+        if data is not None and data != protocol.LEFT_MARK:
+            newest = data
+        version += 1
+    return unpack(newest) if newest is not None else None
+
+
+def frozen_weights(build: Path, region: Region, channel: Channel, namespace: str) -> dict[str, torch.Tensor]:
+    """The region's frozen parameters (`Function.frozen_parameters`) as its packages (or, for a staged
+    build, the run's staged weights in `channel`, `namespace`) hold them: never trained, so in no
+    checkpoint."""
+    frozen: dict[str, torch.Tensor] = {}
+    for function in region.functions:
+        if function.frozen_parameters:
+            initial = package_weights(build / function.package, function, channel, namespace, 60)
+            frozen.update({name: initial[name] for name in function.frozen_parameters})
+    return frozen
+
+
+def model_file_state(build: Path, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The trained tensors keyed like the user model's state_dict, so that `load_state_dict(...,
+    strict=True)` takes them: a tied weight under each of its names, non-persistent buffers left out.
+    Also the keys no stage holds (tensors forward never uses: not trained, not in the file)."""
+    names = state_names(build)
+    if not names:  # a build without the graph, or from before it recorded them: the stages' names
+        return {k: v.contiguous() for k, v in sorted(state.items())}, []
+    # clones: safetensors refuses two names for one memory
+    keyed = {key: state[source].clone().contiguous() for key, source in sorted(names.items()) if source in state}
+    return keyed, sorted(key for key, source in names.items() if source not in state)
+
+
+def untouched_tensors(model_path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The state `names` of the model file's model as build_model() builds it: tensors no stage
+    holds (the forward never uses them, so training never changes them; a peft `modules_to_save`
+    keeps such an original copy), for a model.safetensors that loads strictly."""
+    state = load_model_module(model_path).build_model().state_dict()
+    return {name: state[name].detach().clone().contiguous() for name in names}
+
+
+def save_peft_adapter(model_path: Path, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Save the trained adapter of the model file's peft model as peft saves one
+    (`adapter_model.safetensors`, `adapter_config.json`: `PeftModel.from_pretrained` loads it). The
+    model is built on the meta device, so the base model's weights are never allocated; the trained
+    tensors replace its parameters, every adapter parameter must be among them."""
+    module = load_model_module(model_path)
+    with torch.device("meta"):
+        model = module.build_model()
+    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
+    untrained = [name for name, parameter in model.named_parameters() if name in missing and parameter.requires_grad]
+    if untrained:
+        raise DataError(f"{model_path}: the run trained no value for the adapter's {', '.join(untrained[:3])}")
+    model.save_pretrained(str(folder))
+
+
+@torch.no_grad()
+def evaluate(
+    build: Path, workflow: Workflow, region: str, channel: Channel, state: dict[str, torch.Tensor]
+) -> dict[str, Any] | None:
+    """Mean loss on the region's test split, and accuracy when the model's one output is class
+    scores (batch x classes) for one integer target; None without a test split. It runs the stages
+    chained in whole micro-batches, the shapes the stages were generated for."""
+    if channel.try_get(data_key(region, "test", DATA_META)) is None:
+        return None
+    modules, loss_module = load_stages(build, workflow, region)
+    stages = []
+    for module in modules:
+        stage = module.Stage()
+        own = set(stage.state_dict())
+        stage.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
+        stages.append((stage.eval(), list(module.INPUTS), list(module.OUTPUTS)))
+    reader = SplitReader(channel, region, "test")
+    size = workflow.run.micro_batch
+    total_loss, correct, counted, batches = 0.0, 0, 0, 0
+    for first in range(0, reader.samples - size + 1, size):
+        indices = list(range(first, first + size))
+        values = dict(zip(workflow.data.inputs, reader.gather(indices, "input"), strict=True))
+        outputs: tuple[Any, ...] = ()
+        targets = reader.gather(indices, "target")
+        with autocast(workflow.run.precision):  # the precision the model trained in
+            for stage, inputs, names in stages:
+                outputs = tuple(stage(*[values[n] for n in inputs]))
+                values.update(zip(names, outputs, strict=True))
+            (loss,) = loss_module(*outputs, *targets)
+        total_loss += float(loss)
+        batches += 1
+        if len(outputs) == 1 and len(targets) == 1 and outputs[0].dim() == 2 and not targets[0].is_floating_point():
+            correct += int((outputs[0].argmax(dim=1) == targets[0]).sum())
+            counted += size
+    if batches == 0:
+        return None
+    result: dict[str, Any] = {"samples": batches * size, "loss": total_loss / batches}
+    if counted:
+        result["accuracy"] = correct / counted
+    return result
