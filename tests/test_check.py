@@ -266,8 +266,8 @@ CORPUS: list[tuple[str, str, Callable[[Path], None], str, str]] = [
     (
         "vendored-runtime-deleted",
         "wide",
-        lambda b: (b / S1 / "cloudless" / "runtimes" / "worker.py").unlink(),
-        f"{S1}/cloudless/runtimes/worker.py: key (file): missing",
+        lambda b: (b / S1 / "cloudless" / "runtimes" / "function" / "worker.py").unlink(),
+        f"{S1}/cloudless/runtimes/function/worker.py: key (file): missing",
         "vendored runtime",
     ),
     (

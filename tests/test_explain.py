@@ -335,8 +335,9 @@ def test_planning_finishes_in_the_plan_pass_and_writing_only_serialises(monkeypa
     """compile_model's plan pass records the plan (baselines simulated, explanation solved); plan.json
     is that record serialised, and writing the build again with nothing left to solve or simulate gives
     the same bytes."""
-    from cloudless.compiler import build, explain, plan_record, simulate
+    from cloudless.compiler import build
     from cloudless.compiler.pipeline import CompileOptions, compile_model
+    from cloudless.compiler.planner import explain, plan_record, simulate
 
     profile = GOLDEN / "mlp_digits" / "ir" / "blocks.json"
     options = PlanOptions(stages=2)

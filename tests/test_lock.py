@@ -76,3 +76,21 @@ def test_the_venv_holds_the_locked_versions() -> None:
         except metadata.PackageNotFoundError:
             pytest.fail(f"{name}=={version} is locked but not installed: bash scripts/setup.sh")
         assert installed == version, f"{name} {installed} is installed, the lock pins {version}: bash scripts/setup.sh"
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the lock is for Python 3.11")
+def test_setup_skips_pip_only_for_a_venv_that_holds_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/setup.sh leaves a venv alone only when scripts/venv_matches.py finds nothing to put back."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import venv_matches
+
+    torch_version = re.search(r"^TORCH_VERSION=(\S+)$", (ROOT / "scripts" / "setup.sh").read_text(), re.M)
+    assert torch_version is not None
+    assert venv_matches.differences(torch_version.group(1)) == []  # the venv setup.sh made for this run
+    pins = venv_matches.locked()
+    monkeypatch.setattr(venv_matches, "locked", lambda: {**pins, "jinja2": "0.1"})
+    assert venv_matches.differences(torch_version.group(1)) == [
+        f"jinja2: {metadata.version('jinja2')} installed, 0.1 locked"
+    ]
+    monkeypatch.setattr(venv_matches, "locked", lambda: pins)
+    assert venv_matches.differences("1.0.0") == [f"torch: {metadata.version('torch')} installed, 1.0.0 wanted"]

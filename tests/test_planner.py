@@ -104,7 +104,7 @@ def test_reduced_cost_fixing_keeps_the_optimum(objective: str, monkeypatch: pyte
     """Reduced-cost fixing (normally only on large programs) on every small one: the configurations it
     drops never hold a better plan, so the optimum and its proof survive; on some it drops some."""
     calls: list[tuple[int, int]] = []
-    price = program.price_configurations
+    price = planner.price_configurations
 
     def recording(stage, initial, stop_at):
         pricing = price(stage, initial, stop_at)
@@ -147,7 +147,7 @@ def test_pricing_bound_is_the_lp_relaxation() -> None:
     cutoff = found[1]
     table, floors = program.prune(problem, "cost", table, deadline=None, budget=None, cutoff=cutoff)
     stage = program.build_program(problem, "cost", 4, table, floors, deadline=None, budget=None, cutoff=cutoff)
-    pricing = program.price_configurations(stage, program._indices(table, found[0].plan), math.inf)
+    pricing = planner.price_configurations(stage, program._indices(table, found[0].plan), math.inf)
     assert pricing is not None and pricing.rounds > 1
 
     relaxed = stage.program

@@ -44,7 +44,7 @@ def every_program_by_bands(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return found
 
     monkeypatch.setattr(planner, "BAND_FROM_CONFIGS", 0)
-    monkeypatch.setattr(planner_bands, "search_bands", recording)
+    monkeypatch.setattr(planner, "search_bands", recording)  # as solve_for_micro_batch calls it
     monkeypatch.setattr(planner_bands, "MILP_CONFIGS", 3)
     monkeypatch.setattr(planner_bands, "FEW_CONFIGS", 1)
     return examined
@@ -255,7 +255,7 @@ def test_the_8b_shapes_plan_is_proven_in_few_bands(monkeypatch: pytest.MonkeyPat
         examined.append(found.bands)
         return found
 
-    monkeypatch.setattr(planner_bands, "search_bands", recording)
+    monkeypatch.setattr(planner, "search_bands", recording)  # as solve_for_micro_batch calls it
     incumbents = tuple(b.plan for b in baselines(problem, "cost") if b.plan is not None)
     solution = solve(problem, "cost", time_limit=None, incumbents=incumbents)
     assert solution.status == "optimal" and solution.gap == 0.0

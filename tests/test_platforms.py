@@ -1014,7 +1014,7 @@ def lambda_role() -> str:
 
 def test_cloudless_run_invokes_the_lambda_functions_by_the_names_sam_deploys() -> None:
     """`cloudless-run --invoker lambda` without --stack: the names the template gives the functions."""
-    from cloudless.runtimes.cli import deployed_lambda_names
+    from cloudless.runtimes.control.run import deployed_lambda_names
 
     workflow = make_workflow()
     template = yaml.safe_load(render_region(workflow, EAST, {"sam"})[f"regions/{EAST}/template.yaml"])

@@ -23,8 +23,8 @@ from cloudless.ir.workflow import (
     WanLink,
     Workflow,
 )
-from cloudless.runtimes.cli import resources_of
 from cloudless.runtimes.control.cost import measured_cost, wan_pairs
+from cloudless.runtimes.control.run import resources_of
 from cloudless.runtimes.control.storage_locations import storage_locations
 from cloudless.runtimes.storage.channels import DirectoryChannel
 from cloudless.runtimes.storage.emulation import Resources, wan_channel, wan_link
