@@ -166,6 +166,7 @@ def test_the_profile_of_a_model_planned_from_shapes_holds_one_layer_of_weights(t
     assert 2 * layer < bounded["growth"] < 4 * layer < 8 * layer < unbounded["growth"], (bounded, unbounded, layer)
 
 
+@pytest.mark.slow
 def test_annotation_keeps_no_layer_activations_past_their_use(tmp_path: Path) -> None:
     """Sixteen layers saving two 8 MiB activations each: annotation kept all 256 MiB until its run
     ended; it keeps none past its use, and records the same saved bytes per layer."""

@@ -144,9 +144,8 @@ def stack(
         cloudformation.delete_stack(StackName=STACK)
 
 
-@pytest.mark.parametrize(
-    "functions", ["in-process", pytest.param("processes", marks=pytest.mark.slow)], ids=["in-process", "processes"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("functions", ["in-process", "processes"])
 def test_the_driver_trains_on_the_stack_and_a_second_run_trains_again(
     two_stages, expected_model, stack, functions: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

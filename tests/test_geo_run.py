@@ -165,7 +165,8 @@ def test_model_average_across_regions_matches_plain_pytorch(compile_cli, tmp_pat
     assert metrics["cost"]["wan"][f"{a}->{b}"]["gets"] >= rounds  # at least one read per round
 
 
-@pytest.mark.parametrize("clip", [None, pytest.param(0.05, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [None, 0.05])
 def test_sync_across_regions_matches_plain_pytorch_and_every_region_holds_the_same_bits(
     compile_cli, tmp_path: Path, clip: float | None
 ) -> None:

@@ -194,6 +194,7 @@ def test_error_replies_name_no_path_of_the_machine(two_stage_build, tmp_path, mo
         assert scrub("<path>", kept) == kept
 
 
+@pytest.mark.slow
 def test_a_deployed_function_runs_as_many_torch_threads_as_its_cpu_share() -> None:
     """No OMP_NUM_THREADS (a Lambda or OpenFaaS container): threads from the function's CPU share, not from
     the host's cores; with it (the local invoker's --threads), its value."""

@@ -460,7 +460,8 @@ def one_thread_reference(front: FrontEnd, workflow: Workflow) -> dict[str, torch
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("stream", ["bf16", pytest.param("float32", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", ["bf16", "float32"])
 def test_bf16_mixed_trains_in_a_replicated_pipeline_as_a_bf16_plain_loop(stream: str, tmp_path: Path) -> None:
     path = tmp_path / "model.py"
     path.write_text(textwrap.dedent(MIXED).replace("FLOAT32_STREAM = False", f"FLOAT32_STREAM = {stream == 'float32'}"))

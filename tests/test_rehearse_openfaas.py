@@ -125,6 +125,7 @@ def test_replicas_are_processes_with_their_secrets_environment_and_cpu_share(tmp
     assert all(r.process.poll() is not None for r in replicas)  # stopped at the end
 
 
+@pytest.mark.slow
 def test_a_template_pulled_beside_the_stack_serves_the_functions(tmp_path: Path) -> None:
     """Where `faas-cli template pull` put the template's index.py (report.md's step), the replicas run that
     file, unchanged: here one that says so before doing what the template does (port 5000 as upstream's,

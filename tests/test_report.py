@@ -308,6 +308,7 @@ def test_comparison_shows_plan_and_feasible_baselines(small) -> None:
     assert "too-big" in labels  # named as not shown
 
 
+@pytest.mark.slow
 def test_large_plan_caps_rows_and_stays_small() -> None:
     document, timeline = make_case(5, stages=16, replicas=8, micro_batches=64, schedule="1f1b")
     files = render_report(document, timeline)

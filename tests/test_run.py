@@ -60,6 +60,7 @@ def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
         assert torch.equal(got[name], value), name
 
 
+@pytest.mark.slow
 def test_pipelined_replicated_run_matches_plain_pytorch(pipelined, baseline) -> None:
     build, workflow, expected = pipelined
     metrics, params = baseline
@@ -596,6 +597,7 @@ def test_a_build_without_its_manifest_is_refused(one_stage, tmp_path: Path, caps
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_files_a_run_writes_into_the_build_are_not_flagged(one_stage, tmp_path: Path, capsys) -> None:
     """A run's output inside the build (BUILD/run, its logs) is not the compile's: the next run of the
     build gets past the check (here to --resume's own refusal: nothing to resume)."""

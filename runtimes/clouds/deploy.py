@@ -45,6 +45,7 @@ from ...ir.workflow import Region, Workflow
 from ..control.controller import Controller
 from ..control.invokers import Handle, Invocation, Invoker
 from ..control.retrying_channel import RetryingChannel
+from ..control.run import fail, final_model, run_settings
 from ..control.run_outputs import left_figures
 from ..control.run_state import Progress, RegionGone, RegionRun, RunDiverged, RunError, RunMetrics, RunSettings
 from ..control.staged_weights import save_trained_model
@@ -386,8 +387,6 @@ def drive(
     `take_down`: a rehearsal's way to make a region's functions stop answering (`--fail-region`)."""
     import boto3
 
-    from ..control.run import fail, final_model  # the runner's own pieces (imported here: run imports this module)
-
     if args.storage:
         return fail("--storage: with --stack the storage is the stack's bucket")
     if args.resume:
@@ -421,17 +420,7 @@ def drive(
             print(weights, flush=True)
     except (DataError, ValueError) as exc:
         return fail(str(exc))
-    settings = RunSettings(
-        iterations=iterations,
-        run_id=run_id,
-        time_limit_s=args.time_limit,
-        key_timeout_s=args.key_timeout or protocol.DEFAULT_KEY_TIMEOUT_S,
-        retries=args.retries,
-        poll_s=POLL_S,
-        region_timeout_s=args.region_timeout or protocol.DEFAULT_REGION_TIMEOUT_S,
-        capacity_changes=args.capacity_changes,
-        region_failures=args.region_failures,
-    )
+    settings = run_settings(args, iterations, run_id, poll_s=POLL_S)
     several = len(workflow.regions) > 1
     every = args.log_every or max(1, iterations // 20)
     totals: dict[str, int] = {}

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -59,9 +59,7 @@ from ...ir.catalog import (
 )
 from ...ir.deployment import lambda_function_name, peer_parameter, stack_name
 from ...ir.workflow import Workflow
-
-if TYPE_CHECKING:
-    from .deploy import Stack
+from .deploy import DeployError, Stack, aws_region, read_stack, stack_names
 
 #: how long one request of a check may take (a registry, the Kubernetes API)
 REQUEST_TIMEOUT_S = 15.0
@@ -550,8 +548,6 @@ def lambda_preflight(args: argparse.Namespace, workflow: Workflow) -> Findings:
     peers' grants, the account's concurrency and the deployed functions' memory. Without --stack the functions
     are invoked by the names the template gives them, so they must exist."""
     import boto3
-
-    from .deploy import DeployError, aws_region, read_stack, stack_names
 
     found = Findings()
     deployed: dict[str, Mapping[str, str]] = {}

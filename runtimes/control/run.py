@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,6 +124,22 @@ def final_model(
     return state
 
 
+def run_settings(args: argparse.Namespace, iterations: int, run_id: str, **driver: Any) -> RunSettings:
+    """The run's settings from cloudless-run's arguments (cli.py checked them), as every driver reads them;
+    `driver`: what only one driver sets (faults and resuming locally, the state machines' poll period)."""
+    return RunSettings(
+        iterations=iterations,
+        run_id=run_id,
+        time_limit_s=args.time_limit,
+        key_timeout_s=args.key_timeout or protocol.DEFAULT_KEY_TIMEOUT_S,
+        retries=args.retries,
+        region_timeout_s=args.region_timeout or protocol.DEFAULT_REGION_TIMEOUT_S,
+        capacity_changes=args.capacity_changes,
+        region_failures=args.region_failures,
+        **driver,
+    )
+
+
 def train(
     args: argparse.Namespace,
     build: Path,
@@ -167,18 +184,8 @@ def train(
             print(weights, flush=True)
     except (DataError, ValueError) as exc:
         return fail(str(exc))
-    settings = RunSettings(
-        iterations=iterations,
-        run_id=run_id,
-        time_limit_s=args.time_limit,
-        key_timeout_s=args.key_timeout or protocol.DEFAULT_KEY_TIMEOUT_S,
-        resume=bool(args.resume),
-        retries=args.retries,
-        fault_rate=args.inject_faults,
-        fault_seed=args.fault_seed,
-        region_timeout_s=args.region_timeout or protocol.DEFAULT_REGION_TIMEOUT_S,
-        capacity_changes=args.capacity_changes,
-        region_failures=args.region_failures,
+    settings = run_settings(
+        args, iterations, run_id, resume=bool(args.resume), fault_rate=args.inject_faults, fault_seed=args.fault_seed
     )
     invoker: Invoker
     if args.invoker == "local":

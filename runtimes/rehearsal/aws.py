@@ -46,7 +46,8 @@ from ...ir import protocol
 from ...ir.catalog import AWS_REGION_PREFIX
 from ...ir.deployment import BUCKET_OUTPUT, peer_parameter
 from ...ir.workflow import Workflow
-from ..clouds.deploy import DeployError, aws_region
+from ..clouds.deploy import DeployError, aws_region, drive
+from ..control.run import fail, resources_of
 from .lambda_local import FunctionImage, LambdaService
 from .stepfunctions_local import StepFunctionsExecutor
 
@@ -385,9 +386,6 @@ def driver_environment(endpoint: str, where: str, credentials: dict[str, str]) -
 def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iterations: int, out: Path) -> int:
     """`--invoker lambda --rehearse`: deploy every region's stack into a local endpoint, train on them
     through the driver, tear everything down; the exit status."""
-    from ..clouds.deploy import drive
-    from ..control.run import fail, resources_of
-
     if args.stack:
         return fail("--stack: not with --rehearse (the rehearsal deploys its own stacks)")
     others = [r for r in workflow.regions if r.provider != "aws" or not r.name.startswith(AWS_REGION_PREFIX)]
