@@ -22,6 +22,57 @@ SAMPLES = ROOT / "samples"
 MODELS = Path(__file__).resolve().parent / "models"
 
 
+#: Cases of a few seconds each that the default lane leaves to the slow one (`scripts/test.sh --all`, what CI
+#: runs): each of their layers keeps a faster case there (the default lane stays under 150 s on 2 cores).
+#: By pytest node id, as `--durations` prints them.
+SLOW_CASES = frozenset(
+    {
+        "tests/test_block_bound.py::test_blocks_past_the_bound_end_at_the_layers_ends_and_identical_layers_are_one_key",
+        "tests/test_check.py::test_hand_edit_fails_the_check[geo-peer-parameter-missing]",
+        "tests/test_check.py::test_hand_edit_fails_the_check[geo-shared-bucket]",
+        "tests/test_check.py::test_untouched_build_passes[geo]",
+        "tests/test_explain.py::test_report_plan_json_and_summary_say_why",
+        "tests/test_fuzz.py::test_catalogs_that_parse_plan_or_fail_with_one_line[fast]",
+        "tests/test_fuzz.py::test_mutated_catalogs_parse_or_fail_with_one_line[fast]",
+        "tests/test_geo.py::test_geo_sample_trains_across_regions_cheaper_than_any_allowed_single_region",
+        "tests/test_golden.py::test_generated_tree_matches_golden_and_holds_no_credentials[wide_mlp_time]",
+        "tests/test_golden.py::test_two_compiles_are_byte_identical",
+        "tests/test_library_ops.py::test_the_fresh_interpreter_check_finds_an_op_nothing_imported_registers",
+        "tests/test_limits.py::test_the_registry_comes_from_the_catalog_unless_given",
+        "tests/test_model_file.py::test_a_loss_holding_a_constant_tensor_writes_it_into_loss_py",
+        "tests/test_peer_stacks.py::test_an_empty_peer_parameter_grants_nothing_and_names_no_bucketless_arn",
+        "tests/test_plan_shape.py::test_the_run_length_follows_training_and_the_summary_says_from_where[training0-5-TRAINING['iterations']]",
+        "tests/test_planner.py::test_cbc_finds_the_optimum_highs_and_exhaustive_search_find[cost]",
+        "tests/test_planner.py::test_pruning_by_a_known_plan_keeps_the_optimum[time-under-budget]",
+        "tests/test_planner_bands.py::test_the_8b_shapes_plan_is_proven_in_few_bands",
+        "tests/test_platforms.py::test_a_stack_without_registry_builds_but_warns",
+        "tests/test_platforms.py::test_missing_handler_folder",
+        "tests/test_platforms.py::test_state_machine_runs_in_moto[inline-map]",
+        "tests/test_profile_stability.py::test_compile_prints_the_warnings_of_an_unstable_profile_even_with_q",
+        "tests/test_recipes.py::test_a_peft_model_plans_its_adapters_as_the_only_trained_parameters",
+        "tests/test_recipes.py::test_check_finds_a_frozen_flag_that_does_not_match_the_workflow",
+        "tests/test_rehearse_aws.py::test_rehearse_is_refused_with_another_invoker_or_a_stack",
+        "tests/test_rehearse_aws.py::test_the_generated_state_machine_catches_a_timeout_and_fails_with_lambdas_error",
+        "tests/test_rehearse_openfaas.py::test_a_replica_whose_process_ends_is_restarted_as_kubernetes_restarts_a_container",
+        "tests/test_rehearse_openfaas.py::test_an_answer_past_the_watchdogs_write_timeout_never_arrives_and_the_gateway_says_502",
+        "tests/test_rehearse_openfaas.py::test_past_exec_timeout_the_watchdog_answers_504_and_the_function_runs_on",
+        "tests/test_rehearse_openfaas.py::test_replicas_are_processes_with_their_secrets_environment_and_cpu_share",
+        "tests/test_report.py::test_comparison_shows_plan_and_feasible_baselines",
+        "tests/test_report.py::test_report_imports_no_compiler_or_runtime",
+        "tests/test_report.py::test_the_deploy_steps_are_each_targets_from_where_it_runs[ghcr.io/acme]",
+        "tests/test_run.py::test_no_verify_build_runs_a_build_edited_by_hand",
+        "tests/test_stand_ins.py::test_plan_only_writes_the_plan_a_full_compile_makes",
+        "tests/test_stand_ins.py::test_stand_ins_give_the_graph_and_blocks_the_weights_give[samples/llama_text.py]",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def model_file(tmp_path: Path) -> Callable[[str, str], Path]:
     """Write `source` (dedented) to tmp_path/name and return its path."""
