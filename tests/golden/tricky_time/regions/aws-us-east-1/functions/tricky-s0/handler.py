@@ -22,8 +22,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cloudless.ir.protocol import SECRETS_DIR, TOKEN_HEADER, TOKEN_SECRET  # noqa: E402
-from cloudless.runtimes.secrets import load_openfaas_secret, token_matches  # noqa: E402
-from cloudless.runtimes.worker import handle_request  # noqa: E402
+from cloudless.runtimes.storage.secrets import load_openfaas_secret, token_matches  # noqa: E402
+from cloudless.runtimes.function.worker import handle_request  # noqa: E402
 
 #: where OpenFaaS mounts the function's secrets
 SECRETS = Path(SECRETS_DIR)
