@@ -20,7 +20,6 @@ from cloudless.ir import protocol
 from cloudless.ir.files import load_workflow
 from cloudless.ir.protocol import Invocation, global_key, global_owner, namespace
 from cloudless.ir.workflow import Region, round_ends, round_meets
-from cloudless.runtimes.cli import final_model
 from cloudless.runtimes.cli import main as run_main
 from cloudless.runtimes.control.controller import Controller
 from cloudless.runtimes.control.elastic import (
@@ -31,6 +30,7 @@ from cloudless.runtimes.control.elastic import (
     share_iterations,
     slowdown,
 )
+from cloudless.runtimes.control.run import final_model
 from cloudless.runtimes.control.run_state import RunSettings
 from cloudless.runtimes.control.staging import trained_state
 from cloudless.runtimes.function.region_sync import weighted_mean

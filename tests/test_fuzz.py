@@ -791,7 +791,7 @@ def test_run_command_lines_fail_fast_with_one_line(
     @example(["badflow", "--out", "out"])
     def check(argv: list[str]) -> None:
         capsys.readouterr()
-        with mock.patch("cloudless.runtimes.cli._train", side_effect=CommandStarted(argv)):
+        with mock.patch("cloudless.runtimes.cli.train", side_effect=CommandStarted(argv)):
             try:
                 outcome = run_main(run.main, argv)
             except Exception as exc:  # noqa: BLE001 - a traceback: a finding
