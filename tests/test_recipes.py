@@ -125,17 +125,17 @@ def test_no_checkpoint_or_optimizer_state_holds_a_frozen_parameter(frozen: Front
     storage = DirectoryChannel(tmp_path / "storage")
     write_training_data(frozen, storage, workflow.regions[0].name)
     worker = StageWorker(build / function.package, storage)
-    assert [name for name, _ in worker.trained_parameters()] == ["4.weight", "4.bias", "6.weight", "6.bias"]
+    assert [name for name, _ in worker.context.trained_parameters()] == ["4.weight", "4.bias", "6.weight", "6.bias"]
     result = worker.run(0, 2, 0, timeout=30)
     assert result.status == "done"
-    state = worker._state()
+    state = worker.checkpoints.state()
     assert not any(name.endswith(f"/{frozen_name}") for name in state for frozen_name in FROZEN_NAMES), sorted(state)
     assert any(key.startswith(protocol.OPTIMIZER_PREFIX + "6.weight/") for key in state)
     # a worker resuming from that checkpoint gets the frozen weights from its package
     resumed = StageWorker(build / function.package, storage)
-    resumed.load_state(2, timeout=5)
-    for name, value in worker.module.state_dict().items():
-        assert torch.equal(resumed.module.state_dict()[name], value), name
+    resumed.checkpoints.load_state(2, timeout=5)
+    for name, value in worker.context.module.state_dict().items():
+        assert torch.equal(resumed.context.module.state_dict()[name], value), name
 
 
 def test_check_finds_a_frozen_flag_that_does_not_match_the_workflow(

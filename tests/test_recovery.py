@@ -123,11 +123,11 @@ def test_a_retry_with_a_damaged_record_finds_the_checkpoints_itself(tmp_path: Pa
         (storage / state_key(space, 0, ITERATIONS)).unlink()
     # A long range whose record names checkpoints that are gone: the one further down is found.
     worker = StageWorker(package, DirectoryChannel(storage))
-    worker.namespace = space
+    worker.invocation.namespace = space
     channel.put(latest_state_key(space, 0), json.dumps({"latest": 38, "between": []}).encode())
     channel.put(state_key(space, 0, 20), b"only its presence is looked at")
-    assert worker._resume_point(0, 40, 1) == 20
-    assert worker._resume_point(0, 20, 1) == 4  # in the range: it20 is the range's end
+    assert worker.checkpoints.resume_point(0, 40, 1) == 20
+    assert worker.checkpoints.resume_point(0, 20, 1) == 4  # in the range: it20 is the range's end
 
 
 def _flip(path: Path, at: int) -> None:

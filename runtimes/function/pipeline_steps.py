@@ -1,19 +1,25 @@
-"""The pipeline's steps of one micro-batch on a stage: its forward (the first stage reads the data, the
-last computes the loss) and its backward, activations and gradients through storage on the function's
-uplink and downlink threads."""
+"""The pipeline's steps of one iteration on a stage: its micro-batches' forwards (the first stage reads
+the data, the last computes the loss) and backwards in schedule order, activations and gradients
+through storage on the function's uplink and downlink threads.
+
+`PipelineSteps` owns what only they use: the stage module's input and output names, the loss module
+(last stage), the training data's reader and the iteration's samples (first and last stages), and the
+two link threads.
+"""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ...ir import protocol
-from ...ir.schedule import sample_indices
+from ...ir.schedule import compute_order, local_micro_batches, sample_indices
 from ..storage.tensors import autocast, pack, unpack, wire_dtype
 from .data import SplitReader
-from .worker_base import WorkerBase
+from .stage_context import InvocationState, Span, StageContext
 
 
 def receive(value: Any) -> Any:
@@ -23,16 +29,80 @@ def receive(value: Any) -> Any:
     return value
 
 
-class PipelineSteps(WorkerBase):
+class PipelineSteps:
+    """A stage's forward and backward steps, micro-batch by micro-batch."""
+
+    def __init__(
+        self,
+        context: StageContext,
+        invocation: InvocationState,
+        *,
+        inputs: list[str],
+        outputs: list[str],
+        loss: torch.nn.Module | None,
+        data_name: str,
+    ) -> None:
+        self.context, self.invocation = context, invocation
+        self.run = context.workflow.run
+        self.inputs, self.outputs = inputs, outputs  # the stage module's, in its call's order
+        self.loss = loss  # the last stage's loss module
+        self.data_name = data_name  # the region's training data in storage
+        self._reader: SplitReader | None = None  # opened at the first read (a middle stage reads none)
+        self._batch: tuple[int, list[int]] = (-1, [])  # (iteration, its samples in order)
+        self._link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+
+    def compute(self, iteration: int, replica: int, timeout: float, spans: list[list[Any]]) -> list[float]:
+        """Forward and backward of this replica's micro-batches in schedule order; the last stage's
+        losses, in micro-batch order (none elsewhere). Gradients are left on the module's parameters.
+
+        Transfers overlap compute, as the planner's model has them: a downlink thread fetches the
+        micro-batches' activations and gradients in the order compute needs them, and an uplink
+        thread sends results in the order they are computed."""
+        context, channel = self.context, self.context.channel
+        namespace = self.invocation.namespace
+        local = local_micro_batches(self.run.micro_batches, self.invocation.replicas, replica)
+        order = compute_order(self.run.schedule, local, self.invocation.window)
+        uplink, downlink = self._links()
+        cancelled = threading.Event()
+        arriving: dict[tuple[str, int], Future[bytes]] = {}
+        for kind, m in order:
+            if kind == "forward" and not context.first:
+                key = protocol.activation_key(namespace, iteration, context.stage - 1, m)
+            elif kind == "backward" and not context.last:
+                key = protocol.gradient_key(namespace, iteration, context.stage + 1, m)
+            else:
+                continue
+            arriving[(kind, m)] = downlink.submit(channel.get, key, timeout, cancelled)
+        sending: list[Future[None]] = []
+        received: dict[int, dict[str, Any]] = {}
+        produced: dict[int, tuple[Any, ...]] = {}
+        losses: dict[int, torch.Tensor] = {}
+        try:
+            for kind, m in order:
+                with Span(spans, f"{kind} {m}"):
+                    incoming = arriving.pop((kind, m), None)
+                    data = incoming.result() if incoming is not None else None
+                    if kind == "forward":
+                        received[m], produced[m] = self._forward(iteration, replica, m, data, losses, uplink, sending)
+                    else:
+                        taken, outputs = received.pop(m), produced.pop(m)
+                        self._backward(iteration, replica, m, data, taken, outputs, losses, uplink, sending)
+            for future in sending:
+                future.result()
+        finally:
+            cancelled.set()  # on an error, stop the fetches still waiting
+        return [float(losses[m]) for m in sorted(losses)]
+
     def _indices(self, iteration: int, m: int) -> list[int]:
         if self._reader is None:
-            self._reader = SplitReader(self.channel, self.data_name, timeout=self.key_timeout)
+            self._reader = SplitReader(self.context.channel, self.data_name, timeout=self.invocation.key_timeout)
         if self._batch[0] != iteration:  # the whole iteration's samples at once, then its slices
+            run = self.run
             self._batch = (
                 iteration,
-                sample_indices(iteration, 0, self.global_batch, self.global_batch, self._reader.samples, self.seed),
+                sample_indices(iteration, 0, run.global_batch, run.global_batch, self._reader.samples, run.seed),
             )
-        return self._batch[1][m * self.micro_batch : (m + 1) * self.micro_batch]
+        return self._batch[1][m * self.run.micro_batch : (m + 1) * self.run.micro_batch]
 
     def _links(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """The function's uplink and downlink: one thread each, so each keeps its order."""
@@ -46,13 +116,15 @@ class PipelineSteps(WorkerBase):
     def _forward(
         self,
         iteration: int,
+        replica: int,
         m: int,
         data: bytes | None,
         losses: dict[int, torch.Tensor],
         uplink: ThreadPoolExecutor,
         sending: list[Future[None]],
     ) -> tuple[dict[str, Any], tuple[Any, ...]]:
-        if self.first:
+        context = self.context
+        if context.first:
             indices = self._indices(iteration, m)
             assert self._reader is not None
             taken = dict(zip(self.inputs, self._reader.gather(indices, "input"), strict=True))
@@ -63,16 +135,16 @@ class PipelineSteps(WorkerBase):
         # Ops that draw random numbers (dropout) draw the same ones on a retry. (The CPU generator
         # alone: torch.manual_seed also queues seeding of every accelerator, at a millisecond a call.)
         torch.default_generator.manual_seed(
-            (((self.seed * 1_000_003 + iteration) * 1_000_003 + self.stage) * 1_000_003 + m) % 2**63
+            (((self.run.seed * 1_000_003 + iteration) * 1_000_003 + context.stage) * 1_000_003 + m) % 2**63
         )
-        precision = self.workflow.run.precision
+        precision = self.run.precision
 
         def forward() -> Any:
             with autocast(precision):
-                return self.module(*[taken[n] for n in self.inputs])
+                return context.module(*[taken[n] for n in self.inputs])
 
-        outputs = tuple(self._model_code(iteration, "forward", forward))
-        if self.last:
+        outputs = tuple(context.model_code(iteration, replica, "forward", forward))
+        if context.last:
             loss = self.loss
             assert loss is not None
             indices = self._indices(iteration, m)
@@ -83,16 +155,17 @@ class PipelineSteps(WorkerBase):
                 with autocast(precision):
                     return loss(*outputs, *targets)
 
-            (losses[m],) = self._model_code(iteration, "loss", compute_loss)
+            (losses[m],) = context.model_code(iteration, replica, "loss", compute_loss)
         else:
-            key = protocol.activation_key(self.namespace, iteration, self.stage, m)
+            key = protocol.activation_key(self.invocation.namespace, iteration, context.stage, m)
             sent = pack(dict(zip(self.outputs, outputs, strict=True)), wire_dtype(precision))
-            sending.append(uplink.submit(self.channel.put, key, sent))
+            sending.append(uplink.submit(context.channel.put, key, sent))
         return taken, outputs
 
     def _backward(
         self,
         iteration: int,
+        replica: int,
         m: int,
         data: bytes | None,
         taken: dict[str, Any],
@@ -101,10 +174,12 @@ class PipelineSteps(WorkerBase):
         uplink: ThreadPoolExecutor,
         sending: list[Future[None]],
     ) -> None:
-        if self.last:
+        context = self.context
+        if context.last:
             # The global batch's loss is the mean of its micro-batches' (equal-sized) mean losses.
             loss = losses[m]
-            self._model_code(iteration, "backward", lambda: (loss / self.micro_batches).backward())
+            micro_batches = self.run.micro_batches
+            context.model_code(iteration, replica, "backward", lambda: (loss / micro_batches).backward())
             losses[m] = losses[m].detach()
         else:
             assert data is not None
@@ -115,14 +190,17 @@ class PipelineSteps(WorkerBase):
                 if name in grads and isinstance(value, torch.Tensor) and value.requires_grad
             ]
             if pairs:
-                self._model_code(
-                    iteration, "backward", lambda: torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                context.model_code(
+                    iteration,
+                    replica,
+                    "backward",
+                    lambda: torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs]),
                 )
-        if not self.first:
+        if not context.first:
             sent = {
                 name: value.grad
                 for name, value in taken.items()
                 if isinstance(value, torch.Tensor) and value.grad is not None
             }
-            key = protocol.gradient_key(self.namespace, iteration, self.stage, m)
-            sending.append(uplink.submit(self.channel.put, key, pack(sent, wire_dtype(self.workflow.run.precision))))
+            key = protocol.gradient_key(self.invocation.namespace, iteration, context.stage, m)
+            sending.append(uplink.submit(context.channel.put, key, pack(sent, wire_dtype(self.run.precision))))

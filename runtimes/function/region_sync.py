@@ -1,11 +1,18 @@
 """The sync between regions: synchronous SGD's cross-region reduce of every iteration's gradients,
 model averaging and ASGD-GA at the ends of rounds, and a meet that goes on without a region that
-missed it by the region timeout (`protocol.LEFT_MARK`)."""
+missed it by the region timeout (`protocol.LEFT_MARK`).
+
+`RegionSync` owns what only the sync between regions uses: the strategy, every region's weight (and
+this invocation's), the rounds' meets, the region timeout, the regions seen leaving, ASGD-GA's server
+and the base version this region's round started from (which a checkpoint holds: `checkpointed`,
+`restore`), and the WAN channel to each other region's storage.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -13,22 +20,106 @@ from ...ir import protocol
 from ...ir.protocol import LEFT_MARK, ROUND_WEIGHT, AbortRecord, GlobalPart, PushRecord
 from ...ir.workflow import round_meets
 from ..storage.channels import Channel, KeyTimeout
+from ..storage.emulation import EmulatedChannel, wan_channel, wan_link
 from ..storage.polling import Backoff
 from ..storage.tensors import pack, unpack
 from .failures import RegionLeft
-from .worker_base import WorkerBase
+from .stage_context import InvocationState, StageContext
 
 
-class RegionSync(WorkerBase):
+class RegionSync:
+    """The stage's sync with its counterparts in the other regions."""
+
+    def __init__(
+        self,
+        context: StageContext,
+        invocation: InvocationState,
+        *,
+        storage: Channel,
+        peer_storage: dict[str, Channel],
+        emulate_wan: bool,
+    ) -> None:
+        """`peer_storage`: each other region's storage (one not named: it is `storage`, the function's
+        own, which then holds the peer's keys too); `emulate_wan`: throttle each pair's WAN link."""
+        self.context, self.invocation = context, invocation
+        # the facts this part uses most, by their short names (the context's, never reassigned)
+        self.region, self.stage, self.channel = context.region, context.stage, context.channel
+        workflow = context.workflow
+        self.sync = workflow.sync
+        # Several regions: this stage meets its counterparts at the ends of the rounds (`meets`).
+        self.inter_region = self.sync.inter_region if len(workflow.regions) > 1 else None
+        self.meets: dict[int, int] = {}  # iterations done -> the round that ends there
+        # Every region and its weight, in region order: its share of a round's samples (model
+        # averaging, ASGD-GA) or of an iteration's (sync); equal shares where the plan gives none
+        self.peers = [(r.name, float(r.weight or 1.0 / len(workflow.regions))) for r in workflow.regions]
+        self.weight = dict(self.peers)[self.region]  # this invocation's (the coordinator may re-plan it)
+        # how long a meet waits for another region before going on without it; None (an invocation that
+        # does not say, e.g. a deployed region's state machine): until the key timeout, then fail
+        self.region_timeout: float | None = None
+        self.departed: set[str] = set()  # regions this worker has seen leave (they contribute no more)
+        self.server = self.sync.server
+        # Other regions' storage, across the WAN (unnamed: the peer's keys are in this storage)
+        others = {r.name for r in workflow.regions} | ({self.server} if self.server else set())
+        self.wan: dict[str, EmulatedChannel] = {
+            name: wan_channel(peer_storage.get(name, storage), wan_link(workflow.wan, self.region, name), emulate_wan)
+            for name in sorted(others - {self.region})
+        }
+        self.base_version = 0  # ASGD-GA: the global version this region's model started its round from
+
+    # -- the worker's calls ----------------------------------------------------------------------
+    def begin(
+        self,
+        iterations: int | None,
+        rounds: int | None,
+        since: int,
+        first_round: int,
+        *,
+        weight: float | None,
+        region_timeout: float | None,
+    ) -> None:
+        """An invocation's plan of the region (`protocol.Invocation`): its weight (else the plan's), its
+        region timeout, and where its rounds end. A ValueError if the rounds do not fit."""
+        self.weight = weight if weight is not None else dict(self.peers)[self.region]
+        self.region_timeout = region_timeout
+        self.meets = self._meets(iterations, rounds, since, first_round)
+
+    def new_run(self) -> None:
+        """Another run's invocation: the regions seen leaving were that run's."""
+        self.departed.clear()
+
+    def round_ending(self, iterations_done: int) -> int | None:
+        """The round that ends once `iterations_done` iterations are done, if one does."""
+        return self.meets.get(iterations_done)
+
+    def checkpointed(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of region sync: under ASGD-GA, the base version."""
+        if self.inter_region == "asgd-ga":
+            return {protocol.BASE_VERSION: torch.tensor(self.base_version)}
+        return {}
+
+    def restore(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Take the base version from a checkpoint's `values` (0 without one: the run's start)."""
+        self.base_version = int(values[protocol.BASE_VERSION]) if protocol.BASE_VERSION in values else 0
+
+    def wan_counts(self) -> dict[str, int]:
+        """Requests and bytes so far to each other region's storage (`wan/<region>/<kind>`)."""
+        counts: dict[str, int] = {}
+        for name, peer in self.wan.items():
+            counts.update({f"{protocol.WAN_COUNT_PREFIX}{name}/{k}": v for k, v in peer.counts.items()})
+        return counts
+
+    def _initial_weights(self) -> dict[str, torch.Tensor]:
+        return self.context.initial_weights(self.invocation.namespace, self.invocation.key_timeout)
+
     def _meets(self, iterations: int | None, rounds: int | None, since: int, first_round: int) -> dict[int, int]:
         """Model averaging and ASGD-GA: after how many iterations each round ends -> its index, from
         the region's iterations in this run and its rounds (the invocation's, else the plan's), since
         the coordinator's last re-plan of it (`round_meets`)."""
         if self.inter_region not in ("model-average", "asgd-ga"):
             return {}
-        total, count = iterations or self.planned[0], rounds or self.planned[1]
+        total, count = iterations or self.context.planned_iterations, rounds or self.sync.rounds
         if total is None or count is None:
-            raise ValueError(f"{self.function.name}: several regions, but no iterations or rounds are planned")
+            raise ValueError(f"{self.context.function.name}: several regions, but no iterations or rounds are planned")
         if since or first_round:
             if not (since < total and first_round < count and count - first_round <= total - since):
                 raise ValueError(
@@ -43,7 +134,7 @@ class RegionSync(WorkerBase):
     # region's storage; ASGD-GA's global versions are in the server region's. Another region's
     # storage is reached through `self.wan` (one storage for all: the same storage, still counted).
     def _peer_namespace(self, region: str) -> str:
-        return protocol.namespace(protocol.run_of(self.namespace), region)
+        return protocol.namespace(protocol.run_of(self.invocation.namespace), region)
 
     def _storage_of(self, region: str) -> Channel:
         """Where `region`'s keys are: this function's own storage, or the peer's across the WAN."""
@@ -59,26 +150,27 @@ class RegionSync(WorkerBase):
 
     def _model(self) -> dict[str, torch.Tensor]:
         """What regions share: parameters and floating-point buffers (optimizer state stays local)."""
-        return {k: v for k, v in self.module.state_dict().items() if v.is_floating_point() and k not in self.frozen}
+        frozen = self.context.frozen
+        return {k: v for k, v in self.context.module.state_dict().items() if v.is_floating_point() and k not in frozen}
 
     def _adopt(self, values: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for name, tensor in self.module.state_dict().items():
+            for name, tensor in self.context.module.state_dict().items():
                 if name in values:
                     tensor.copy_(values[name])
 
-    def _cross_reduce(self, iteration: int, replica: int, timeout: float) -> None:
+    def cross_reduce(self, iteration: int, replica: int, timeout: float) -> None:
         """Synchronous cross-region SGD: the stage's gradients (summed over its replicas and tied
         partners) meet those of its counterparts in every other region. Replica 0 writes its region's
         in its own storage, reads every other region's, and takes their mean weighted by each region's
         share of the iteration's samples (`Region.weight`), in region order, so that every region computes the same
         bits and takes the same optimizer step; it leaves the result for its replicas. Floating-point
         buffers are averaged alike."""
-        params = [p for _, p in self.trained_parameters()]
-        buffers = [b for _, b in self.module.named_buffers() if b.is_floating_point()]
+        params = [p for _, p in self.context.trained_parameters()]
+        buffers = [b for _, b in self.context.module.named_buffers() if b.is_floating_point()]
         if not params and not buffers:  # a stage of frozen parameters only: nothing its regions share
             return
-        result_key = protocol.cross_key(self.namespace, iteration, self.stage, "result")
+        result_key = protocol.cross_key(self.invocation.namespace, iteration, self.stage, "result")
         if replica != 0:
             total = unpack(self.channel.get(result_key, timeout))["flat"]
         else:
@@ -87,7 +179,7 @@ class RegionSync(WorkerBase):
                 + [b.reshape(-1) for b in buffers]
             )
             weight = torch.tensor(self.weight, dtype=torch.float64)
-            own = protocol.cross_key(self.namespace, iteration, self.stage, "sums")
+            own = protocol.cross_key(self.invocation.namespace, iteration, self.stage, "sums")
             self._contribute(own, pack({"flat": flat, ROUND_WEIGHT: weight}), iteration)
             parts: list[tuple[float, dict[str, torch.Tensor]]] = []
             for region, _ in self.peers:
@@ -100,7 +192,7 @@ class RegionSync(WorkerBase):
                     theirs = unpack(data)
                     parts.append((float(theirs.pop(ROUND_WEIGHT)), theirs))
             total = weighted_mean(parts)["flat"]
-            if self.replicas > 1:
+            if self.invocation.replicas > 1:
                 self.channel.put(result_key, pack({"flat": total}))
         offset = 0
         for p in params:
@@ -111,7 +203,7 @@ class RegionSync(WorkerBase):
                 b.copy_(total[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
 
-    def _meet(self, round_index: int, replica: int, timeout: float) -> None:
+    def meet(self, round_index: int, replica: int, timeout: float) -> None:
         """This stage's round-end sync with the other regions. Replica 0 talks across regions and
         leaves the result in its own region's storage; the other replicas read it there."""
         result_key = self._round_key(self.region, round_index, "result")
@@ -125,7 +217,7 @@ class RegionSync(WorkerBase):
         else:
             merged = self._asgd_push(round_index, timeout)
         self._adopt(merged)
-        if self.replicas > 1:
+        if self.invocation.replicas > 1:
             extra = {protocol.ROUND_VERSION: torch.tensor(self.base_version)} if self.inter_region == "asgd-ga" else {}
             self.channel.put(result_key, pack({**merged, **extra}))
 
@@ -166,7 +258,7 @@ class RegionSync(WorkerBase):
             f"region {self.region} left the run at meet {step} (stage {self.stage}): the other regions "
             "went on without it (it missed a meet by the region timeout)"
         )
-        raise RegionLeft(AbortRecord("left", message, step, self.stage, self.function.name))
+        raise RegionLeft(AbortRecord("left", message, step, self.stage, self.context.function.name))
 
     def _contribution(self, region: str, key: str, timeout: float) -> bytes | None:
         """Another region's contribution to a meet, or None if that region left the run. Waits up to the
@@ -214,7 +306,7 @@ class RegionSync(WorkerBase):
                 return unpack(data)
             version -= 1
         # every region starts from the package's weights
-        initial = self.initial_weights()
+        initial = self._initial_weights()
         return {k: v for k, v in initial.items() if k in self._model()}
 
     def _written_version(self, version: int, timeout: float) -> bytes | None:
@@ -318,7 +410,7 @@ class RegionSync(WorkerBase):
                         f"region {self.region} left the run at global version {version} (stage {self.stage}): the "
                         "other regions went on without it (it did not write the version by the region timeout)"
                     )
-                    raise RegionLeft(AbortRecord("left", message, round_index, self.stage, self.function.name))
+                    raise RegionLeft(AbortRecord("left", message, round_index, self.stage, self.context.function.name))
                 self.base_version = version
                 return merged
             version += 1

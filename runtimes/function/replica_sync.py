@@ -1,5 +1,10 @@
 """The sync among a stage's replicas (a scatter-reduce of their gradients, float buffers averaged)
-and among the stages holding a tied parameter (the sum of their gradients)."""
+and among the stages holding a tied parameter (the sum of their gradients), and the clip of every
+stage's gradients to their global norm.
+
+`ReplicaSync` owns the tied parameters' holders and how the scatter-reduce runs (pipelined or not);
+the gradients it reduces are on the shared module's parameters (`StageContext`).
+"""
 
 from __future__ import annotations
 
@@ -15,31 +20,43 @@ from ...ir.protocol import AbortRecord
 from ..storage.tensors import pack, unpack
 from .failures import Diverged
 from .scatter_reduce import scatter_reduce
-from .worker_base import WorkerBase
+from .stage_context import InvocationState, StageContext
 
 
-class ReplicaSync(WorkerBase):
-    def _synchronise(self, iteration: int, replica: int, timeout: float) -> None:
+class ReplicaSync:
+    """The stage's gradients summed over its replicas and its tied partners, and clipped."""
+
+    def __init__(
+        self, context: StageContext, invocation: InvocationState, *, holders: dict[str, list[int]], pipelined: bool
+    ) -> None:
+        self.context, self.invocation = context, invocation
+        self.holders = holders  # tied parameters of this stage -> the stages holding them
+        self.pipelined = pipelined  # the scatter-reduce's pieces in flight at once (else one at a time)
+        self.sync = context.workflow.sync
+
+    def synchronise(self, iteration: int, replica: int, timeout: float) -> None:
         """Sum gradients over the stage's replicas (and average float buffers), then tied parameters'
         gradients over the stages that hold them."""
-        params = self.trained_parameters()
-        buffers = [(n, b) for n, b in self.module.named_buffers() if b.is_floating_point()]
-        if self.replicas > 1 and (params or buffers):  # a stage of frozen parameters only syncs nothing
+        context, channel, namespace = self.context, self.context.channel, self.invocation.namespace
+        replicas = self.invocation.replicas
+        params = context.trained_parameters()
+        buffers = [(n, b) for n, b in context.module.named_buffers() if b.is_floating_point()]
+        if replicas > 1 and (params or buffers):  # a stage of frozen parameters only syncs nothing
             flat = torch.cat(
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in params]
-                + [b.reshape(-1) / self.replicas for _, b in buffers]
+                + [b.reshape(-1) / replicas for _, b in buffers]
             )
             total = scatter_reduce(
-                self.channel,
-                protocol.sync_key(self.namespace, iteration, self.stage),
+                channel,
+                protocol.sync_key(namespace, iteration, context.stage),
                 flat,
                 replica,
-                self.replicas,
+                replicas,
                 piece_bytes=self.sync.piece_bytes,
                 max_pieces=self.sync.max_pieces,
-                pipelined=self.pipelined_sync,
+                pipelined=self.pipelined,
                 timeout=timeout,
-                abort=self.channel.check_abort,
+                abort=channel.check_abort,
             )
             offset = 0
             for _, p in params:
@@ -56,56 +73,57 @@ class ReplicaSync(WorkerBase):
                 for n in self.holders
             }
             if replica == 0:
-                self.channel.put(protocol.shared_gradient_key(self.namespace, iteration, self.stage), pack(mine))
+                channel.put(protocol.shared_gradient_key(namespace, iteration, context.stage), pack(mine))
             partners: dict[int, dict[str, Any]] = {}
             for name, stages in self.holders.items():
                 total_grad: torch.Tensor | None = None
                 for s in sorted(stages):
-                    if s == self.stage:
+                    if s == context.stage:
                         part = mine[name]
                     else:
                         if s not in partners:
-                            key = protocol.shared_gradient_key(self.namespace, iteration, s)
-                            partners[s] = unpack(self.channel.get(key, timeout))
+                            key = protocol.shared_gradient_key(namespace, iteration, s)
+                            partners[s] = unpack(channel.get(key, timeout))
                         part = partners[s][name]
                     total_grad = part.clone() if total_grad is None else total_grad + part
                 by_name[name].grad = total_grad
 
-    def _clip_to_global_norm(self, iteration: int, replica: int, timeout: float, max_norm: float) -> None:
+    def clip_to_global_norm(self, iteration: int, replica: int, timeout: float, max_norm: float) -> None:
         """Scale the stage's gradients as torch.nn.utils.clip_grad_norm_(every trained parameter of the
         model, max_norm) would: by max_norm / (norm + 1e-6) when that is below 1, `norm` the 2-norm over
         every stage's gradients (after the replicas' reduce and the tied sum; a tied parameter counted
         once, at the first stage holding it). Replica 0 of each stage writes its sum of squares; every
         function reads all of them. A norm that is not finite stops the run as divergence does."""
+        context, channel, namespace = self.context, self.context.channel, self.invocation.namespace
         counted = [
             p.grad
-            for name, p in self.trained_parameters()
-            if p.grad is not None and (name not in self.holders or self.stage == min(self.holders[name]))
+            for name, p in context.trained_parameters()
+            if p.grad is not None and (name not in self.holders or context.stage == min(self.holders[name]))
         ]
         # per tensor, as clip_grad_norm_ takes its norms, then their squares summed in float64
         own = math.fsum(float(torch.linalg.vector_norm(g, 2)) ** 2 for g in counted)
         if replica == 0:
-            self.channel.put(protocol.grad_norm_key(self.namespace, iteration, self.stage), json.dumps(own).encode())
+            channel.put(protocol.grad_norm_key(namespace, iteration, context.stage), json.dumps(own).encode())
 
         def read(stage: int) -> float:
-            if stage == self.stage:
+            if stage == context.stage:
                 return own
-            key = protocol.grad_norm_key(self.namespace, iteration, stage)
-            return float(json.loads(self.channel.get(key, timeout)))
+            key = protocol.grad_norm_key(namespace, iteration, stage)
+            return float(json.loads(channel.get(key, timeout)))
 
         # the other stages' at once: one request's latency, not one per stage (as the cost model counts)
-        with ThreadPoolExecutor(max_workers=max(1, self.stages - 1), thread_name_prefix="norms") as pool:
-            squares = list(pool.map(read, range(self.stages)))
+        with ThreadPoolExecutor(max_workers=max(1, context.stages - 1), thread_name_prefix="norms") as pool:
+            squares = list(pool.map(read, range(context.stages)))
         norm = math.sqrt(math.fsum(squares))
         if not math.isfinite(norm):
             message = (
-                f"iteration {iteration}: the gradients' global norm is {norm} on stage {self.stage} "
-                f"({self.function.name}, replica {replica}): training diverged; lower the learning rate or "
+                f"iteration {iteration}: the gradients' global norm is {norm} on stage {context.stage} "
+                f"({context.function.name}, replica {replica}): training diverged; lower the learning rate or "
                 "check the data"
             )
-            raise Diverged(AbortRecord("diverged", message, iteration, self.stage, self.function.name))
+            raise Diverged(AbortRecord("diverged", message, iteration, context.stage, context.function.name))
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
-            for _, p in self.trained_parameters():
+            for _, p in context.trained_parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
