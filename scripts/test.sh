@@ -9,9 +9,13 @@ bash scripts/system-deps.sh
 bash scripts/setup.sh
 .venv/bin/ruff check .
 bash scripts/typecheck.sh
+# Bytecode caches on: the tests' rewritten asserts and the compiled sources are then made once and reused
+# by both test workers and every process a test starts (a function's replica, a CLI run).
+unset PYTHONDONTWRITEBYTECODE
 if [ "${1:-}" = "--all" ]; then
   shift
   .venv/bin/python -m pytest -q -n 2 --durations=10 "$@"
 else
-  .venv/bin/python -m pytest -q -n 2 --durations=10 -m "not slow" "$@"
+  # A test module's fixtures (its compiled builds) are made once, on the one worker that runs the module.
+  .venv/bin/python -m pytest -q -n 2 --dist loadscope --durations=10 -m "not slow" "$@"
 fi

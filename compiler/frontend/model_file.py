@@ -221,6 +221,8 @@ def load_model_file(path: Path) -> ModelFile:
     module = importlib.util.module_from_spec(spec)
     # Registered, as an import would: torch.cond/map and pickling look a function's module up by name.
     sys.modules[module_name] = module
+    # Nothing is left in the user's folder: no __pycache__ beside the model file or the modules it imports.
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         spec.loader.exec_module(module)
     except SystemExit as exc:
@@ -233,6 +235,8 @@ def load_model_file(path: Path) -> ModelFile:
         frame = user_frame(exc, path)
         where = frame_location(frame) if frame else shown
         raise ModelFileError(f"{where}: importing the model file failed: {describe(exc)}") from exc
+    finally:
+        sys.dont_write_bytecode = writes_bytecode
 
     functions: dict[str, Callable[..., Any]] = {}
     for name in ("build_model", "example_inputs"):

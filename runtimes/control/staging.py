@@ -43,12 +43,15 @@ def load_model_module(path: Path) -> ModuleType:
         raise DataError(f"{path}: cannot be imported as Python")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent.resolve()))  # the model file may import its neighbours
+    # Nothing is left in the user's folder: no __pycache__ beside the model file or its neighbours.
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         raise DataError(f"{path}: importing it failed: {type(exc).__name__}: {exc}") from exc
     finally:
         sys.path.pop(0)
+        sys.dont_write_bytecode = writes_bytecode
     if not callable(getattr(module, "load_shard", None)):
         raise DataError(f"{path}: defines no load_shard(region, split); a run needs it to read its training data")
     return module
