@@ -105,6 +105,9 @@ class Checkpoints:
                 frozen = {name: initial[name] for name in sorted(context.frozen)}
             module.load_state_dict({**frozen, **protocol.module_values(values)}, strict=True)
         self.region_sync.restore(values)
+        # The state is the checkpoint's alone: gradients a failed attempt accumulated in this warm process
+        # (its backward passes before the failure) would otherwise be added into the retried step's.
+        module.zero_grad(set_to_none=True)
         if optimizer is None:
             return
         optimizer.state.clear()

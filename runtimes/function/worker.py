@@ -510,8 +510,9 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
         resources = Resources.from_json(json.loads(emulate)) if emulate else None
         worker = StageWorker(package, open_channel(location), resources=resources, peers=open_peers(peers_json))
         cap_threads(worker.context.function.cpu_millis)
+    kept = False
     try:
-        return worker.run(
+        result = worker.run(
             invocation.start,
             invocation.stop,
             invocation.replica,
@@ -527,6 +528,11 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
             weight=invocation.weight,
             region_timeout=invocation.region_timeout,
         ).to_json()
+        kept = True
+        return result
     finally:
-        with _IDLE_LOCK:
-            idle.append(worker)
+        # A worker whose invocation raised is dropped: what its memory holds of the failed attempt is
+        # unknown, and a retry in this warm process starts from storage alone.
+        if kept:
+            with _IDLE_LOCK:
+                idle.append(worker)
