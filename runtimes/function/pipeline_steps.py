@@ -113,6 +113,12 @@ class PipelineSteps:
             )
         return self._link_threads
 
+    def close(self) -> None:
+        """Cancel the transfers not started (a failed attempt's); the links end after the current one."""
+        for pool in self._link_threads or ():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._link_threads = None
+
     def _forward(
         self,
         iteration: int,

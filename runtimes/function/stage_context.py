@@ -144,6 +144,12 @@ class Background:
         for future in pending:
             future.result()
 
+    def close(self) -> None:
+        """Cancel what has not started; the threads end after what they are doing."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool, self._pending = None, []
+
 
 class Span:
     """Times a piece of work for the timeline: [name, wall-clock start, end] in seconds."""

@@ -200,6 +200,11 @@ class StageWorker:
         self.checkpoints = Checkpoints(self.context, self.invocation, self.background, self.region_sync)
         self._ready: tuple[str, int, int] | None = None  # (namespace, replica, iteration) memory is before
 
+    def close(self) -> None:
+        """Stop what the worker's threads have queued: a dropped worker's transfers end with it."""
+        self.steps.close()
+        self.background.close()
+
     # -- the time limit --------------------------------------------------------------------------
     # Every function of the region must end an invocation at the same iteration, or one would wait
     # for a micro-batch another never sends. Stage 0's replica 0 decides, at the start of iteration
@@ -536,3 +541,5 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
         if kept:
             with _IDLE_LOCK:
                 idle.append(worker)
+        else:
+            worker.close()
