@@ -515,7 +515,6 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
         resources = Resources.from_json(json.loads(emulate)) if emulate else None
         worker = StageWorker(package, open_channel(location), resources=resources, peers=open_peers(peers_json))
         cap_threads(worker.context.function.cpu_millis)
-    kept = False
     try:
         result = worker.run(
             invocation.start,
@@ -533,13 +532,11 @@ def handle_request(package: Path, event: Any, storage: str | None = None) -> dic
             weight=invocation.weight,
             region_timeout=invocation.region_timeout,
         ).to_json()
-        kept = True
-        return result
-    finally:
+    except BaseException:
         # A worker whose invocation raised is dropped: what its memory holds of the failed attempt is
         # unknown, and a retry in this warm process starts from storage alone.
-        if kept:
-            with _IDLE_LOCK:
-                idle.append(worker)
-        else:
-            worker.close()
+        worker.close()
+        raise
+    with _IDLE_LOCK:
+        idle.append(worker)
+    return result
