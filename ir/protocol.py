@@ -63,6 +63,9 @@ STORAGE_ENV = "CLOUDLESS_STORAGE"
 PEERS_ENV = "CLOUDLESS_PEERS"
 #: another S3-protocol endpoint than AWS S3 (boto3's endpoint_url)
 S3_ENDPOINT_ENV = "CLOUDLESS_S3_ENDPOINT"
+#: set only by `cloudless-run --inject-storage-faults`: the transient faults every storage client of the
+#: process meets (`runtimes/storage/transient.StorageFaults`, JSON)
+STORAGE_FAULTS_ENV = "CLOUDLESS_STORAGE_FAULTS"
 #: a Redis storage's password, for a redis:// URL without one (a command line is visible in `ps`): the
 #: password itself, or the path of a file holding it (one line)
 REDIS_PASSWORD_ENV = "CLOUDLESS_REDIS_PASSWORD"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import threading
@@ -47,6 +48,7 @@ from .control.invokers import (
 from .control.retrying_channel import StorageError
 from .control.run import fail, train
 from .control.storage_locations import storage_folders
+from .storage.transient import FAULTS_ENV, StorageFaults
 
 #: the emulated figures a network can have (--bandwidth, --latency-ms): beyond them a figure is a typo, and
 #: the functions' arithmetic on it overflows (1e-300 MB/s: a transfer's end is past any timestamp)
@@ -142,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SHARE",
         help="kill this share (0-1) of invocations at random points; they are retried",
+    )
+    parser.add_argument(
+        "--inject-storage-faults",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="make this share (0-1) of storage requests, the functions' and the driver's, fail as a cloud's do "
+        "(S3: 503 SlowDown, 500, connections reset, answers lost after a write, bodies cut short; Redis: "
+        "connections dropped): every one is ridden out. s3:// or redis:// storage, local or --rehearse",
     )
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument(
@@ -269,8 +280,25 @@ def _main(argv: Sequence[str] | None) -> int:
         if number is not None and not low <= number <= high:  # NaN too: it fails every comparison
             within = f"{physical}: any real network's is within"
             return fail(f"{option} {number}: expected {unit} from {low:g} to {high:g} ({within})")
-    if not 0 <= args.inject_faults < 1:
-        return fail(f"--inject-faults {args.inject_faults}: expected a share in [0, 1)")
+    for option, share in (
+        ("--inject-faults", args.inject_faults),
+        ("--inject-storage-faults", args.inject_storage_faults),
+    ):
+        if not 0 <= share < 1:
+            return fail(f"{option} {share}: expected a share in [0, 1)")
+    if args.inject_storage_faults and args.invoker != "local" and not args.rehearse:
+        return fail("--inject-storage-faults: only with --rehearse or local: a deployment's storage is the cloud's own")
+    if args.inject_storage_faults:
+        folders = [
+            where
+            for where in (args.storage or ["OUT/storage"])
+            if not where.split("=", 1)[-1].startswith(("s3:", "redis"))
+        ]
+        if folders and not (args.rehearse and args.invoker == "lambda"):  # the Lambda rehearsal's storage is S3
+            return fail(
+                f"--inject-storage-faults: storage {folders[0]} is a folder, which has no transient errors; "
+                "give --storage s3://BUCKET/PREFIX or redis://HOST:PORT/DB"
+            )
     try:
         changes = tuple(CapacityChange.parse(text) for text in args.capacity_change or ())
         failures = tuple(RegionFailure.parse(text) for text in args.fail_region or ())
@@ -338,6 +366,9 @@ def _main(argv: Sequence[str] | None) -> int:
                 write_storage_marker(folder, where)  # OUT/storage
     except ValueError as exc:  # FolderError, or a --storage of no region or empty
         return fail(str(exc))
+    injected = bool(args.inject_storage_faults)
+    if injected:  # every storage client of this process and of the functions it starts
+        os.environ[FAULTS_ENV] = StorageFaults(args.inject_storage_faults, args.fault_seed).encode()
     try:
         with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder
             if rehearse_aws:
@@ -355,6 +386,9 @@ def _main(argv: Sequence[str] | None) -> int:
             return train(args, build, workflow, iterations, out, token)
     except FolderError as exc:
         return fail(str(exc))
+    finally:
+        if injected:
+            os.environ.pop(FAULTS_ENV, None)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ...ir import protocol
 from ...ir.catalog import AWS_REGION_PREFIX
@@ -60,6 +61,7 @@ from ..control.staging import (
 )
 from ..function.data import data_name
 from ..storage.channels import Channel, open_channel
+from ..storage.transient import RIDE_OUT_S, aws_client, is_transient_or_refused_credentials, ride_out
 
 #: Step Functions' limit on an execution's name
 EXECUTION_NAME_LIMIT = 80
@@ -152,6 +154,15 @@ def _cause(cause: str) -> str:
     return " ".join(cause.split())
 
 
+_T = TypeVar("_T")
+
+
+def _ridden_out(call: Callable[[], _T]) -> _T:
+    """A driver's Step Functions request: its transient errors, and credentials refused for seconds, ridden
+    out for up to `transient.RIDE_OUT_S` (above botocore's own retries)."""
+    return ride_out(call, RIDE_OUT_S, is_transient_or_refused_credentials)
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -191,11 +202,9 @@ class StateMachineController(Controller):
         on_progress: Callable[[Progress], None] = lambda progress: None,
         take_down: Callable[[str], None] | None = None,
     ) -> None:
-        import boto3
-
         first = workflow.regions[0].name
         super().__init__(workflow, channels[first], _NoInvoker(), settings, on_progress=on_progress, channels=channels)
-        make = stepfunctions or (lambda region: boto3.client("stepfunctions", region_name=aws_region(region)))
+        make = stepfunctions or (lambda region: aws_client("stepfunctions", region_name=aws_region(region)))
         self.stacks, self.take_down = stacks, take_down
         self.clients = {region: make(region) for region in stacks}
         self.executions: dict[str, list[dict[str, Any]]] = {region: [] for region in stacks}
@@ -238,8 +247,14 @@ class StateMachineController(Controller):
                 number = len(self.executions[name])
                 execution = f"{self.settings.run_id}-{number}"[-EXECUTION_NAME_LIMIT:]
                 try:
-                    started = client.start_execution(
-                        stateMachineArn=stack.state_machine, name=execution, input=json.dumps(document.to_json())
+                    # A retried start after a lost answer is StartExecution's own: same name and input, same execution
+                    started = _ridden_out(
+                        partial(
+                            client.start_execution,
+                            stateMachineArn=stack.state_machine,
+                            name=execution,
+                            input=json.dumps(document.to_json()),
+                        )
                     )
                 except Exception as exc:  # noqa: BLE001 - botocore's errors: one line
                     raise RunError(f"{name}: could not start {stack.state_machine}: {_one_line(exc)}") from None
@@ -309,7 +324,7 @@ class StateMachineController(Controller):
             return
         if recorded.reason == "left":
             raise RegionGone(recorded.message, tell=False)
-        raise RunError(f"{name}: {recorded.message}")
+        raise RunError(f"{name}: {recorded.message}", resumable=False)
 
     def _wait(
         self, region: Region, running: dict[str, Any], document: ExecutionInput, next_iteration: int, record: RegionRun
@@ -322,7 +337,10 @@ class StateMachineController(Controller):
         while True:
             if self.cancelled.is_set():
                 raise RunError("interrupted")
-            described = client.describe_execution(executionArn=running["arn"])
+            try:
+                described = _ridden_out(lambda: client.describe_execution(executionArn=running["arn"]))
+            except Exception as exc:  # noqa: BLE001 - botocore's errors: one line
+                raise RunError(f"{name}: could not follow {running['name']}: {_one_line(exc)}") from None
             next_iteration = self._follow(name, last, next_iteration, document.stop, record)
             for failure in self.settings.region_failures:  # also where the execution just reached it
                 if failure.region == name and document.start <= failure.iteration <= next_iteration:
@@ -385,8 +403,6 @@ def drive(
 ) -> int:
     """`cloudless-run BUILD --invoker lambda --stack ...`: the exit status (2: bad input, 1: failed).
     `take_down`: a rehearsal's way to make a region's functions stop answering (`--fail-region`)."""
-    import boto3
-
     if args.storage:
         return fail("--storage: with --stack the storage is the stack's bucket")
     if args.resume:
@@ -395,7 +411,7 @@ def drive(
         names = stack_names(workflow, list(args.stack))
         stacks = {
             region.name: read_stack(
-                boto3.client("cloudformation", region_name=aws_region(region.name)),
+                aws_client("cloudformation", region_name=aws_region(region.name)),
                 names[region.name],
                 workflow,
                 region,

@@ -59,6 +59,7 @@ from ...ir.catalog import (
 )
 from ...ir.deployment import lambda_function_name, peer_parameter, stack_name
 from ...ir.workflow import Workflow
+from ..storage.transient import aws_client
 from .deploy import DeployError, Stack, aws_region, read_stack, stack_names
 
 #: how long one request of a check may take (a registry, the Kubernetes API)
@@ -547,8 +548,6 @@ def lambda_preflight(args: argparse.Namespace, workflow: Workflow) -> Findings:
     """--invoker lambda: the stacks (--stack, or with --preflight-only the default ones where they exist), their
     peers' grants, the account's concurrency and the deployed functions' memory. Without --stack the functions
     are invoked by the names the template gives them, so they must exist."""
-    import boto3
-
     found = Findings()
     deployed: dict[str, Mapping[str, str]] = {}
     if args.stack or args.preflight_only:
@@ -560,7 +559,7 @@ def lambda_preflight(args: argparse.Namespace, workflow: Workflow) -> Findings:
             return found
         stacks: dict[str, Stack] = {}
         for region in workflow.regions:
-            client = boto3.client("cloudformation", region_name=aws_region(region.name))
+            client = aws_client("cloudformation", region_name=aws_region(region.name))
             try:
                 stacks[region.name] = read_stack(client, names[region.name], workflow, region)
             except DeployError as exc:
@@ -578,7 +577,7 @@ def lambda_preflight(args: argparse.Namespace, workflow: Workflow) -> Findings:
             region.name: {f.name: lambda_function_name(f.name, region.name) for f in region.functions}
             for region in workflow.regions
         }
-    found.add(lambda_quotas(workflow, lambda aws: boto3.client("lambda", region_name=aws), deployed))
+    found.add(lambda_quotas(workflow, lambda aws: aws_client("lambda", region_name=aws), deployed))
     return found
 
 

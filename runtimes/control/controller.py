@@ -282,7 +282,7 @@ class Controller(Coordinator):
                     record.invocations.append(self._summary(invocation, "failed", str(exc)))
                     recorded = self._abort_record(region.name)
                     if recorded is not None:  # its model code raised (no retry can mend that), or another aborted
-                        raise RunError(recorded.message) from exc
+                        raise RunError(recorded.message, resumable=False) from exc
                     if invocation.attempt >= self.settings.retries:
                         tried = f"attempt {invocation.attempt + 1} of {self.settings.retries + 1}"
                         function = invocation.function
@@ -305,7 +305,7 @@ class Controller(Coordinator):
                 record.results.append(result)
                 record.invocations.append(self._summary(invocation, result.status, result.reason))
                 if result.status == "failed":  # storage refused a write: a retry meets the same full storage
-                    raise RunError(f"{invocation.label}: {result.reason}; the run's keys stay for --resume")
+                    raise RunError(f"{invocation.label}: {result.reason}")
                 recorded = self._abort_record(region.name) if result.status in ("left", "aborted") else None
                 if result.status == "left" or (recorded is not None and recorded.reason == "left"):
                     raise RegionGone(recorded.message if recorded is not None else result.reason, tell=False)

@@ -34,6 +34,7 @@ from ...ir.protocol import (
 from ...ir.workflow import Function, Workflow
 from ..storage.channels import Channel
 from ..storage.emulation import Resources
+from ..storage.transient import aws_client
 
 
 @dataclass
@@ -443,9 +444,7 @@ class LambdaInvoker(Invoker):
     name = "AWS Lambda"
 
     def __init__(self, channel: Channel, namespace: str, names: dict[str, str] | None = None, client: Any = None):
-        import boto3  # only this invoker needs it
-
-        self.client = client or boto3.client("lambda")
+        self.client = client or aws_client("lambda")
         self.channel, self.namespace, self.names = channel, namespace, names or {}
 
     def start(self, invocation: Invocation) -> Handle:

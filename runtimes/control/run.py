@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -122,6 +123,23 @@ def final_model(
             later = newer_global_version(storage_of(server), protocol.namespace(run_id, server), s, newest[0])
             state.update(later or {})
     return state
+
+
+def resume_hint(args: argparse.Namespace, run_id: str) -> str:
+    """How to continue a failed run from its checkpoints: the command, with the options that name the same
+    build, storage, output and functions (a storage password masked)."""
+    command = ["cloudless-run", str(args.build), "--resume", run_id]
+    if args.out:
+        command += ["--out", str(args.out)]
+    for where in args.storage or ():
+        command += ["--storage", shown(where)]
+    if args.model:
+        command += ["--model", str(args.model)]
+    if args.invoker != "local":
+        command += ["--invoker", args.invoker, *(["--rehearse"] if args.rehearse else [])]
+    for gateway in args.gateway or ():
+        command += ["--gateway", gateway]
+    return f"to continue it: {shlex.join(command)}"
 
 
 def run_settings(args: argparse.Namespace, iterations: int, run_id: str, **driver: Any) -> RunSettings:
@@ -319,7 +337,8 @@ def train(
     if interrupted is not None:
         raise interrupted
     if failure is not None:
-        print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
+        again = "" if isinstance(failure, RunError) and not failure.resumable else f"; {resume_hint(args, run_id)}"
+        print(f"cloudless-run: the run failed: {failure}{again}", file=sys.stderr)
         return 1
     trained = (
         " + ".join(f"{controller.ends.get(name, totals[name])} ({name})" for name in records)

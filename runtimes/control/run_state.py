@@ -14,11 +14,19 @@ from .elastic import CapacityChange, RegionFailure
 
 
 class RunError(RuntimeError):
-    """The run cannot go on (an invocation failed more often than allowed, or bad settings)."""
+    """The run cannot go on (an invocation failed more often than allowed, or bad settings). `resumable`:
+    whether `--resume` may continue it from its checkpoints (not when the model's own code raised)."""
+
+    def __init__(self, message: str, resumable: bool = True) -> None:
+        super().__init__(message)
+        self.resumable = resumable
 
 
 class RunDiverged(RunError):
     """A loss or a parameter stopped being finite; the message names the iteration and the stage."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, resumable=False)
 
 
 class RegionGone(RunError):

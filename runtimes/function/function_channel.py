@@ -1,4 +1,5 @@
-"""A function's view of its region's storage: the keys it owns, and waits that notice an abort."""
+"""A function's view of its region's storage: the keys it owns, waits that notice an abort, and transient
+errors ridden out."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TypeVar
 
 from ...ir import protocol
 from ...ir.protocol import AbortRecord
-from ..storage.channels import Channel
+from ..storage.channels import Channel, RidingOut
 from .failures import Aborted, StorageWriteFailed, one_line
 
 _T = TypeVar("_T")
@@ -18,10 +19,13 @@ class FunctionChannel(Channel):
     """A function's view of storage. It notes the keys of iterations this function writes: it owns
     them and deletes them once nobody can need them (`protocol.sweep_before`); and a wait for a key
     looks at the region's abort record now and then, so that a function waiting for a neighbour
-    that stopped gives up at once instead of after the key timeout."""
+    that stopped gives up at once instead of after the key timeout. A request that meets a transient error
+    (`transient.is_transient`) is tried again for up to the key timeout (`inner.ride_out_s`: no function
+    waits longer for anything), above the SDK's own retries."""
 
     def __init__(self, inner: Channel) -> None:
-        self.inner = inner
+        self.raw = inner  # one try per request: for what is best effort once storage failed
+        self.inner = RidingOut(inner, protocol.DEFAULT_KEY_TIMEOUT_S)
         self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
         self.namespace = ""
         self.written: dict[int, set[str]] = {}

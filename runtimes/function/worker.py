@@ -55,6 +55,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from types import ModuleType
@@ -73,7 +74,7 @@ from ...ir.protocol import (
 )
 from ...ir.schedule import one_f_one_b_windows
 from ...ir.workflow import SYNC_STEP_KIND, OptimizerSpec, StepKind, Workflow
-from ..storage.channels import Channel, KeyTimeout, open_channel
+from ..storage.channels import Channel, KeyTimeout, RidingOut, open_channel
 from ..storage.emulation import CpuShare, EmulatedChannel, Resources
 from .checkpoints import Checkpoints
 from .data import data_name
@@ -241,6 +242,7 @@ class StageWorker:
         invocation.replicas = counts[context.stage]
         invocation.window = one_f_one_b_windows(counts)[context.stage]
         invocation.key_timeout = timeout
+        channel.inner.ride_out_s = timeout  # a transient storage error is ridden out as long as any wait
         if not 0 <= replica < invocation.replicas:
             raise ValueError(f"replica {replica}: {context.function.name} has replicas 0..{invocation.replicas - 1}")
         if not 0 <= start < stop:
@@ -263,7 +265,7 @@ class StageWorker:
             # than raised: the controller reads why from the result, which needs no storage.
             record = protocol.AbortRecord("failed", str(exc), start, context.stage, context.function.name)
             with contextlib.suppress(Exception):
-                channel.inner.claim(protocol.abort_key(invocation.namespace), record.encode())
+                channel.raw.claim(protocol.abort_key(invocation.namespace), record.encode())
             self._ready = None
             return InvocationResult(
                 "failed", context.function.name, replica, start, stage=context.stage, reason=str(exc)
@@ -280,7 +282,7 @@ class StageWorker:
         if done is not None:  # it already ran: change nothing
             return dataclasses.replace(InvocationResult.decode(done), duplicate=True)
         if attempt is not None and not channel.claim(
-            protocol.claim_key(namespace, name, replica, start, attempt), str(wall).encode()
+            protocol.claim_key(namespace, name, replica, start, attempt), f"{wall} {uuid.uuid4().hex}".encode()
         ):
             # Another invocation of this attempt runs the range (a platform's retry of a call it thought
             # lost): answer with its result once it ends, so that whoever reads this answer (Step Functions'
@@ -483,7 +485,7 @@ def open_peers(peers_json: str) -> dict[str, Channel]:
         raise ValueError(f"{PEERS_ENV}: not JSON: {exc}") from None
     if not isinstance(peers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in peers.items()):
         raise ValueError(f'{PEERS_ENV}: expected a JSON object {{"region": "storage location"}}')
-    return {region: open_channel(location) for region, location in peers.items()}
+    return {region: RidingOut(open_channel(location)) for region, location in peers.items()}
 
 
 def cap_threads(cpu_millis: int) -> None:

@@ -48,6 +48,7 @@ from ...ir.deployment import BUCKET_OUTPUT, peer_parameter
 from ...ir.workflow import Workflow
 from ..clouds.deploy import DeployError, aws_region, drive
 from ..control.run import fail, resources_of
+from ..storage.transient import FAULTS_ENV
 from .lambda_local import FunctionImage, LambdaService
 from .stepfunctions_local import StepFunctionsExecutor
 
@@ -410,6 +411,7 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
                     **rehearsal.credentials,  # as Lambda gives a function its role's
                     "AWS_ENDPOINT_URL": rehearsal.endpoint,
                     **({protocol.EMULATE_ENV: json.dumps(given.to_json())} if given is not None else {}),
+                    **({FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else {}),
                 }
         # docs/deploying.md's order: each region deployed with the buckets of those deployed before it, then
         # those deployed before a peer existed once more, with every peer's.

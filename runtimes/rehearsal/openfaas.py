@@ -65,6 +65,7 @@ from ...ir.workflow import Workflow
 from ..control.invokers import _die_with_parent
 from ..control.storage_locations import local_folder, storage_locations
 from ..storage.emulation import Resources
+from ..storage.transient import FAULTS_ENV
 from .lambda_local import _rss_mb
 from .openfaas_gateway import Gateway, Watchdog, basic_auth_header, gateway_serving, serving
 
@@ -559,8 +560,9 @@ def rehearse(
                 if len(workflow.regions) > 1:
                     peers = {r.name: reachable(locations[r.name]) for r in workflow.regions if r.name != region.name}
                     overrides[PEERS_ENV] = json.dumps(peers)
-                if os.environ.get(S3_ENDPOINT_ENV):
-                    overrides[S3_ENDPOINT_ENV] = os.environ[S3_ENDPOINT_ENV]
+                for name in (S3_ENDPOINT_ENV, FAULTS_ENV):  # the local S3 endpoint; faults to inject
+                    if os.environ.get(name):
+                        overrides[name] = os.environ[name]
                 logs = out / "logs" / "openfaas" / (region.name if len(workflow.regions) > 1 else "")
                 folder = build / "regions" / region.name
                 deployed[region.name] = stack.enter_context(rehearse_region(folder, values, overrides, logs))

@@ -26,7 +26,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import urlparse
 
 from ...ir.protocol import (
@@ -39,6 +39,18 @@ from ...ir.protocol import (
     unseal,
 )
 from .polling import Backoff
+from .transient import (
+    RIDE_OUT_S,
+    FaultDrawer,
+    StorageFaults,
+    aws_client,
+    inject_s3_faults,
+    redis_fault_connection,
+    redis_retry_options,
+    ride_out,
+)
+
+_T = TypeVar("_T")
 
 
 class KeyTimeout(TimeoutError):
@@ -68,7 +80,9 @@ class Channel(ABC):
 
     @abstractmethod
     def claim(self, key: str, data: bytes) -> bool:
-        """Write `data` at `key` if nothing is there; True if this call wrote it."""
+        """Write `data` at `key` if nothing is there; True if this call wrote it, or the key holds `data`
+        already (a retried create whose first try wrote): a caller's `data` must be its own (an
+        invocation's id in it), or mean the same whoever wrote it."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -120,6 +134,36 @@ class Channel(ABC):
         return key
 
 
+class RidingOut(Channel):
+    """A channel whose requests ride out transient errors (`transient.ride_out`, above the SDK's own
+    retries) for up to `ride_out_s`; what outlasts it, or is no transient, is raised."""
+
+    def __init__(self, inner: Channel, ride_out_s: float = RIDE_OUT_S) -> None:
+        self.inner, self.ride_out_s = inner, ride_out_s
+        self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
+
+    def _retried(self, what: str, key: str, call: Callable[[], _T]) -> _T:
+        return ride_out(call, self.ride_out_s)
+
+    def try_get(self, key: str) -> bytes | None:
+        return self._retried("reading", key, lambda: self.inner.try_get(key))
+
+    def put(self, key: str, data: bytes) -> None:
+        self._retried("writing", key, lambda: self.inner.put(key, data))
+
+    def claim(self, key: str, data: bytes) -> bool:
+        return self._retried("writing", key, lambda: self.inner.claim(key, data))
+
+    def delete(self, key: str) -> None:
+        self._retried("deleting", key, lambda: self.inner.delete(key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self._retried("deleting", prefix, lambda: self.inner.delete_prefix(prefix))
+
+    def describe(self, key: str) -> str:
+        return self.inner.describe(key)
+
+
 class SealedStore(Channel):
     """A storage back end: seals what it writes and checks what it reads; subclasses move raw bytes."""
 
@@ -140,7 +184,12 @@ class SealedStore(Channel):
         self._write(key, seal(data))
 
     def claim(self, key: str, data: bytes) -> bool:
-        return self._create(key, seal(data))
+        blob = seal(data)
+        if self._create(key, blob):
+            return True
+        # A create whose answer was lost and which the client retried (`transient`) finds its own value
+        # there: this call wrote it. Claims' values are unique to their callers, or mean the same.
+        return self._read(key) == blob
 
 
 #: the name prefix of a DirectoryChannel's temporary files (a value being written, then renamed into place)
@@ -271,11 +320,11 @@ class S3Channel(SealedStore):
     max_poll_s = 0.02  # a GET costs 0.4 µUSD: polling every 20 ms for a minute costs 1.2 mUSD
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None) -> None:
-        import boto3  # only functions that use S3 need it
-
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get(S3_ENDPOINT_ENV))
+        self.client = aws_client("s3", endpoint_url=endpoint_url or os.environ.get(S3_ENDPOINT_ENV))
+        faults = StorageFaults.from_env()
+        self.faults: FaultDrawer | None = inject_s3_faults(self.client, faults) if faults else None
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -290,6 +339,8 @@ class S3Channel(SealedStore):
         from botocore.exceptions import ClientError
 
         try:
+            # A body cut short raises here (IncompleteReadError): transient, and the callers ride it out
+            # (`transient.ride_out`); the SDK retries a request, not the reading of its answer's body.
             return cast(bytes, self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read())
         except self.client.exceptions.NoSuchKey:
             return None
@@ -363,7 +414,11 @@ class RedisChannel(SealedStore):
         secret, self._password_from = redis_password(url)
         # The URL's own password wins (from_url). A dict, not a keyword argument: the build's credential
         # scan (tests/test_golden.py) would flag that spelling in every package.
-        options: dict[str, Any] = {"password": secret}
+        options: dict[str, Any] = {"password": secret, **redis_retry_options()}
+        faults = StorageFaults.from_env()
+        self.faults: FaultDrawer | None = None
+        if faults:
+            options["connection_class"], self.faults = redis_fault_connection(faults, url.startswith("rediss:"))
         self.client = redis.Redis.from_url(url, **options)
         self.prefix = prefix.strip("/")
         parsed = urlparse(url)

@@ -1,0 +1,165 @@
+"""Transient storage faults, injected below the SDKs' retries (`--inject-storage-faults`, against moto's S3
+over HTTP and a real redis-server), are ridden out: every request answers as without them, a claim whose
+answer was lost is still its caller's, a Redis restart is waited out, and a run trains exactly the model an
+undisturbed run trains."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cloudless.ir.protocol import S3_ENDPOINT_ENV
+from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.storage.channels import Channel, RedisChannel, RidingOut, S3Channel
+from cloudless.runtimes.storage.transient import FAULTS_ENV, S3_FAULTS, StorageFaults
+from tests.conftest import _start_redis, _stop
+from tests.runtime_cases import MLP, front_end, write_packages
+
+ITERATIONS = 4
+
+
+def exercise(channel: Channel, count: int) -> None:
+    """Writes, reads and claims whose answers must be what storage without faults gives."""
+    for i in range(count):
+        value = uuid.uuid4().bytes * 300
+        channel.put(f"value/{i}", value)
+        assert channel.try_get(f"value/{i}") == value
+        assert channel.try_get(f"missing/{i}") is None
+        mine = uuid.uuid4().hex.encode()
+        assert channel.claim(f"claim/{i}", mine) is True, i  # a lost answer is still this call's claim
+        assert channel.claim(f"claim/{i}", b"another caller") is False
+        assert channel.try_get(f"claim/{i}") == mine
+
+
+#: the default lane's kinds; the others in the slow lane (a SlowDown's retries wait seconds: botocore's
+#: back-off starts at 1 s for throttling, as S3's guidance asks)
+FAST_KINDS = ("answer-lost", "body-cut")
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=() if k in FAST_KINDS else pytest.mark.slow) for k in S3_FAULTS]
+)
+def test_every_kind_of_s3_fault_is_ridden_out(kind: str, s3_bucket: str, moto_endpoint: str, monkeypatch) -> None:
+    monkeypatch.setenv(FAULTS_ENV, StorageFaults(0.3, seed=1, kinds=(kind,)).encode())
+    raw = S3Channel(s3_bucket, "faults", endpoint_url=moto_endpoint)
+    exercise(RidingOut(raw, 60), 8)
+    assert raw.faults is not None and raw.faults.injected.get(kind, 0) >= 3, raw.faults.injected
+
+
+def test_a_claim_whose_answer_was_lost_is_the_callers(s3_bucket: str, moto_endpoint: str, monkeypatch) -> None:
+    """For a second, every request is served and its answer lost: the claim's first try wrote it, and
+    each retry meets 412 (the key exists) until an answer arrives. The claim is still this caller's."""
+    monkeypatch.setenv(FAULTS_ENV, StorageFaults(1.0, until=time.time() + 1, kinds=("answer-lost",)).encode())
+    raw = S3Channel(s3_bucket, "lost", endpoint_url=moto_endpoint)
+    assert RidingOut(raw, 60).claim("claim", b"mine") is True
+    assert raw.faults is not None and raw.faults.injected["answer-lost"] >= 1
+    assert raw.try_get("claim") == b"mine" and raw.claim("claim", b"theirs") is False
+
+
+def test_redis_faults_are_ridden_out(redis_url: str, monkeypatch) -> None:
+    monkeypatch.setenv(FAULTS_ENV, StorageFaults(0.3, seed=2).encode())
+    raw = RedisChannel(redis_url, f"faults-{uuid.uuid4().hex[:8]}")
+    exercise(RidingOut(raw, 60), 12)
+    assert raw.faults is not None and set(raw.faults.injected) == {"drop-before", "answer-lost"}, raw.faults.injected
+
+
+@pytest.mark.slow
+def test_a_redis_restart_of_5_s_is_ridden_out(tmp_path: Path) -> None:
+    executable = shutil.which("redis-server")
+    if executable is None:
+        pytest.skip("redis-server is not installed")
+    started = _start_redis(executable, tmp_path)
+    assert started is not None
+    server, port = started
+    channel = RidingOut(RedisChannel(f"redis://127.0.0.1:{port}/0"), 60)
+    channel.put("before", b"1")
+    _stop(server)
+    restarted: list[subprocess.Popen[bytes]] = []
+
+    def restart() -> None:
+        time.sleep(5)
+        command = [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        restarted.append(subprocess.Popen([*command, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL))
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    try:
+        began = time.monotonic()
+        channel.put("after", b"2")  # waits for the server, then writes
+        assert time.monotonic() - began >= 4 and channel.try_get("after") == b"2"
+    finally:
+        thread.join()
+        for process in restarted:
+            _stop(process)
+
+
+# -- whole runs -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_stages_replicated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The MLP in 2 stages with replicas (2, 1) for ITERATIONS iterations."""
+    result = front_end()
+    n_blocks = len(result.chain.blocks)
+    build = tmp_path_factory.mktemp("faults") / "build"
+    stages = [(0, n_blocks - 2, 2), (n_blocks - 1, n_blocks - 1, 1)]
+    write_packages(result, build, stages, micro_batch=8, global_batch=32, iterations=ITERATIONS)
+    return build
+
+
+def trained(build: Path, out: Path, *options: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    code = run_main([str(build), "--out", str(out), "--model", str(MLP), "-q", "--no-verify-build", *options])
+    assert code == 0
+    return json.loads((out / "metrics.json").read_text()), load_file(out / "model.safetensors")
+
+
+def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.fixture(scope="module")
+def undisturbed(two_stages_replicated: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    return trained(two_stages_replicated, tmp_path_factory.mktemp("undisturbed"))[1]
+
+
+@pytest.mark.slow
+def test_a_run_on_s3_with_faults_trains_the_undisturbed_model(
+    two_stages_replicated: Path, undisturbed, s3_bucket: str, moto_endpoint: str, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)  # the functions' too: they inherit it
+    storage = f"s3://{s3_bucket}/run"
+    metrics, params = trained(
+        two_stages_replicated, tmp_path, "--storage", storage, "--inject-storage-faults", "0.15", "--fault-seed", "4"
+    )
+    assert metrics["status"] == "done" and metrics["retries"] == 0  # ridden out inside the invocations
+    assert_same(params, undisturbed)
+
+
+@pytest.mark.slow
+def test_a_run_on_redis_with_faults_trains_the_undisturbed_model(
+    two_stages_replicated: Path, undisturbed, redis_url: str, tmp_path: Path
+) -> None:
+    storage = f"{redis_url}#faults-{uuid.uuid4().hex[:8]}"
+    metrics, params = trained(two_stages_replicated, tmp_path, "--storage", storage, "--inject-storage-faults", "0.2")
+    assert metrics["status"] == "done" and metrics["retries"] == 0
+    assert_same(params, undisturbed)
+
+
+def test_storage_faults_need_storage_that_has_them(two_stages_replicated: Path, tmp_path: Path, capsys) -> None:
+    code = run_main([str(two_stages_replicated), "--out", str(tmp_path / "out"), "--inject-storage-faults", "0.1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "is a folder, which has no transient errors; give --storage s3://" in err
+    assert not (tmp_path / "out").exists()
