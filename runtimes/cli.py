@@ -48,7 +48,7 @@ from .control.invokers import (
 from .control.retrying_channel import StorageError
 from .control.run import fail, train
 from .control.storage_locations import storage_folders
-from .storage.transient import FAULTS_ENV, StorageFaults
+from .storage.transient import StorageFaults
 
 #: the emulated figures a network can have (--bandwidth, --latency-ms): beyond them a figure is a typo, and
 #: the functions' arithmetic on it overflows (1e-300 MB/s: a transfer's end is past any timestamp)
@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="make this share (0-1) of storage requests, the functions' and the driver's, fail as a cloud's do "
         "(S3: 503 SlowDown, 500, connections reset, answers lost after a write, bodies cut short; Redis: "
         "connections dropped): every one is ridden out. s3:// or redis:// storage, local or --rehearse",
+    )
+    parser.add_argument(
+        "--inject-throttling",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="--invoker lambda --rehearse: Lambda answers this share (0-1; 1: every one, to the end) of the "
+        "functions' invokes TooManyRequestsException, which the state machine's Retry meets",
     )
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument(
@@ -286,6 +294,10 @@ def _main(argv: Sequence[str] | None) -> int:
     ):
         if not 0 <= share < 1:
             return fail(f"{option} {share}: expected a share in [0, 1)")
+    if not 0 <= args.inject_throttling <= 1:
+        return fail(f"--inject-throttling {args.inject_throttling}: expected a share in [0, 1]")
+    if args.inject_throttling and not (args.rehearse and args.invoker == "lambda"):
+        return fail("--inject-throttling: only with --invoker lambda --rehearse (the rehearsal's Lambda service)")
     if args.inject_storage_faults and args.invoker != "local" and not args.rehearse:
         return fail("--inject-storage-faults: only with --rehearse or local: a deployment's storage is the cloud's own")
     if args.inject_storage_faults:
@@ -368,7 +380,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(str(exc))
     injected = bool(args.inject_storage_faults)
     if injected:  # every storage client of this process and of the functions it starts
-        os.environ[FAULTS_ENV] = StorageFaults(args.inject_storage_faults, args.fault_seed).encode()
+        os.environ[protocol.STORAGE_FAULTS_ENV] = StorageFaults(args.inject_storage_faults, args.fault_seed).encode()
     try:
         with run_lock(out):  # a recompile of the build waits for this run instead of moving its folder
             if rehearse_aws:
@@ -388,7 +400,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail(str(exc))
     finally:
         if injected:
-            os.environ.pop(FAULTS_ENV, None)
+            os.environ.pop(protocol.STORAGE_FAULTS_ENV, None)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ undisturbed run trains."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -18,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cloudless.ir.protocol import S3_ENDPOINT_ENV
+from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_FAULTS_ENV
 from cloudless.runtimes.cli import main as run_main
 from cloudless.runtimes.storage.channels import Channel, RedisChannel, RidingOut, S3Channel
-from cloudless.runtimes.storage.transient import FAULTS_ENV, S3_FAULTS, StorageFaults
+from cloudless.runtimes.storage.transient import S3_FAULTS, StorageFaults
 from tests.conftest import _start_redis, _stop
 from tests.runtime_cases import MLP, front_end, write_packages
 
@@ -50,7 +51,7 @@ FAST_KINDS = ("answer-lost", "body-cut")
     "kind", [pytest.param(k, marks=() if k in FAST_KINDS else pytest.mark.slow) for k in S3_FAULTS]
 )
 def test_every_kind_of_s3_fault_is_ridden_out(kind: str, s3_bucket: str, moto_endpoint: str, monkeypatch) -> None:
-    monkeypatch.setenv(FAULTS_ENV, StorageFaults(0.3, seed=1, kinds=(kind,)).encode())
+    monkeypatch.setenv(STORAGE_FAULTS_ENV, StorageFaults(0.3, seed=1, kinds=(kind,)).encode())
     raw = S3Channel(s3_bucket, "faults", endpoint_url=moto_endpoint)
     exercise(RidingOut(raw, 60), 8)
     assert raw.faults is not None and raw.faults.injected.get(kind, 0) >= 3, raw.faults.injected
@@ -59,7 +60,7 @@ def test_every_kind_of_s3_fault_is_ridden_out(kind: str, s3_bucket: str, moto_en
 def test_a_claim_whose_answer_was_lost_is_the_callers(s3_bucket: str, moto_endpoint: str, monkeypatch) -> None:
     """For a second, every request is served and its answer lost: the claim's first try wrote it, and
     each retry meets 412 (the key exists) until an answer arrives. The claim is still this caller's."""
-    monkeypatch.setenv(FAULTS_ENV, StorageFaults(1.0, until=time.time() + 1, kinds=("answer-lost",)).encode())
+    monkeypatch.setenv(STORAGE_FAULTS_ENV, StorageFaults(1.0, until=time.time() + 1, kinds=("answer-lost",)).encode())
     raw = S3Channel(s3_bucket, "lost", endpoint_url=moto_endpoint)
     assert RidingOut(raw, 60).claim("claim", b"mine") is True
     assert raw.faults is not None and raw.faults.injected["answer-lost"] >= 1
@@ -67,7 +68,7 @@ def test_a_claim_whose_answer_was_lost_is_the_callers(s3_bucket: str, moto_endpo
 
 
 def test_redis_faults_are_ridden_out(redis_url: str, monkeypatch) -> None:
-    monkeypatch.setenv(FAULTS_ENV, StorageFaults(0.3, seed=2).encode())
+    monkeypatch.setenv(STORAGE_FAULTS_ENV, StorageFaults(0.3, seed=2).encode())
     raw = RedisChannel(redis_url, f"faults-{uuid.uuid4().hex[:8]}")
     exercise(RidingOut(raw, 60), 12)
     assert raw.faults is not None and set(raw.faults.injected) == {"drop-before", "answer-lost"}, raw.faults.injected
@@ -163,3 +164,91 @@ def test_storage_faults_need_storage_that_has_them(two_stages_replicated: Path, 
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "is a folder, which has no transient errors; give --storage s3://" in err
     assert not (tmp_path / "out").exists()
+
+
+# -- the rehearsals: the deployed path, with the same faults ----------------------------------------------
+
+REHEARSED_ITERATIONS = 6
+
+
+@pytest.fixture(scope="module")
+def sample_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits sample compiled in 2 stages (its SAM and OpenFaaS files), as a user compiles it."""
+    from cloudless.compiler.cli import main as compile_main
+
+    build = tmp_path_factory.mktemp("sample") / "build"
+    assert compile_main([str(MLP), "-o", str(build), "-q", "--stages", "2", "--repeats", "1"]) == 0
+    return build
+
+
+@pytest.fixture(scope="module")
+def sample_undisturbed(sample_build: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("sample_undisturbed")
+    return trained(sample_build, out, "--iterations", str(REHEARSED_ITERATIONS))[1]
+
+
+@pytest.mark.slow
+def test_the_lambda_rehearsal_with_storage_faults_trains_the_undisturbed_model(
+    sample_build: Path, sample_undisturbed, tmp_path: Path, aws_env: None
+) -> None:
+    """Through SAM's stack, Step Functions and Lambda's runtime interface client, against moto's S3, 10% of the
+    functions' and the driver's requests failing."""
+    metrics, params = trained(
+        sample_build, tmp_path, "--invoker", "lambda", "--rehearse", "--iterations", str(REHEARSED_ITERATIONS),
+        "--inject-storage-faults", "0.1",
+    )  # fmt: skip
+    assert metrics["status"] == "done"
+    assert_same(params, sample_undisturbed)
+
+
+@pytest.mark.slow
+def test_the_openfaas_rehearsal_with_storage_faults_trains_the_undisturbed_model(
+    sample_build: Path, sample_undisturbed, s3_bucket: str, moto_endpoint: str, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)  # the rehearsal passes it on to the replicas
+    monkeypatch.delenv("CLOUDLESS_TOKEN", raising=False)
+    metrics, params = trained(
+        sample_build, tmp_path, "--invoker", "openfaas", "--rehearse", "--iterations", str(REHEARSED_ITERATIONS),
+        "--storage", f"s3://{s3_bucket}/rehearsed", "--inject-storage-faults", "0.1",
+    )  # fmt: skip
+    assert metrics["status"] == "done"
+    assert_same(params, sample_undisturbed)
+
+
+# -- throttled invokes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_throttled_invokes_are_retried_by_the_state_machine_and_change_nothing(
+    sample_build: Path, sample_undisturbed, tmp_path: Path, aws_env: None, capsys
+) -> None:
+    code = run_main(
+        [str(sample_build), "--out", str(tmp_path), "--model", str(MLP), "--no-verify-build", "--invoker", "lambda",
+         "--rehearse", "--iterations", str(REHEARSED_ITERATIONS), "--time-limit", "2", "--inject-throttling", "0.3",
+         "--fault-seed", "1"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    throttled = re.search(r"rehearsal: (\d+) Lambda invocation\(s\) \((\d+) throttled\)", out)
+    assert throttled is not None and int(throttled[2]) >= 1, out
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "done"
+    assert_same(load_file(tmp_path / "model.safetensors"), sample_undisturbed)
+
+
+@pytest.mark.slow
+def test_invokes_throttled_to_the_end_end_the_run_within_the_retries_with_one_line(
+    sample_build: Path, tmp_path: Path, aws_env: None, capsys
+) -> None:
+    """Every invoke throttled: the state machine's Retry (6 tries over ~2 min) gives up, its Map fails at once
+    (the other workers are not waited for: they wait for keys the throttled one never writes), and with
+    --retries 0 the run ends: one line naming Lambda's error; no hang."""
+    began = time.monotonic()
+    code = run_main(
+        [str(sample_build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--no-verify-build",
+         "--invoker", "lambda", "--rehearse", "--inject-throttling", "1", "--retries", "0"]
+    )  # fmt: skip
+    took = time.monotonic() - began
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("cloudless-run: the run failed: ") and "TooManyRequestsException" in err
+    assert took < 126 + 120, took  # the Retry's waits, and the rehearsal's deploy and teardown

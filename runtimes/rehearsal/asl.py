@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from copy import deepcopy
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -326,6 +326,17 @@ class Execution:
     def _check_stopped(self) -> None:
         if self._stopped.is_set():
             raise ExecutionAborted(ABORTED, "the execution was stopped")
+        if any(ended.is_set() for ended in _ended_around()):
+            raise ExecutionAborted(ABORTED, "another iteration of its Map (or branch of its Parallel) failed")
+
+    def _pause(self, seconds: float) -> None:
+        """A Retry's wait; it ends early, with ExecutionAborted, when the execution is stopped or a sibling
+        iteration failed."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self._check_stopped()
+            self._stopped.wait(min(left, 0.05))
+        self._check_stopped()
 
     def run(self) -> Any:
         started = datetime.now(UTC).isoformat()
@@ -419,8 +430,7 @@ class Execution:
                 wait = retrier.get("IntervalSeconds", 1) * retrier.get("BackoffRate", 2.0) ** tries[index]
                 wait = min(wait, retrier.get("MaxDelaySeconds", wait))
                 tries[index] += 1
-                if self._stopped.wait(wait * self.time_scale):
-                    self._check_stopped()
+                self._pause(wait * self.time_scale)
 
     def _once(self, state: dict[str, Any], data: Any, context: dict[str, Any]) -> Any:
         effective = self._input(state, data, context)
@@ -504,21 +514,40 @@ class Execution:
 
     @staticmethod
     def _all(jobs: Sequence[Callable[[], Any]], concurrency: int) -> list[Any]:
-        """Every job, at most `concurrency` at once; their results in order, or the first failure."""
+        """Every job, at most `concurrency` at once; their results in order. The first failure fails the
+        whole at once, as a Map or Parallel state does: the other jobs stop at their next state or retry
+        wait (a Lambda invoke under way finishes, its answer dropped), and nobody waits for them."""
         if not jobs:
             return []
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futures = [pool.submit(job) for job in jobs]
-            failure = None
-            results = []
-            for future in futures:
-                try:
-                    results.append(future.result())
-                except StatesError as exc:
-                    failure = failure or exc
-        if failure is not None:
-            raise failure
-        return results
+        ended, around = threading.Event(), _ended_around()
+
+        def run(job: Callable[[], Any]) -> Any:
+            _BRANCHES.ended = (*around, ended)
+            try:
+                return job()
+            finally:
+                _BRANCHES.ended = around  # the pool's threads run the next job
+
+        pool = ThreadPoolExecutor(max_workers=concurrency)
+        futures = [pool.submit(run, job) for job in jobs]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failures = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            if failures:
+                ended.set()
+                raise failures[0]  # type: ignore[misc]
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=not ended.is_set(), cancel_futures=True)
+
+
+#: per thread: the events of the Map iterations and Parallel branches it runs within, set when one of their
+#: siblings failed (the thread's job then stops)
+_BRANCHES = threading.local()
+
+
+def _ended_around() -> tuple[threading.Event, ...]:
+    return getattr(_BRANCHES, "ended", ())
 
 
 def substitute(definition: str, substitutions: dict[str, str]) -> dict[str, Any]:

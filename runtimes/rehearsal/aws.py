@@ -48,7 +48,6 @@ from ...ir.deployment import BUCKET_OUTPUT, peer_parameter
 from ...ir.workflow import Workflow
 from ..clouds.deploy import DeployError, aws_region, drive
 from ..control.run import fail, resources_of
-from ..storage.transient import FAULTS_ENV
 from .lambda_local import FunctionImage, LambdaService
 from .stepfunctions_local import StepFunctionsExecutor
 
@@ -139,6 +138,7 @@ class AwsRehearsal:
         self, build: Path, workflow: Workflow, folder: Path, function_environment: dict[str, dict[str, dict[str, str]]]
     ):
         self.build, self.workflow, self.folder = build, workflow, folder
+        self.throttled, self.seed = 0.0, 0  # --inject-throttling, --fault-seed
         self.function_environment = function_environment  # per region, then per workflow function name
         self.stacks: dict[str, DeployedStack] = {}
         self.server: Any = None
@@ -321,7 +321,9 @@ class AwsRehearsal:
         def configuration(name: str) -> dict[str, Any]:
             return dict(clients[regions[name]].get_function_configuration(FunctionName=name))
 
-        self.lambdas = LambdaService(images, configuration, self.folder / "lambda")
+        self.lambdas = LambdaService(
+            images, configuration, self.folder / "lambda", throttled=self.throttled, seed=self.seed
+        )
         where = sorted({(self.account, s.aws_region) for s in self.stacks.values()})
         self.executor = StepFunctionsExecutor(where, self.lambdas)
         self.executor.__enter__()
@@ -402,6 +404,7 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
     resources = resources_of(workflow, args)
     environment: dict[str, dict[str, dict[str, str]]] = {}
     rehearsal = AwsRehearsal(build, workflow, folder, environment)
+    rehearsal.throttled, rehearsal.seed = args.inject_throttling, args.fault_seed
     try:
         rehearsal.start()
         for region in workflow.regions:
@@ -411,7 +414,11 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
                     **rehearsal.credentials,  # as Lambda gives a function its role's
                     "AWS_ENDPOINT_URL": rehearsal.endpoint,
                     **({protocol.EMULATE_ENV: json.dumps(given.to_json())} if given is not None else {}),
-                    **({FAULTS_ENV: os.environ[FAULTS_ENV]} if os.environ.get(FAULTS_ENV) else {}),
+                    **(
+                        {protocol.STORAGE_FAULTS_ENV: os.environ[protocol.STORAGE_FAULTS_ENV]}
+                        if os.environ.get(protocol.STORAGE_FAULTS_ENV)
+                        else {}
+                    ),
                 }
         # docs/deploying.md's order: each region deployed with the buckets of those deployed before it, then
         # those deployed before a peer existed once more, with every peer's.
@@ -442,7 +449,9 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
     finally:
         rehearsal.close()
         if rehearsal.lambdas is not None and not args.quiet:
+            lambdas = rehearsal.lambdas
+            throttled = f" ({lambdas.throttles} throttled)" if lambdas.throttles else ""
             print(
-                f"rehearsal: {rehearsal.lambdas.invocations} Lambda invocation(s) in {rehearsal.lambdas.started} "
+                f"rehearsal: {lambdas.invocations} Lambda invocation(s){throttled} in {lambdas.started} "
                 "execution environment(s); the endpoint and the functions are stopped"
             )

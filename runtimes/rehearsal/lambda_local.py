@@ -33,6 +33,7 @@ import itertools
 import json
 import os
 import queue
+import random
 import shutil
 import signal
 import subprocess
@@ -351,8 +352,13 @@ class LambdaService:
         logs: Path,
         *,
         concurrency: int = ACCOUNT_CONCURRENCY,
+        throttled: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.images, self.configuration, self.logs, self.concurrency = images, configuration, logs, concurrency
+        self.throttled = throttled  # fault injection: this share of invokes answers TooManyRequestsException
+        self._draws = random.Random(seed)
+        self.throttles = 0
         logs.mkdir(parents=True, exist_ok=True)
         self._idle: dict[str, list[Sandbox]] = {}
         self._busy: set[Sandbox] = set()
@@ -375,7 +381,8 @@ class LambdaService:
         revision = _revision(configuration)
         with self._lock:
             self.invocations += 1
-            if self._active >= self.concurrency:
+            if self._active >= self.concurrency or (self.throttled and self._draws.random() < self.throttled):
+                self.throttles += 1
                 raise FunctionError("Lambda.TooManyRequestsException", "Rate Exceeded.")
             self._active += 1
             idle = self._idle.setdefault(name, [])

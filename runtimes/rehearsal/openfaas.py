@@ -58,6 +58,7 @@ from ...ir.protocol import (
     S3_ENDPOINT_ENV,
     SECRETS_DIR_ENV,
     STORAGE_ENV,
+    STORAGE_FAULTS_ENV,
     STORAGE_SECRET,
     TOKEN_SECRET,
 )
@@ -65,7 +66,6 @@ from ...ir.workflow import Workflow
 from ..control.invokers import _die_with_parent
 from ..control.storage_locations import local_folder, storage_locations
 from ..storage.emulation import Resources
-from ..storage.transient import FAULTS_ENV
 from .lambda_local import _rss_mb
 from .openfaas_gateway import Gateway, Watchdog, basic_auth_header, gateway_serving, serving
 
@@ -560,7 +560,7 @@ def rehearse(
                 if len(workflow.regions) > 1:
                     peers = {r.name: reachable(locations[r.name]) for r in workflow.regions if r.name != region.name}
                     overrides[PEERS_ENV] = json.dumps(peers)
-                for name in (S3_ENDPOINT_ENV, FAULTS_ENV):  # the local S3 endpoint; faults to inject
+                for name in (S3_ENDPOINT_ENV, STORAGE_FAULTS_ENV):  # the local S3 endpoint; faults to inject
                     if os.environ.get(name):
                         overrides[name] = os.environ[name]
                 logs = out / "logs" / "openfaas" / (region.name if len(workflow.regions) > 1 else "")

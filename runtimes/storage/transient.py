@@ -46,9 +46,6 @@ AWS_ATTEMPTS = 16
 REDIS_RETRIES = 10
 REDIS_BACKOFF_S = (0.05, 2.0)
 
-#: environment: the faults to inject into this process's storage requests (JSON of `StorageFaults`)
-FAULTS_ENV = STORAGE_FAULTS_ENV
-
 S3_FAULTS = ("slow-down", "internal-error", "reset-before", "answer-lost", "body-cut")
 REDIS_FAULTS = ("drop-before", "answer-lost")
 
@@ -71,14 +68,28 @@ def aws_client(service: str, **options: Any) -> Any:
 
 
 def redis_retry_options() -> dict[str, Any]:
-    """redis.Redis's keyword arguments for retrying a dropped connection or a server that restarts."""
+    """redis.Redis's keyword arguments for retrying a dropped connection or a server that restarts; not a
+    password refused (redis-py's AuthenticationError is a ConnectionError: no retry mends it)."""
     from redis.backoff import ExponentialBackoff
-    from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+    from redis.exceptions import AuthenticationError, BusyLoadingError, ConnectionError, TimeoutError
     from redis.retry import Retry
+
+    class Transient(Retry):
+        def call_with_retry(
+            self,
+            do: Callable[[], _T],
+            fail: Callable[[Exception], Any] | Callable[[Exception, int], Any],
+            is_retryable: Callable[[Exception], bool] | None = None,
+            with_failure_count: bool = False,
+        ) -> _T:
+            def retryable(error: Exception) -> bool:
+                return not isinstance(error, AuthenticationError) and (is_retryable is None or is_retryable(error))
+
+            return super().call_with_retry(do, fail, retryable, with_failure_count)
 
     base, cap = REDIS_BACKOFF_S
     errors = (ConnectionError, TimeoutError, BusyLoadingError)  # BusyLoading: a restarted server loading
-    return {"retry": Retry(ExponentialBackoff(cap=cap, base=base), REDIS_RETRIES, errors)}
+    return {"retry": Transient(ExponentialBackoff(cap=cap, base=base), REDIS_RETRIES, errors)}
 
 
 #: how long the controller rides out a storage request's transient errors before the run ends
@@ -176,7 +187,7 @@ class StorageFaults:
 
     @classmethod
     def from_env(cls) -> StorageFaults | None:
-        text = os.environ.get(FAULTS_ENV)
+        text = os.environ.get(STORAGE_FAULTS_ENV)
         if not text:
             return None
         try:
@@ -188,10 +199,10 @@ class StorageFaults:
                 tuple(str(k) for k in fields.get("kinds", ())),
             )
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f'${FAULTS_ENV}={text!r}: expected {{"share": 0..1, "seed": N}}: {exc}') from None
+            raise ValueError(f'${STORAGE_FAULTS_ENV}={text!r}: expected {{"share": 0..1, "seed": N}}: {exc}') from None
         unknown = set(faults.kinds) - set(S3_FAULTS) - set(REDIS_FAULTS)
         if not 0 <= faults.share <= 1 or unknown:
-            raise ValueError(f"${FAULTS_ENV}={text!r}: share in [0, 1], kinds among {S3_FAULTS + REDIS_FAULTS}")
+            raise ValueError(f"${STORAGE_FAULTS_ENV}={text!r}: share in [0, 1], kinds among {S3_FAULTS + REDIS_FAULTS}")
         return faults
 
     def drawer(self, kinds: tuple[str, ...]) -> FaultDrawer:
