@@ -193,6 +193,17 @@ def _start_redis(executable: str, folder: Path) -> tuple[subprocess.Popen[bytes]
         client.close()
 
 
+def private_redis(folder: Path) -> tuple[subprocess.Popen[bytes], int, str]:
+    """A redis-server of the test's own (one it may stop, fill or restart): (process, port, executable);
+    the test is skipped where none is installed."""
+    executable = shutil.which("redis-server")
+    if executable is None:
+        pytest.skip("redis-server is not installed")
+    started = _start_redis(executable, folder)
+    assert started is not None, (folder / "redis.log").read_text()
+    return (*started, executable)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL (db 0) of a real redis-server started for the session on a free port, without persistence."""

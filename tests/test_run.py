@@ -352,18 +352,11 @@ def test_a_killed_run_resumes_to_the_same_parameters(mlp_build: Path, tmp_path: 
 def _run_on_redis_then(mlp_build: Path, tmp_path: Path, disturb: str) -> tuple[int, str, float]:
     """A long run on a Redis of its own; once it trains, `disturb` it ("stop" the server, or "flush"
     its keys): the run's exit status, its stderr and how long it took to end after that."""
-    import shutil
-
     import redis
 
-    from tests.conftest import _start_redis, _stop
+    from tests.conftest import _stop, private_redis
 
-    executable = shutil.which("redis-server")
-    if executable is None:
-        pytest.skip("redis-server is not installed")
-    started = _start_redis(executable, tmp_path)
-    assert started is not None
-    server, port = started
+    server, port, _ = private_redis(tmp_path)
     try:
         process = _start_run(
             mlp_build, tmp_path / "out", "--iterations", "1000000", "--storage", f"redis://127.0.0.1:{port}/0"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from cloudless.ir.folders import RUN_LOCK
-from tests.conftest import _start_redis, _stop
+from tests.conftest import _stop, private_redis
 from tests.runtime_cases import MLP, front_end, write_packages
 
 # each compiles a pipeline and trains it for a while in processes of its own
@@ -84,6 +84,7 @@ def assert_stopped_by(code: int, stderr: str, out: Path, cause: str) -> None:
     # a function's write, or (when it comes first) one of the controller's own: either way the cause
     assert ("storage refused a write" in lines[-1] or "storage failed" in lines[-1]) and cause in lines[-1], lines[-1]
     assert "did not appear within" not in stderr  # the cause, not a key timeout
+    assert "; to continue it: cloudless-run " in lines[-1] and " --resume " in lines[-1], lines[-1]  # how to go on
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "failed" and cause in metrics["error"]
 
@@ -132,12 +133,7 @@ def test_a_folder_made_read_only_mid_run_stops_the_run_with_its_cause(
 def test_redis_at_its_memory_limit_mid_run_stops_the_run_with_its_cause(long_pipeline: Path, tmp_path: Path):
     import redis
 
-    executable = shutil.which("redis-server")
-    if executable is None:
-        pytest.skip("redis-server is not installed")
-    started = _start_redis(executable, tmp_path)
-    assert started is not None, (tmp_path / "redis.log").read_text()
-    process, port = started
+    process, port, _ = private_redis(tmp_path)
     client = redis.Redis(host="127.0.0.1", port=port)
     try:
         client.config_set("maxmemory-policy", "noeviction")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -23,7 +22,7 @@ from cloudless.ir.protocol import S3_ENDPOINT_ENV, STORAGE_FAULTS_ENV
 from cloudless.runtimes.cli import main as run_main
 from cloudless.runtimes.storage.channels import Channel, RedisChannel, RidingOut, S3Channel
 from cloudless.runtimes.storage.transient import S3_FAULTS, StorageFaults
-from tests.conftest import _start_redis, _stop
+from tests.conftest import _stop, private_redis
 from tests.runtime_cases import MLP, front_end, write_packages
 
 ITERATIONS = 4
@@ -76,12 +75,7 @@ def test_redis_faults_are_ridden_out(redis_url: str, monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_a_redis_restart_of_5_s_is_ridden_out(tmp_path: Path) -> None:
-    executable = shutil.which("redis-server")
-    if executable is None:
-        pytest.skip("redis-server is not installed")
-    started = _start_redis(executable, tmp_path)
-    assert started is not None
-    server, port = started
+    server, port, executable = private_redis(tmp_path)
     channel = RidingOut(RedisChannel(f"redis://127.0.0.1:{port}/0"), 60)
     channel.put("before", b"1")
     _stop(server)
@@ -252,3 +246,15 @@ def test_invokes_throttled_to_the_end_end_the_run_within_the_retries_with_one_li
     assert code == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("cloudless-run: the run failed: ") and "TooManyRequestsException" in err
     assert took < 126 + 120, took  # the Retry's waits, and the rehearsal's deploy and teardown
+
+
+@pytest.mark.slow
+def test_the_fault_bench_runs_and_every_faulted_run_trains_the_undisturbed_model() -> None:
+    """bench/fault_bench.py --quick, as CI runs it (a bench no test runs rots)."""
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "fault_bench.py"
+    finished = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    rows = [line for line in finished.stdout.splitlines() if line.startswith("local, ")]
+    assert len(rows) >= 4 and all(line.endswith("identical") for line in rows), finished.stdout
