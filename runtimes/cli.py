@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SHARE",
         help="--invoker lambda --rehearse: Lambda answers this share (0-1; 1: every one, to the end) of the "
-        "functions' invokes TooManyRequestsException, which the state machine's Retry meets",
+        "functions' invokes TooManyRequestsException, which the state machine's Retry meets, and Step Functions "
+        "as much of the driver's requests (at most half) ThrottlingException",
     )
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument(

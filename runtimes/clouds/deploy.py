@@ -400,9 +400,11 @@ def drive(
     iterations: int,
     out: Path,
     take_down: Callable[[str], None] | None = None,
+    stepfunctions: Callable[[str], Any] | None = None,
 ) -> int:
     """`cloudless-run BUILD --invoker lambda --stack ...`: the exit status (2: bad input, 1: failed).
-    `take_down`: a rehearsal's way to make a region's functions stop answering (`--fail-region`)."""
+    `take_down`: a rehearsal's way to make a region's functions stop answering (`--fail-region`);
+    `stepfunctions`: a rehearsal's Step Functions client of a region (faults injected into it)."""
     if args.storage:
         return fail("--storage: with --stack the storage is the stack's bucket")
     if args.resume:
@@ -450,7 +452,7 @@ def drive(
 
     try:
         controller = StateMachineController(
-            workflow, stacks, channels, settings, on_progress=report, take_down=take_down
+            workflow, stacks, channels, settings, on_progress=report, take_down=take_down, stepfunctions=stepfunctions
         )
     except RunError as exc:
         return fail(str(exc))

@@ -48,6 +48,7 @@ from ...ir.deployment import BUCKET_OUTPUT, peer_parameter
 from ...ir.workflow import Workflow
 from ..clouds.deploy import DeployError, aws_region, drive
 from ..control.run import fail, resources_of
+from ..storage.transient import Throttled, aws_client
 from .lambda_local import FunctionImage, LambdaService
 from .stepfunctions_local import StepFunctionsExecutor
 
@@ -348,6 +349,10 @@ def _resolved(value: Any, names: Mapping[str, str]) -> str:
     return str(value)
 
 
+#: --inject-throttling: the largest share of the driver's Step Functions requests throttled
+DRIVER_THROTTLED_MAX = 0.5
+
+
 @contextmanager
 def driver_environment(endpoint: str, where: str, credentials: dict[str, str]) -> Iterator[None]:
     """The endpoint and the made-up credentials for every boto3 client of this process, for the run's
@@ -404,6 +409,7 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
     resources = resources_of(workflow, args)
     environment: dict[str, dict[str, dict[str, str]]] = {}
     rehearsal = AwsRehearsal(build, workflow, folder, environment)
+    driver_throttled: Throttled | None = None
     rehearsal.throttled, rehearsal.seed = args.inject_throttling, args.fault_seed
     try:
         rehearsal.start()
@@ -443,7 +449,16 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
         ]
         where = next(iter(rehearsal.stacks.values())).aws_region
         with driver_environment(rehearsal.endpoint, where, rehearsal.credentials):
-            return drive(args, build, workflow, iterations, out, take_down=rehearsal.take_down)
+            # --inject-throttling: the driver's Step Functions requests are throttled too, at most half of them
+            # (throttled on every one, the driver would end after botocore's retries, having invoked nothing)
+            driver_throttled = Throttled(min(args.inject_throttling, DRIVER_THROTTLED_MAX), args.fault_seed)
+
+            def stepfunctions(region: str) -> Any:
+                return driver_throttled.attach(aws_client("stepfunctions", region_name=aws_region(region)))
+
+            return drive(
+                args, build, workflow, iterations, out, take_down=rehearsal.take_down, stepfunctions=stepfunctions
+            )
     except DeployError as exc:
         return fail(str(exc))
     finally:
@@ -455,3 +470,5 @@ def rehearse(args: argparse.Namespace, build: Path, workflow: Workflow, iteratio
                 f"rehearsal: {lambdas.invocations} Lambda invocation(s){throttled} in {lambdas.started} "
                 "execution environment(s); the endpoint and the functions are stopped"
             )
+            if driver_throttled is not None and driver_throttled.count:
+                print(f"rehearsal: {driver_throttled.count} of the driver's Step Functions requests were throttled")

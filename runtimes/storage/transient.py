@@ -274,6 +274,30 @@ def inject_s3_faults(client: Any, faults: StorageFaults) -> FaultDrawer:
     return drawer
 
 
+class Throttled:
+    """Fault injection for an AWS client of the JSON protocols (Step Functions, Lambda): `share` of its
+    requests are answered as AWS throttles them (400 ThrottlingException), below botocore's retries."""
+
+    def __init__(self, share: float, seed: int = 0) -> None:
+        self.share, self.count = share, 0
+        self._random, self._lock = random.Random(seed), threading.Lock()
+
+    def attach(self, client: Any) -> Any:
+        """`client`, its requests from now on meeting the throttling; returned for chaining."""
+        from botocore.awsrequest import AWSResponse
+
+        def before_send(request: Any, **_: Any) -> Any:
+            with self._lock:
+                if self._random.random() >= self.share:
+                    return None
+                self.count += 1
+            body = json.dumps({"__type": "ThrottlingException", "message": "Rate exceeded"}).encode()
+            return AWSResponse(request.url, 400, {"Content-Type": "application/x-amz-json-1.0"}, _Raw(body))
+
+        client.meta.events.register_first("before-send", before_send)
+        return client
+
+
 class _Raw(io.BytesIO):
     """A response body as botocore reads one (urllib3's `stream` besides `read`)."""
 
