@@ -303,13 +303,12 @@ def _main(argv: Sequence[str] | None) -> int:
         return fail("--inject-storage-faults: only with --rehearse or local: a deployment's storage is the cloud's own")
     if args.inject_storage_faults:
         folders = [
-            where
-            for where in (args.storage or ["OUT/storage"])
-            if not where.split("=", 1)[-1].startswith(("s3:", "redis"))
+            where for where in (args.storage or [""]) if not where.split("=", 1)[-1].startswith(("s3:", "redis"))
         ]
         if folders and not (args.rehearse and args.invoker == "lambda"):  # the Lambda rehearsal's storage is S3
+            named = f"storage {folders[0]}" if folders[0] else "the default storage (OUT/storage)"
             return fail(
-                f"--inject-storage-faults: storage {folders[0]} is a folder, which has no transient errors; "
+                f"--inject-storage-faults: {named} is a folder, which has no transient errors; "
                 "give --storage s3://BUCKET/PREFIX or redis://HOST:PORT/DB"
             )
     try:

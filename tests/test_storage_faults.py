@@ -156,7 +156,7 @@ def test_storage_faults_need_storage_that_has_them(two_stages_replicated: Path, 
     code = run_main([str(two_stages_replicated), "--out", str(tmp_path / "out"), "--inject-storage-faults", "0.1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "is a folder, which has no transient errors; give --storage s3://" in err
+    assert "the default storage (OUT/storage) is a folder, which has no transient errors; give --storage s3://" in err
     assert not (tmp_path / "out").exists()
 
 

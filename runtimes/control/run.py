@@ -338,7 +338,9 @@ def train(
         raise interrupted
     if failure is not None:
         again = "" if isinstance(failure, RunError) and not failure.resumable else f"; {resume_hint(args, run_id)}"
-        print(f"cloudless-run: the run failed: {failure}{again}", file=sys.stderr)
+        print(
+            f"cloudless-run: the run failed: {str(failure).rstrip('.') if again else failure}{again}", file=sys.stderr
+        )
         return 1
     trained = (
         " + ".join(f"{controller.ends.get(name, totals[name])} ({name})" for name in records)
