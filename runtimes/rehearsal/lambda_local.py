@@ -33,7 +33,6 @@ import itertools
 import json
 import os
 import queue
-import random
 import shutil
 import signal
 import subprocess
@@ -48,6 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from ..storage.transient import StorageFaults
 from .asl import FunctionError
 
 RUNTIME_API = "/2018-06-01/runtime"
@@ -356,9 +356,8 @@ class LambdaService:
         seed: int = 0,
     ) -> None:
         self.images, self.configuration, self.logs, self.concurrency = images, configuration, logs, concurrency
-        self.throttled = throttled  # fault injection: this share of invokes answers TooManyRequestsException
-        self._draws = random.Random(seed)
-        self.throttles = 0
+        # fault injection: this share of invokes answers TooManyRequestsException
+        self._throttled = StorageFaults(throttled, seed).drawer(("throttled",))
         logs.mkdir(parents=True, exist_ok=True)
         self._idle: dict[str, list[Sandbox]] = {}
         self._busy: set[Sandbox] = set()
@@ -369,6 +368,11 @@ class LambdaService:
         self._down: set[str] = set()  # functions whose region is gone (fault injection)
         self.started = 0  # sandboxes started (cold starts)
         self.invocations = 0
+
+    @property
+    def throttles(self) -> int:
+        """Invokes answered TooManyRequestsException by the injected throttling."""
+        return self._throttled.injected.get("throttled", 0)
 
     def __call__(self, function: str, payload: Any) -> Any:
         name = function.rsplit(":function:", 1)[-1].split(":")[0]  # an ARN or a name (no qualifier)
@@ -381,8 +385,7 @@ class LambdaService:
         revision = _revision(configuration)
         with self._lock:
             self.invocations += 1
-            if self._active >= self.concurrency or (self.throttled and self._draws.random() < self.throttled):
-                self.throttles += 1
+            if self._active >= self.concurrency or self._throttled.draw() is not None:
                 raise FunctionError("Lambda.TooManyRequestsException", "Rate Exceeded.")
             self._active += 1
             idle = self._idle.setdefault(name, [])

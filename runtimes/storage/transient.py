@@ -212,7 +212,8 @@ class StorageFaults:
 
 
 class FaultDrawer:
-    """One client's draws: which of its requests fail, and how (thread-safe); counts what it injected."""
+    """One client's draws: which of its requests fail, and how (thread-safe); counts what it injected.
+    Storage faults draw here, and so do the rehearsals' throttled requests (`Throttled`, the Lambda service)."""
 
     def __init__(self, faults: StorageFaults, kinds: tuple[str, ...]) -> None:
         self.faults, self.kinds = faults, kinds
@@ -279,18 +280,19 @@ class Throttled:
     requests are answered as AWS throttles them (400 ThrottlingException), below botocore's retries."""
 
     def __init__(self, share: float, seed: int = 0) -> None:
-        self.share, self.count = share, 0
-        self._random, self._lock = random.Random(seed), threading.Lock()
+        self.drawer = StorageFaults(share, seed).drawer(("throttled",))
+
+    @property
+    def count(self) -> int:
+        return self.drawer.injected.get("throttled", 0)
 
     def attach(self, client: Any) -> Any:
         """`client`, its requests from now on meeting the throttling; returned for chaining."""
         from botocore.awsrequest import AWSResponse
 
         def before_send(request: Any, **_: Any) -> Any:
-            with self._lock:
-                if self._random.random() >= self.share:
-                    return None
-                self.count += 1
+            if self.drawer.draw() is None:
+                return None
             body = json.dumps({"__type": "ThrottlingException", "message": "Rate exceeded"}).encode()
             return AWSResponse(request.url, 400, {"Content-Type": "application/x-amz-json-1.0"}, _Raw(body))
 
