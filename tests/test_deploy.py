@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,16 +289,21 @@ def test_ctrl_c_stops_the_running_execution(two_stages, stack, tmp_path: Path, c
     outputs, definition, invoke = stack
     backend = stepfunctions_backends[ACCOUNT][AWS_REGION]
 
-    def slow(function: str, payload: Any) -> Any:  # a worker still at work when Ctrl-C comes
+    def busy(function: str, payload: Any) -> Any:  # a worker still at work when Ctrl-C comes
         interrupt.set()
-        time.sleep(2)
-        return invoke(function, payload)
+        # It answers only once the run is over, and never runs the real handler: that would read the
+        # storage from the environment of whatever test runs next in this process.
+        released.wait(60)
+        return {"status": "duplicate", "stop": payload["start"], "reason": ""}
 
-    interrupt = threading.Event()
+    interrupt, released = threading.Event(), threading.Event()
     threading.Thread(target=lambda: interrupt.wait(60) and signal.raise_signal(signal.SIGINT), daemon=True).start()
-    with StepFunctionsService(slow):
-        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "stopped", "--out", str(tmp_path)]
-        assert run_main([*argv, "--model", str(MLP), "-q"]) == 130
+    try:
+        with StepFunctionsService(busy):
+            argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "stopped", "--out", str(tmp_path)]
+            assert run_main([*argv, "--model", str(MLP), "-q"]) == 130
+    finally:
+        released.set()
     (execution,) = backend.describe_state_machine(outputs["IterationStateMachineArn"]).executions
     assert execution.status == "ABORTED"
     err = capsys.readouterr().err
