@@ -300,8 +300,9 @@ class AbortRecord:
 
     # diverged: a loss or parameter not finite; failed: the model's code raised (deterministic, so
     # no retry can help) or the controller gave up on an invocation after its retries; left: the other
-    # regions went on without this one (`left_key`), so it stops
-    reason: Literal["diverged", "failed", "left"]
+    # regions went on without this one (`left_key`), so it stops; abandoned (never stored): a newer attempt
+    # of the range runs (`attempt_key`), so this invocation stops
+    reason: Literal["diverged", "failed", "left", "abandoned"]
     message: str  # one line: what, where (iteration, stage, function)
     iteration: int
     stage: int
@@ -509,6 +510,18 @@ def alive_key(ns: str) -> str:
     """The controller's mark that a region's run exists, written when the run (or a resumed run)
     begins: if it goes, storage lost the run's keys (flushed, evicted, expired) and the run stops."""
     return f"{ns}/alive"
+
+
+def attempt_key(ns: str) -> str:
+    """The region's newest attempt (a decimal number), written by a driver that re-runs a whole range with
+    a new attempt (a state machine's execution failed): invocations of an older attempt, still waiting
+    for keys that the failed one will never write, find it and stop instead of waiting out the key timeout."""
+    return f"{ns}/attempt"
+
+
+def marker_prefixes(ns: str) -> tuple[str, ...]:
+    """The prefixes of every range's markers (`done_key`, `claim_key`, `stop_key`) in a namespace."""
+    return (f"{ns}/done/", f"{ns}/claim/", f"{ns}/stop/")
 
 
 def abort_key(ns: str) -> str:

@@ -320,6 +320,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args.capacity_changes, args.region_failures = changes, failures  # parsed once, for train
     if args.region_timeout and len(workflow.regions) == 1:
         return fail("--region-timeout needs a workflow of several regions")
+    if args.resume and args.run_id:
+        return fail("give --run-id or --resume, not both")
     if (changes or failures) and args.resume:
         return fail("--resume cannot replay --capacity-change or --fail-region: start the run again")
     for option, name in (("--run-id", args.run_id), ("--resume", args.resume)):
@@ -332,6 +334,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return fail(f"{option} {name}: the name of a storage folder's marker; choose another")
     if args.rehearse and args.invoker == "local":
         return fail("--rehearse: only with --invoker openfaas or lambda, not local")
+    if args.resume and args.rehearse and args.invoker == "lambda":
+        return fail("--resume: not with --invoker lambda --rehearse (each deploys new stacks); start the run again")
     if args.rehearse and args.invoker == "openfaas" and args.token_file is not None:
         return fail("--token-file: a rehearsal makes its own token; give it to a real gateway's run only")
     token = None

@@ -14,7 +14,9 @@ second run in the same bucket trains again."""
 from __future__ import annotations
 
 import json
+import shlex
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,15 +54,18 @@ def expected_model(two_stages) -> dict[str, torch.Tensor]:
 
 class StepFunctionsService(StepFunctionsExecutor):
     """The product's executor of moto's executions (cloudless.runtimes.rehearsal.stepfunctions_local) over this test's
-    region, with faults: the first `fail_first` executions fail at once (a worker's error, say), and
-    `on_failure` is called with the execution's input as one fails (what its worker wrote)."""
+    region, with faults: the first `fail_first` executions fail at once (a worker's error, say), or those
+    `fail_from` on, and `on_failure` is called with the execution's input as one fails (what its worker
+    wrote)."""
 
-    def __init__(self, invoke: Any, fail_first: int = 0, on_failure: Any = None) -> None:
+    def __init__(self, invoke: Any, fail_first: int = 0, on_failure: Any = None, fail_from: int | None = None) -> None:
         super().__init__([(ACCOUNT, AWS_REGION)], invoke)
-        self.fail_first, self.on_failure = fail_first, on_failure
+        self.fail_first, self.on_failure, self.fail_from = fail_first, on_failure, fail_from
+        self.started = 0
 
     def execute(self, record: Any, execution: Execution) -> Any:
-        if self.fail_first > 0:
+        number, self.started = self.started, self.started + 1
+        if self.fail_first > 0 or (self.fail_from is not None and number >= self.fail_from):
             self.fail_first -= 1
             if self.on_failure is not None:
                 self.on_failure(execution.input)
@@ -225,6 +230,93 @@ def test_a_failed_execution_is_started_again_with_the_next_attempt(
         torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_a_run_that_failed_on_the_stack_resumes_with_the_command_it_printed(
+    two_stages, expected_model, stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Out of retries after its first execution, the run's last line names its cause and the command that
+    continues it; that command, run as printed, resumes from the checkpoint in the bucket with executions of
+    new names and trains what an undisturbed run trains."""
+    build, workflow, _ = two_stages
+    torch.set_num_threads(1)
+    outputs, definition, invoke = stack
+    out = tmp_path / "out"
+    with StepFunctionsService(invoke, fail_from=1):
+        argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "cut", "--out", str(out), "-q"]
+        assert run_main([*argv, "--model", str(MLP), "--retries", "0"]) == 1
+    err = capsys.readouterr().err
+    cause, _, hint = err.strip().partition("; to continue it: ")
+    assert cause.startswith("cloudless-run: the run failed: ") and "injected" in cause, err
+    command = shlex.split(hint)
+    assert command == [
+        *("cloudless-run", str(build), "--resume", "cut", "--out", str(out), "--model", str(MLP)),
+        *("--invoker", "lambda", "--stack", STACK),
+    ]
+    with StepFunctionsService(invoke):
+        assert run_main(command[1:]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert f"resuming run cut: {workflow.regions[0].name} from iteration 1" in printed, printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    executions = metrics["regions"][workflow.regions[0].name]["executions"]
+    assert [e["input"]["start"] for e in executions] == list(range(1, ITERATIONS))
+    assert all(e["name"].startswith("cut-resumed") and e["status"] == "SUCCEEDED" for e in executions)
+    model = load_file(out / "model.safetensors")
+    for name, value in expected_model.items():
+        torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
+    # A Lambda rehearsal deploys new stacks: nothing of an earlier one to resume.
+    assert run_main([str(build), "--invoker", "lambda", "--rehearse", "--resume", "cut", "--out", str(out)]) == 2
+    assert "--resume: not with --invoker lambda --rehearse" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_drivers_credentials_refused_for_seconds_are_ridden_out(
+    two_stages, expected_model, stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As while a rotated access key propagates: once the run has begun (the driver's first look at an
+    execution), AWS refuses 3 s of the driver's requests to Step Functions (UnrecognizedClientException) and
+    then 3 s of those to S3 (InvalidAccessKeyId). The driver rides them out; the functions, processes with
+    their role's credentials, are not refused; the run trains what plain PyTorch trains."""
+    import boto3
+    from botocore.awsrequest import AWSResponse
+
+    build, workflow, _ = two_stages
+    region = workflow.regions[0]
+    packages = {
+        f"arn:aws:lambda:{AWS_REGION}:{ACCOUNT}:function:{lambda_function_name(f.name, region.name)}": build / f.package
+        for f in region.functions
+    }
+    invoke = ProcessLambda(packages, {}, tmp_path / "logs")
+    refused: dict[str, int] = {"sfn": 0, "s3": 0}
+    began: dict[str, float] = {}  # when each service's refusals began
+    codes = {"sfn": "UnrecognizedClientException", "s3": "InvalidAccessKeyId"}
+
+    def refuse(model: Any, **_: Any) -> Any:
+        service = model.service_model.service_id.hyphenize()
+        if service == "sfn" and model.name == "DescribeExecution":
+            began.setdefault("sfn", time.monotonic())
+        if service == "s3" and "sfn" in began and time.monotonic() - began["sfn"] > 3:
+            began.setdefault("s3", time.monotonic())
+        if service not in began or time.monotonic() - began[service] > 3:
+            return None
+        refused[service] += 1
+        message = "The security token included in the request is invalid."
+        return AWSResponse("", 403, {}, None), {"Error": {"Code": codes[service], "Message": message}}
+
+    boto3.setup_default_session()  # the driver's clients are made from it, and copy its handlers
+    for service in refused:
+        boto3.DEFAULT_SESSION.events.register(f"before-call.{service}", refuse)
+    try:
+        with StepFunctionsService(invoke):
+            out = tmp_path / "out"
+            argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "rotated", "--out", str(out)]
+            assert run_main([*argv, "--model", str(MLP), "-q", "--retries", "0"]) == 0, capsys.readouterr().err
+    finally:
+        boto3.DEFAULT_SESSION = None
+    assert refused["sfn"] >= 3 and refused["s3"] >= 3, refused
+    model = load_file(out / "model.safetensors")
+    for name, value in expected_model.items():
+        torch.testing.assert_close(model[name], value, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_an_execution_that_made_no_progress_is_followed_by_a_new_attempt(
     two_stages, expected_model, stack, tmp_path: Path
@@ -334,5 +426,6 @@ def test_a_function_error_ends_the_run_with_its_message_on_one_line(two_stages, 
         argv = [str(build), "--invoker", "lambda", "--stack", STACK, "--run-id", "boom", "--out", str(tmp_path), "-q"]
         assert run_main([*argv, "--model", str(MLP), "--retries", "0"]) == 1
     region = workflow.regions[0].name
-    expected = f"cloudless-run: the run failed: {region}: execution boom-0 failed: KeyError: 'boom' (attempt 1 of 1)\n"
-    assert capsys.readouterr().err == expected
+    expected = f"cloudless-run: the run failed: {region}: execution boom-0 failed: KeyError: 'boom' (attempt 1 of 1)"
+    resume = f"cloudless-run {build} --resume boom --out {tmp_path} --model {MLP} --invoker lambda --stack {STACK}"
+    assert capsys.readouterr().err == f"{expected}; to continue it: {resume}\n"

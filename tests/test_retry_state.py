@@ -116,3 +116,41 @@ def test_a_warm_worker_retried_after_failing_mid_backward_ends_as_an_undisturbed
         assert mine.keys() == theirs.keys()
         differing = sorted(name for name in theirs if not torch.equal(mine[name], theirs[name]))
         assert not differing, f"stage {stage}: {differing} differ from the undisturbed run"
+
+
+def test_an_invocation_of_an_abandoned_attempt_stops_waiting_within_seconds(two_stage_build, tmp_path: Path) -> None:
+    """Stage 1 of attempt 0 waits for activations that stage 0 (its execution failed) will never send. The
+    driver starts attempt 1 and says so (`attempt_key`): the waiting invocation stops within a few seconds,
+    not after its 600 s key timeout, and writes no completion marker; an invocation of the newest attempt
+    is not stopped by it."""
+    from cloudless.ir.protocol import attempt_key, done_key
+
+    result, workflow, build = two_stage_build
+    storage = _storage(result, workflow, tmp_path / "storage")
+    region = workflow.regions[0]
+    last = region.functions[-1]
+    space = namespace(RUN, region.name)
+    answers: dict[int, dict] = {}
+
+    def invoke(attempt: int) -> None:
+        event = {"start": 0, "stop": ITERATIONS, "replica": 0, "run": RUN, "attempt": attempt, "timeout": 600}
+        answers[attempt] = handle_request(build / last.package, event, str(storage))
+
+    waiting = threading.Thread(target=invoke, args=(0,), daemon=True)
+    waiting.start()
+    channel = DirectoryChannel(storage)
+    channel.put(attempt_key(space), b"0")  # the current attempt: nothing abandoned yet
+    waiting.join(3)
+    assert waiting.is_alive()
+    channel.put(attempt_key(space), b"1")
+    waiting.join(60)  # a loaded machine's margin; the check runs about once a second
+    assert not waiting.is_alive()
+    assert answers[0]["status"] == "aborted" and "attempt 0 was abandoned" in answers[0]["reason"]
+    assert not channel.exists(done_key(space, last.name, 0, 0))
+    newest = threading.Thread(target=invoke, args=(1,), daemon=True)
+    newest.start()
+    newest.join(3)
+    assert newest.is_alive()  # still waiting for stage 0, as it should
+    channel.put(attempt_key(space), b"2")  # and abandoned in turn, so that the test ends
+    newest.join(60)
+    assert answers[1]["status"] == "aborted"

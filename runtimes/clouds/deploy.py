@@ -21,6 +21,7 @@ at another endpoint (the tests and the rehearsal use moto).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -45,8 +46,8 @@ from ...ir.deployment import (
 from ...ir.workflow import Region, Workflow
 from ..control.controller import Controller
 from ..control.invokers import Handle, Invocation, Invoker
-from ..control.retrying_channel import RetryingChannel
-from ..control.run import fail, final_model, run_settings
+from ..control.retrying_channel import RetryingChannel, StorageError
+from ..control.run import fail, failure_line, final_model, run_settings
 from ..control.run_outputs import left_figures
 from ..control.run_state import Progress, RegionGone, RegionRun, RunDiverged, RunError, RunMetrics, RunSettings
 from ..control.staged_weights import save_trained_model
@@ -212,6 +213,25 @@ class StateMachineController(Controller):
         # earlier attempt could meet that attempt's claims, held by invocations that died).
         self.attempt = dict.fromkeys(stacks, 0)
         self.stopped = 0  # executions stopped (StopExecution) as the run was interrupted
+        # An execution's name is unique in its state machine for 90 days: a resumed run's are new ones.
+        self.execution_prefix = settings.run_id + (f"-resumed{int(time.time())}" if settings.resume else "")
+
+    def stop_interrupted(self) -> int:
+        """Resuming: stop the executions of the run that still run (its driver died without stopping them);
+        their functions finish the range they run, and nothing new starts. How many."""
+        stopped = 0
+        for name, stack in self.stacks.items():
+            pages = (
+                self.clients[name]
+                .get_paginator("list_executions")
+                .paginate(stateMachineArn=stack.state_machine, statusFilter="RUNNING")
+            )
+            for page in pages:
+                for execution in page["executions"]:
+                    if execution["name"].startswith(f"{self.settings.run_id}-"):
+                        self._stop_execution(name, {"name": execution["name"], "arn": execution["executionArn"]})
+                        stopped += 1
+        return stopped
 
     def _document(self, region: Region, start: int, stop: int, attempt: int) -> ExecutionInput:
         """The execution's input: the range, and the region's plan and workers now."""
@@ -245,7 +265,7 @@ class StateMachineController(Controller):
         try:
             while True:
                 number = len(self.executions[name])
-                execution = f"{self.settings.run_id}-{number}"[-EXECUTION_NAME_LIMIT:]
+                execution = f"{self.execution_prefix}-{number}"[-EXECUTION_NAME_LIMIT:]
                 try:
                     # A retried start after a lost answer is StartExecution's own: same name and input, same execution
                     started = _ridden_out(
@@ -277,7 +297,7 @@ class StateMachineController(Controller):
                     # No progress: every worker answered as a duplicate of an invocation of this attempt that
                     # holds the range's claim and died without a result. A new attempt claims anew.
                     self._retry(name, f"execution {execution} made no progress from iteration {reached}", record)
-                    self.attempt[name] += 1
+                    self._abandon_attempt(name)
                     document = replace(document, attempt=self.attempt[name])
                     continue
                 running = None
@@ -294,14 +314,23 @@ class StateMachineController(Controller):
                 self._forget(region, resume, next_iteration + 1)
                 next_iteration = min(next_iteration, resume)
                 record.progress[:] = [entry for entry in record.progress if entry.iteration < resume]
-                self.attempt[name] += 1
+                self._abandon_attempt(name)
                 document = self._document(region, resume, stop, self.attempt[name])
                 with self.lock:
                     self.ranges[name] = (resume, stop)  # a re-plan's cut names this execution's range
         except BaseException:
             if running is not None:
                 self._stop_execution(name, running)
+            with contextlib.suppress(Exception):  # best effort: the key timeout ends them otherwise
+                self._abandon_attempt(name)
             raise
+
+    def _abandon_attempt(self, name: str) -> None:
+        """The region's next attempt: the invocations of the current one that still wait (for keys the failed
+        execution's worker never wrote) find the newer number and stop (`protocol.attempt_key`)."""
+        self.attempt[name] += 1
+        key = protocol.attempt_key(self.namespace(name))
+        self.storage(name).put(key, str(self.attempt[name]).encode())
 
     def _attempts(self, region: Region, attempt: int) -> dict[tuple[str, int], int]:
         """Every worker of the range and its last attempt (the markers to delete)."""
@@ -364,8 +393,13 @@ class StateMachineController(Controller):
     def _stop_execution(self, name: str, running: dict[str, Any]) -> None:
         """StopExecution: a function invoked by it finishes the range it runs; nothing new starts."""
         try:
-            self.clients[name].stop_execution(
-                executionArn=running["arn"], error="Cloudless.Interrupted", cause="cloudless-run was stopped"
+            _ridden_out(
+                partial(
+                    self.clients[name].stop_execution,
+                    executionArn=running["arn"],
+                    error="Cloudless.Interrupted",
+                    cause="cloudless-run was stopped",
+                )
             )
             running["status"] = "ABORTED"
             self.stopped += 1
@@ -407,8 +441,6 @@ def drive(
     `stepfunctions`: a rehearsal's Step Functions client of a region (faults injected into it)."""
     if args.storage:
         return fail("--storage: with --stack the storage is the stack's bucket")
-    if args.resume:
-        return fail("--resume: not with --stack yet; start the run again")
     try:
         names = stack_names(workflow, list(args.stack))
         stacks = {
@@ -422,7 +454,7 @@ def drive(
         }
     except (ValueError, DeployError) as exc:
         return fail(str(exc))
-    run_id = args.run_id or protocol.new_run_id()
+    run_id = args.resume or args.run_id or protocol.new_run_id()
     channels: dict[str, Channel] = {}
     try:
         model = recorded_model_file(workflow, args.model)
@@ -438,7 +470,7 @@ def drive(
             print(weights, flush=True)
     except (DataError, ValueError) as exc:
         return fail(str(exc))
-    settings = run_settings(args, iterations, run_id, poll_s=POLL_S)
+    settings = run_settings(args, iterations, run_id, resume=bool(args.resume), poll_s=POLL_S)
     several = len(workflow.regions) > 1
     every = args.log_every or max(1, iterations // 20)
     totals: dict[str, int] = {}
@@ -457,15 +489,27 @@ def drive(
     except RunError as exc:
         return fail(str(exc))
     totals.update({region.name: controller.region_iterations(region) for region in workflow.regions})
+    if args.resume:
+        resumed = {region.name: controller.start_of(region) for region in workflow.regions}
+        if not any(resumed.values()):
+            buckets = ", ".join(f"s3://{stack.bucket}" for stack in stacks.values())
+            return fail(f"--resume {run_id}: {buckets} holds no checkpoint of that run; start it again")
+        try:
+            stopped = controller.stop_interrupted()
+        except Exception as exc:  # noqa: BLE001 - botocore's errors: one line
+            return fail(f"--resume {run_id}: could not list the run's executions: {_one_line(exc)}")
+        where = ", ".join(f"{name} from iteration {at}" for name, at in resumed.items())
+        also = f" (stopped {stopped} execution(s) of it still running)" if stopped else ""
+        print(f"resuming run {run_id}: {where}{also}", flush=True)
     if not args.quiet:
         for name, stack in stacks.items():
             print(f"run {run_id} on stack {stack.name} ({name}): {totals[name]} iterations", flush=True)
     began = time.time()
-    failure: RunError | None = None
+    failure: RunError | StorageError | None = None
     model_files = ""
     try:
         records = controller.run()
-    except RunError as exc:
+    except (RunError, StorageError) as exc:
         failure, records = exc, controller.records
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the executions would go on (and bill) without us
         print(f"cloudless-run: stopped {controller.stopped} running execution(s) of the run", file=sys.stderr)
@@ -507,7 +551,7 @@ def drive(
             metrics.measured = {**(metrics.measured or {}), "test": test}
     metrics.write(out)
     if failure is not None:
-        print(f"cloudless-run: the run failed: {failure}", file=sys.stderr)
+        print(failure_line(args, run_id, failure), file=sys.stderr)
         return 1
     if not args.keep_storage:
         try:

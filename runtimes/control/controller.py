@@ -139,14 +139,7 @@ class Controller(Coordinator):
             try:
                 at = self.start_of(region)
                 if at:
-                    # What stopped the run must not stop the resumed one; the interrupted range's
-                    # markers would make its invocations look done or duplicated.
-                    self.storage(region.name).delete(protocol.abort_key(self.namespace(region.name)))
-                    self._forget_range(
-                        region,
-                        at,
-                        {(f.name, r): self.settings.retries for f in region.functions for r in range(f.replicas)},
-                    )
+                    self._forget_interrupted(region)
                 alive = protocol.alive_key(self.namespace(region.name))
                 self.storage(region.name).put(alive, self.settings.run_id.encode())
                 while (stop := self._next_stop(region.name, at)) is not None:
@@ -369,6 +362,16 @@ class Controller(Coordinator):
         """Why the region's run stopped: the abort record, else the result's reason."""
         recorded = self._abort_record(region)
         return recorded.message if recorded is not None else result.reason
+
+    def _forget_interrupted(self, region: Region) -> None:
+        """Resuming: what stopped the run must not stop the resumed one, and the interrupted run's markers
+        (completions, claims of any attempt, stop decisions, the newest attempt) would make its invocations
+        look done, duplicated or abandoned. None of its invocations runs any more."""
+        namespace, channel = self.namespace(region.name), self.storage(region.name)
+        channel.delete(protocol.abort_key(namespace))
+        channel.delete(protocol.attempt_key(namespace))  # the resumed run's attempts count from 0 again
+        for prefix in protocol.marker_prefixes(namespace):
+            channel.delete_prefix(prefix)
 
     def _forget_range(self, region: Region, start: int, attempts: dict[tuple[str, int], int]) -> None:
         """A finished range's markers (completion, claims, the stop decision) are needed no more:

@@ -7,6 +7,7 @@ from typing import TypeVar
 
 from ...ir.protocol import CorruptBlob
 from ..storage.channels import RidingOut
+from ..storage.transient import is_transient_or_refused_credentials
 
 _T = TypeVar("_T")
 
@@ -18,7 +19,10 @@ class StorageError(RuntimeError):
 class RetryingChannel(RidingOut):
     """The controller's view of storage: transient errors (a dropped connection, a throttled request, a
     5xx) ridden out for up to `ride_out_s`; what outlasts it, or is no transient, ends the run with a
-    StorageError, one line, instead of a back end's traceback."""
+    StorageError, one line, instead of a back end's traceback. The user's credentials refused for seconds
+    (an access key just rotated, still propagating) are ridden out too; a revoked one outlasts it."""
+
+    retryable = staticmethod(is_transient_or_refused_credentials)
 
     def _retried(self, what: str, key: str, call: Callable[[], _T]) -> _T:
         try:

@@ -139,7 +139,18 @@ def resume_hint(args: argparse.Namespace, run_id: str) -> str:
         command += ["--invoker", args.invoker, *(["--rehearse"] if args.rehearse else [])]
     for gateway in args.gateway or ():
         command += ["--gateway", gateway]
+    for stack in args.stack or ():
+        command += ["--stack", stack]
     return f"to continue it: {shlex.join(command)}"
+
+
+def failure_line(args: argparse.Namespace, run_id: str, failure: BaseException) -> str:
+    """The failed run's last line: its cause and, when it can be continued, how (`resume_hint`). A Lambda
+    rehearsal's stacks and buckets are gone once it ends: nothing is left to resume there."""
+    resumable = not isinstance(failure, RunError) or failure.resumable
+    if not resumable or (args.rehearse and args.invoker == "lambda"):
+        return f"cloudless-run: the run failed: {failure}"
+    return f"cloudless-run: the run failed: {str(failure).rstrip('.')}; {resume_hint(args, run_id)}"
 
 
 def run_settings(args: argparse.Namespace, iterations: int, run_id: str, **driver: Any) -> RunSettings:
@@ -176,8 +187,6 @@ def train(
         return fail(str(exc))
     storage = locations[workflow.regions[0].name]
     # Unique: two runs started in the same second must not share keys or logs.
-    if args.resume and args.run_id:
-        return fail("give --run-id or --resume, not both")
     run_id = args.resume or args.run_id or protocol.new_run_id()
     regions = workflow.regions
     region = regions[0].name
@@ -337,10 +346,7 @@ def train(
     if interrupted is not None:
         raise interrupted
     if failure is not None:
-        again = "" if isinstance(failure, RunError) and not failure.resumable else f"; {resume_hint(args, run_id)}"
-        print(
-            f"cloudless-run: the run failed: {str(failure).rstrip('.') if again else failure}{again}", file=sys.stderr
-        )
+        print(failure_line(args, run_id, failure), file=sys.stderr)
         return 1
     trained = (
         " + ".join(f"{controller.ends.get(name, totals[name])} ({name})" for name in records)

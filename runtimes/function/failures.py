@@ -49,6 +49,11 @@ class Aborted(RuntimeError):
         self.record = record
 
 
+class Abandoned(Aborted):
+    """A newer attempt of the range runs (`protocol.attempt_key`): this invocation stops and leaves no
+    completion marker, which the newer attempt's invocation of the same range would take for its own."""
+
+
 class RegionLeft(RuntimeError):
     """The other regions went on without this one: a region that waited for its contribution to a
     meet longer than the region timeout claimed it (`protocol.LEFT_MARK`). The region stops."""

@@ -10,7 +10,7 @@ from typing import TypeVar
 from ...ir import protocol
 from ...ir.protocol import AbortRecord
 from ..storage.channels import Channel, RidingOut
-from .failures import Aborted, StorageWriteFailed, one_line
+from .failures import Abandoned, Aborted, StorageWriteFailed, one_line
 
 _T = TypeVar("_T")
 
@@ -28,6 +28,7 @@ class FunctionChannel(Channel):
         self.inner = RidingOut(inner, protocol.DEFAULT_KEY_TIMEOUT_S)
         self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
         self.namespace = ""
+        self.attempt: int | None = None  # the invocation's (None: not under a driver of attempts)
         self.written: dict[int, set[str]] = {}
         self.write_failure: StorageWriteFailed | None = None  # the first write storage refused
         self._lock = threading.Lock()
@@ -86,13 +87,17 @@ class FunctionChannel(Channel):
         return super().get(key, timeout, cancelled, abort or self.check_abort)
 
     def check_abort(self) -> None:
-        """Raise Aborted if the region's run was aborted, StorageWriteFailed if a write of this
-        function failed."""
+        """Raise Aborted if the region's run was aborted or a newer attempt of the range runs (this one was
+        abandoned), StorageWriteFailed if a write of this function failed."""
         if self.write_failure is not None:
             raise self.write_failure
         data = self.inner.try_get(protocol.abort_key(self.namespace))
         if data is not None:
             raise Aborted(AbortRecord.decode(data))
+        if self.attempt is not None and (newest := self.inner.try_get(protocol.attempt_key(self.namespace))):
+            if int(newest) > self.attempt:
+                message = f"attempt {self.attempt} was abandoned: attempt {int(newest)} of the range runs"
+                raise Abandoned(AbortRecord("abandoned", message, 0, 0, ""))
 
     def owned_before(self, iteration: int) -> list[str]:
         """The keys this function wrote for iterations before `iteration`, forgotten here."""

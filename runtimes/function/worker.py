@@ -78,7 +78,7 @@ from ..storage.channels import Channel, KeyTimeout, RidingOut, open_channel
 from ..storage.emulation import CpuShare, EmulatedChannel, Resources
 from .checkpoints import Checkpoints
 from .data import data_name
-from .failures import Aborted, Diverged, ModelFailed, RegionLeft, StorageWriteFailed
+from .failures import Abandoned, Aborted, Diverged, ModelFailed, RegionLeft, StorageWriteFailed
 from .function_channel import FunctionChannel
 from .pipeline_steps import PipelineSteps
 from .region_sync import RegionSync
@@ -257,6 +257,7 @@ class StageWorker:
             self.region_sync.new_run()
         channel.namespace = invocation.namespace
         channel.write_failure = None  # a new invocation tries storage again
+        channel.attempt = attempt
         invocation.replica = replica
         try:
             return self._run_range(start, stop, replica, timeout, time_limit_s, attempt)
@@ -308,7 +309,7 @@ class StageWorker:
         lookups: dict[int, Future[bytes | None]] = {}  # iteration -> read of the stop key for it
         self._ready = None  # until an iteration completes, memory holds no state to reuse
         status: protocol.InvocationStatus = "done"
-        reason = ""
+        reason, abandoned = "", False
         try:
             for iteration in range(resume, stop):
                 if time_limit_s is not None:
@@ -355,6 +356,8 @@ class StageWorker:
         except RegionLeft as exc:
             channel.claim(protocol.abort_key(namespace), exc.record.encode())  # its partners stop
             status, reason = "left", str(exc)
+        except Abandoned as exc:
+            status, reason, abandoned = "aborted", str(exc), True
         except Aborted as exc:
             status, reason = "aborted", str(exc)
         finally:
@@ -377,7 +380,8 @@ class StageWorker:
             spans=tuple((str(n), float(a), float(b)) for n, a, b in spans),
             reason=reason,
         )
-        channel.put(done_key, result.encode())
+        if not abandoned:
+            channel.put(done_key, result.encode())
         return result
 
     def _decide_stop(self, key: str, iteration: int) -> None:

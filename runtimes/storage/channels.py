@@ -45,6 +45,7 @@ from .transient import (
     StorageFaults,
     aws_client,
     inject_s3_faults,
+    is_transient,
     redis_fault_connection,
     redis_retry_options,
     ride_out,
@@ -138,12 +139,15 @@ class RidingOut(Channel):
     """A channel whose requests ride out transient errors (`transient.ride_out`, above the SDK's own
     retries) for up to `ride_out_s`; what outlasts it, or is no transient, is raised."""
 
+    #: which errors are ridden out
+    retryable: Callable[[BaseException], bool] = staticmethod(is_transient)
+
     def __init__(self, inner: Channel, ride_out_s: float = RIDE_OUT_S) -> None:
         self.inner, self.ride_out_s = inner, ride_out_s
         self.poll_s, self.max_poll_s = inner.poll_s, inner.max_poll_s
 
     def _retried(self, what: str, key: str, call: Callable[[], _T]) -> _T:
-        return ride_out(call, self.ride_out_s)
+        return ride_out(call, self.ride_out_s, self.retryable)
 
     def try_get(self, key: str) -> bytes | None:
         return self._retried("reading", key, lambda: self.inner.try_get(key))

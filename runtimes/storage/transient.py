@@ -142,6 +142,7 @@ def is_transient(exc: BaseException) -> bool:
 #: a credential refused as a rotated access key propagates (seconds), not a permission missing (AccessDenied)
 _CREDENTIALS_REFUSED = {
     "UnrecognizedClientException",
+    "InvalidAccessKeyId",  # S3's
     "InvalidSignatureException",
     "InvalidClientTokenId",
     "SignatureDoesNotMatch",
