@@ -75,8 +75,11 @@ def json_answer(status: int, document: Any, headers: dict[str, str] | None = Non
     return status, {"Content-Type": "application/json", **(headers or {})}, json.dumps(document).encode()
 
 
-def lambda_api(concurrency: int, unreserved: int, memory: dict[str, int]) -> Route:
-    """Lambda's REST API: GetAccountSettings and GetFunctionConfiguration (`memory`: function name -> MB)."""
+def lambda_api(
+    concurrency: int, unreserved: int, memory: dict[str, int], timeouts: dict[str, int] | None = None
+) -> Route:
+    """Lambda's REST API: GetAccountSettings and GetFunctionConfiguration (`memory`: function name -> MB;
+    `timeouts`: function name -> seconds, default 900)."""
 
     def route(method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
         where = urlparse(path).path
@@ -98,7 +101,8 @@ def lambda_api(concurrency: int, unreserved: int, memory: dict[str, int]) -> Rou
                     "Message": f"Function not found: arn:aws:lambda:us-east-1:123456789012:function:{name}",
                 }
                 return json_answer(404, error, {"x-amzn-ErrorType": "ResourceNotFoundException"})
-            return json_answer(200, {"FunctionName": name, "MemorySize": memory[name], "PackageType": "Image"})
+            configuration = {"FunctionName": name, "MemorySize": memory[name], "PackageType": "Image"}
+            return json_answer(200, configuration | {"Timeout": (timeouts or {}).get(name, 900)})
         return json_answer(404, {"Type": "User", "Message": f"no route {path}"})
 
     return route

@@ -123,7 +123,9 @@ def stack(
             "Type": "AWS::Lambda::Function",
             "Properties": {
                 "FunctionName": name,
-                "MemorySize": region.function(function).memory_mb,  # as the template's (the pre-flight reads it)
+                # as the template's (the pre-flight reads them)
+                "MemorySize": region.function(function).memory_mb,
+                "Timeout": region.function(function).timeout_s,
                 "Role": role,
                 "Runtime": "python3.12",
                 "Handler": "handler.handler",

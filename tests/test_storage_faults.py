@@ -251,6 +251,36 @@ def test_invokes_throttled_to_the_end_end_the_run_within_the_retries_with_one_li
 
 
 @pytest.mark.slow
+def test_every_invocation_timing_out_ends_the_run_within_the_retries_with_one_line(
+    sample_build: Path, tmp_path: Path, aws_env: None, capsys
+) -> None:
+    """Stage 1's Lambda timeout lowered to 2 s under the build (as an operator might, after the deploy): every
+    invocation of it times out (Sandbox.Timedout, which the state machine does not retry), the execution
+    fails at once, the next attempt too, and with --retries 1 the run ends: one line naming Lambda's error
+    and the attempts; no hang."""
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(sample_build, build)
+    template = build / "regions" / "aws-us-east-1" / "template.yaml"
+    text = template.read_text()
+    at = text.rindex("Timeout: 900")  # the last function's (stage 1)
+    template.write_text(text[:at] + "Timeout: 2" + text[at + len("Timeout: 900") :])
+    began = time.monotonic()
+    code = run_main(
+        [str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--no-verify-build",
+         "--invoker", "lambda", "--rehearse", "--retries", "1", "--iterations", "100"]
+    )  # fmt: skip
+    took = time.monotonic() - began
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith("cloudless-run: the run failed: ") and "Sandbox.Timedout" in last, err
+    assert "Task timed out after 2.00 seconds (attempt 2 of 2)" in last, err
+    assert took < 180, took  # two attempts of seconds each, and the rehearsal's deploy and teardown
+
+
+@pytest.mark.slow
 def test_the_fault_bench_runs_and_every_faulted_run_trains_the_undisturbed_model() -> None:
     """bench/fault_bench.py --quick, as CI runs it (a bench no test runs rots)."""
     import sys

@@ -13,8 +13,9 @@ notice.
   which Service Quotas (code L-B99A9384) would only repeat; it is named as where to ask for more. No API
   reports the memory quota (Lambda's adjustable quotas are concurrency, storage and network interfaces; new
   accounts are held at 3008 MB, catalog.NEW_ACCOUNT_LAMBDA_MEMORY_MB): a deployed
-  function's MemorySize (GetFunctionConfiguration) is what the account accepted, and a function not deployed
-  yet above that figure is a notice when the account's concurrency quota is a new account's.
+  function's MemorySize (GetFunctionConfiguration) is what the account accepted (and its Timeout at least the
+  build's), and a function not deployed yet above that figure is a notice when the account's concurrency
+  quota is a new account's.
 - **The stacks' peers** (`peer_grants`, several regions): each region's stack holds its peers' buckets in its
   PeerBucket<Region> parameters, else the template grants nothing on them; one line names the sam deploy.
 - **OpenFaaS capacity** (`cluster_capacity`): the stack's pods (each function's `requests` × its replicas)
@@ -58,7 +59,7 @@ from ...ir.catalog import (
     NEW_ACCOUNT_LAMBDA_MEMORY_MB,
 )
 from ...ir.deployment import lambda_function_name, peer_parameter, stack_name
-from ...ir.workflow import Workflow
+from ...ir.workflow import Function, Workflow
 from ..storage.transient import aws_client
 from .deploy import DeployError, Stack, aws_region, read_stack, stack_names
 
@@ -97,7 +98,7 @@ def lambda_quotas(
 ) -> Findings:
     """The account's Lambda concurrency in each AWS region against the plan's workers there, and (where the
     functions are deployed: `deployed`, catalog region -> stage function -> deployed name) each function's
-    MemorySize against the build's. `lambda_client(aws_region)` makes the client."""
+    MemorySize and Timeout against the build's. `lambda_client(aws_region)` makes the client."""
     found = Findings()
     by_aws: dict[str, list[str]] = {}
     for region in workflow.regions:
@@ -139,14 +140,14 @@ def _memory_of_deployed(
     deployed: Mapping[str, Mapping[str, str]] | None,
     quota: int | None,
 ) -> None:
-    """Each deployed function's MemorySize against the build's; a function not deployed yet above a new
+    """Each deployed function's MemorySize and Timeout against the build's; a function not deployed yet above a new
     account's memory quota is a notice when the account's concurrency quota (`quota`) is a new account's."""
     for name in names:
         region_deployed = (deployed or {}).get(name)
         for function in workflow.region(name).functions:
             deployed_name = None if region_deployed is None else region_deployed.get(function.name)
             if deployed_name is not None:
-                found.failures += _deployed_memory(client, name, function.name, deployed_name, function.memory_mb)
+                found.failures += _deployed_configuration(client, name, function, deployed_name)
             elif (
                 function.memory_mb > NEW_ACCOUNT_LAMBDA_MEMORY_MB
                 and quota is not None
@@ -161,18 +162,21 @@ def _memory_of_deployed(
                 )
 
 
-def _deployed_memory(client: Any, region: str, function: str, deployed: str, memory_mb: int) -> list[str]:
+def _deployed_configuration(client: Any, region: str, function: Function, deployed: str) -> list[str]:
+    """The deployed function's MemorySize and Timeout against the build's: another memory is another plan;
+    a shorter timeout kills every invocation that runs the planned range (an execution fails at once)."""
     try:
         configuration = client.get_function_configuration(FunctionName=deployed)
     except Exception as exc:  # noqa: BLE001 - botocore's errors (not found, access denied): one line
-        return [f"{region}: function {function}: cannot read {deployed}: {_line(exc)}; deploy the build first"]
-    has = int(configuration.get("MemorySize", 0))
-    if has != memory_mb:
-        return [
-            f"{region}: function {function} ({deployed}) is deployed with {has} MB; this build needs {memory_mb} MB: "
-            f"deploy this build (sam build --config-env {region} && sam deploy --config-env {region})"
-        ]
-    return []
+        return [f"{region}: function {function.name}: cannot read {deployed}: {_line(exc)}; deploy the build first"]
+    redeploy = f"deploy this build (sam build --config-env {region} && sam deploy --config-env {region})"
+    has, timeout = int(configuration.get("MemorySize", 0)), int(configuration.get("Timeout", 3))
+    wrong = []
+    if has != function.memory_mb:
+        wrong.append(f"is deployed with {has} MB; this build needs {function.memory_mb} MB")
+    if timeout < function.timeout_s:
+        wrong.append(f"has a timeout of {timeout} s; this build needs {function.timeout_s} s")
+    return [f"{region}: function {function.name} ({deployed}) {'; it '.join(wrong)}: {redeploy}"] if wrong else []
 
 
 # --- OpenFaaS capacity ----------------------------------------------------------------------------------
