@@ -5,7 +5,8 @@
 The job is samples/mlp_digits.py compiled in 2 stages, trained by `cloudless-run` (each run a fresh
 process) on storage with faults injected below the SDKs' retries (`--inject-storage-faults`: S3's 503
 SlowDown and 500s, connections reset before a request or after it was served, bodies cut short; Redis
-connections dropped) and, through the Lambda rehearsal, throttled invokes (`--inject-throttling`). S3 is
+connections dropped), through the Lambda rehearsal, throttled invokes (`--inject-throttling`), and through
+the OpenFaaS rehearsal, replicas OOMKilled mid-call and restarted (`--inject-faults`). S3 is
 moto's server over HTTP, Redis a real redis-server (skipped when none is installed).
 
 Printed per case: the median wall time of the whole command (start-up and evaluation included), its ratio
@@ -122,6 +123,11 @@ def main() -> None:
                 ("Lambda rehearsal, 30% throttled", "Lambda rehearsal", [*lambda_, "--inject-throttling", "0.3"]),
                 ("OpenFaaS rehearsal, S3", "OpenFaaS rehearsal, S3", [*openfaas, *s3()]),
                 ("OpenFaaS rehearsal, S3, 10% faults", "OpenFaaS rehearsal, S3", [*openfaas, *s3(), *faults, "0.1"]),
+                (
+                    "OpenFaaS rehearsal, S3, 30% OOMKilled",
+                    "OpenFaaS rehearsal, S3",
+                    [*openfaas, *s3(), "--inject-faults", "0.3"],
+                ),
             ]
         times: dict[str, list[float]] = {}
         digests: dict[str, set[str]] = {}

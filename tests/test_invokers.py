@@ -8,10 +8,13 @@ name. Every call carries the run's token (the functions' secret cloudless-token)
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -272,3 +275,119 @@ def test_the_gateway_passes_a_wrong_token_on_and_the_function_refuses_it(
             assert refused.value.code == 401
     assert [c.status for c in gateway.calls] == [401, 401]
     assert not storage.exists()
+
+
+class Front:
+    """A TCP front for the gateway that can restart: while down, connections to its port are refused and
+    those it was carrying are cut, as when the gateway's pod restarts; then it serves on the same port."""
+
+    def __init__(self, target: str) -> None:
+        self.target = urllib.parse.urlsplit(target)
+        self.listener = self._listen(0)
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.carried: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.serving = threading.Thread(target=self._accept, args=(self.listener,), daemon=True)
+        self.serving.start()
+
+    @staticmethod
+    def _listen(port: int) -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(64)
+        return listener
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed: down
+            upstream = socket.create_connection((self.target.hostname, self.target.port))
+            with self.lock:
+                self.carried += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def restart(self, down_s: float) -> None:
+        """Down for `down_s` seconds (every carried connection cut), then up again on the same port."""
+        self.listener.close()
+        with self.lock:
+            carried, self.carried = self.carried, []
+        for end in carried:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+        time.sleep(down_s)  # the outage itself, not a wait for a condition
+        self.listener = self._listen(self.port)
+        self.serving = threading.Thread(target=self._accept, args=(self.listener,), daemon=True)
+        self.serving.start()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("down_s", [0.5, 5.0])
+def test_a_gateway_restarting_mid_run_is_ridden_out_to_the_same_model(
+    two_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, down_s: float
+) -> None:
+    """The gateway goes away once checkpoints are written (its port refused, the calls it carried cut) and
+    comes back: calls that reached no function are sent again, the cut ones retried with a new attempt
+    (whose calls wait for the instances their first attempt still holds), and the run ends with the model
+    of an undisturbed run, bit for bit."""
+    build, workflow, result = two_stages
+    region = workflow.regions[0].name
+    iterations = "30"
+    storage = tmp_path / "storage"
+    write_training_data(result, DirectoryChannel(storage), region)
+    undisturbed = tmp_path / "undisturbed"
+    argv = [str(build), "--model", str(MLP), "-q", "--iterations", iterations]
+    local = [*argv, "--storage", str(tmp_path / "local-storage"), "--out", str(undisturbed)]
+    write_training_data(result, DirectoryChannel(tmp_path / "local-storage"), region)
+    assert run_main(local) == 0
+    monkeypatch.setenv(STORAGE_ENV, str(storage))
+    token_file = tmp_path / "run.token"
+    token_file.write_text(TOKEN + "\n")
+    replicas = {f.name: f.replicas for f in workflow.regions[0].functions}
+    ended, restarted = threading.Event(), threading.Event()
+
+    def restart_once_checkpointed(front: Front) -> None:
+        # A condition, not a time: stage 0's checkpoint at iteration 4 or later is in storage.
+        while not ended.is_set():
+            found = [int(p.name[2:]) for p in storage.glob("*/*/state/s0/it*")]
+            if found and max(found) >= 4:
+                front.restart(down_s)
+                restarted.set()
+                return
+            time.sleep(0.01)
+
+    with serve_gateway(handlers(build, workflow), {TOKEN_SECRET: TOKEN}, replicas=replicas) as gateway:
+        front = Front(gateway.url)
+        watcher = threading.Thread(target=restart_once_checkpointed, args=(front,), daemon=True)
+        watcher.start()
+        out = tmp_path / "out"
+        code = run_main(
+            [*argv, "--invoker", "openfaas", "--gateway", front.url, "--token-file", str(token_file),
+             "--storage", str(storage), "--out", str(out), "--run-id", "restarted"]
+        )  # fmt: skip
+        ended.set()
+    assert code == 0
+    watcher.join()
+    assert restarted.is_set()  # mid-run
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "done" and metrics["retries"] >= 1  # the calls it cut: new attempts
+    expected = load_file(undisturbed / "model.safetensors")
+    params = load_file(out / "model.safetensors")
+    assert set(params) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(params[name], value), name

@@ -337,3 +337,29 @@ def test_a_rehearsal_of_the_mlp_in_two_stages_trains_as_plain_pytorch(
         for headers in ({}, {TOKEN_HEADER: "wrong"}):
             status, body, _ = post(f"{deployed.gateway.url}/function/{first}", {"iteration": 0}, headers)
             assert status == 401 and b"unauthorized" in body
+
+
+@pytest.mark.slow
+def test_replicas_oomkilled_mid_run_are_restarted_and_the_run_trains_the_undisturbed_model(
+    compile_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--inject-faults` in the OpenFaaS rehearsal kills the replica serving the call (OOMKilled, in its log),
+    which Kubernetes' restart brings back: the cut call is retried with a new attempt, whose calls are sent
+    again while the replica starts, and the model is the one of a run without faults, bit for bit."""
+    build = tmp_path / "build"
+    code, _, err = compile_cli(str(MLP), "-o", str(build), "-q", "--stages", "2")
+    assert code == 0, err
+    monkeypatch.delenv("CLOUDLESS_TOKEN", raising=False)
+    argv = [str(build), "--iterations", "12", "-q"]
+    assert run_main([*argv, "--out", str(tmp_path / "undisturbed")]) == 0
+    out = tmp_path / "out"
+    faults = ["--inject-faults", "0.3", "--fault-seed", "1"]
+    assert run_main([*argv, "--invoker", "openfaas", "--rehearse", *faults, "--out", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    killed = metrics["faults_injected"]
+    assert metrics["status"] == "done" and killed >= 1 and metrics["retries"] >= killed
+    logs = "".join(p.read_text() for p in (out / "logs" / "openfaas").glob("*.log"))
+    assert logs.count("OOMKilled: --inject-faults") == killed
+    expected = load_file(tmp_path / "undisturbed" / "model.safetensors")
+    params = load_file(out / "model.safetensors")
+    assert set(params) == set(expected) and all(torch.equal(params[k], v) for k, v in expected.items())

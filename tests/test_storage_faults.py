@@ -238,16 +238,22 @@ def test_invokes_throttled_to_the_end_end_the_run_within_the_retries_with_one_li
     """Every invoke throttled: the state machine's Retry (6 tries over ~2 min) gives up, its Map fails at once
     (the other workers are not waited for: they wait for keys the throttled one never writes), and with
     --retries 0 the run ends: one line naming Lambda's error; no hang."""
+    took, last = failed_rehearsal(sample_build, tmp_path, capsys, "--inject-throttling", "1", "--retries", "0")
+    assert "TooManyRequestsException" in last
+    assert took < 126 + 120, took  # the Retry's waits, and the rehearsal's deploy and teardown
+
+
+def failed_rehearsal(build: Path, tmp_path: Path, capsys: Any, *options: str) -> tuple[float, str]:
+    """A Lambda rehearsal of `build` that must fail: (its seconds, its last line, which says why in one line)."""
     began = time.monotonic()
-    code = run_main(
-        [str(sample_build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--no-verify-build",
-         "--invoker", "lambda", "--rehearse", "--inject-throttling", "1", "--retries", "0"]
-    )  # fmt: skip
+    argv = [str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--no-verify-build"]
+    code = run_main([*argv, "--invoker", "lambda", "--rehearse", *options])
     took = time.monotonic() - began
     err = capsys.readouterr().err.strip()
     assert code == 1 and "Traceback" not in err, err
-    assert err.splitlines()[-1].startswith("cloudless-run: the run failed: ") and "TooManyRequestsException" in err
-    assert took < 126 + 120, took  # the Retry's waits, and the rehearsal's deploy and teardown
+    last = err.splitlines()[-1]
+    assert last.startswith("cloudless-run: the run failed: "), err
+    return took, last
 
 
 @pytest.mark.slow
@@ -266,17 +272,8 @@ def test_every_invocation_timing_out_ends_the_run_within_the_retries_with_one_li
     text = template.read_text()
     at = text.rindex("Timeout: 900")  # the last function's (stage 1)
     template.write_text(text[:at] + "Timeout: 2" + text[at + len("Timeout: 900") :])
-    began = time.monotonic()
-    code = run_main(
-        [str(build), "--out", str(tmp_path / "out"), "--model", str(MLP), "-q", "--no-verify-build",
-         "--invoker", "lambda", "--rehearse", "--retries", "1", "--iterations", "100"]
-    )  # fmt: skip
-    took = time.monotonic() - began
-    err = capsys.readouterr().err.strip()
-    assert code == 1 and "Traceback" not in err, err
-    last = err.splitlines()[-1]
-    assert last.startswith("cloudless-run: the run failed: ") and "Sandbox.Timedout" in last, err
-    assert "Task timed out after 2.00 seconds (attempt 2 of 2)" in last, err
+    took, last = failed_rehearsal(build, tmp_path, capsys, "--retries", "1", "--iterations", "100")
+    assert "Sandbox.Timedout" in last and "Task timed out after 2.00 seconds (attempt 2 of 2)" in last, last
     assert took < 180, took  # two attempts of seconds each, and the rehearsal's deploy and teardown
 
 

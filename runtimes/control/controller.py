@@ -66,7 +66,10 @@ class Controller(Coordinator):
         self.channels: dict[str, Channel] = dict(channels or {})
         self.on_progress = on_progress
         if settings.fault_rate and not invoker.can_kill:
-            raise RunError(f"--inject-faults needs an invoker that can kill invocations; {invoker.name} cannot")
+            raise RunError(
+                "--inject-faults needs an invoker that can kill invocations (local, or --invoker openfaas "
+                f"--rehearse); {invoker.name} cannot"
+            )
         unknown = sorted({s.kind for s in workflow.steps} - FUNCTION_STEPS)
         if unknown:
             raise RunError(f"workflow.yaml: step kinds {unknown} are not run by this controller yet")

@@ -21,6 +21,7 @@ import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from ...ir.protocol import (
 from ...ir.workflow import Function, Workflow
 from ..storage.channels import Channel
 from ..storage.emulation import Resources
-from ..storage.transient import aws_client
+from ..storage.transient import RIDE_OUT_S, aws_client
 
 
 @dataclass
@@ -255,16 +256,21 @@ def _marker(channel: Channel, namespace: str, invocation: Invocation) -> _Marker
 SYNC_MARGIN_S = 15.0
 #: back-off between tries of a request an instance refused as busy (429): first, growth, ceiling
 BUSY_FIRST_WAIT_S, BUSY_BACKOFF, BUSY_MAX_WAIT_S = 0.05, 1.5, 2.0
+#: a call that reached no function (refused, 502/503 before the worker claimed its range) is sent again
+#: after these pauses (doubling), for up to transient.RIDE_OUT_S
+RESEND_FIRST_WAIT_S, RESEND_MAX_WAIT_S = 0.2, 5.0
 
 
 class _ThreadHandle(Handle):
     """An invocation held open by a thread of its own (a synchronous call): done when the thread is."""
 
-    def __init__(self, invocation: Invocation, call: Callable[[], InvocationResult]) -> None:
+    def __init__(
+        self, invocation: Invocation, call: Callable[[], InvocationResult], kill: Callable[[], bool] | None = None
+    ) -> None:
         self.invocation = invocation
         self.result: InvocationResult | None = None
         self.error: InvocationFailed | None = None
-        self._call = call
+        self._call, self._kill = call, kill
         self.thread = threading.Thread(target=self._run, name=invocation.label, daemon=True)
         self.thread.start()
 
@@ -283,6 +289,9 @@ class _ThreadHandle(Handle):
             raise self.error
         assert self.result is not None
         return self.result
+
+    def kill(self) -> bool:
+        return self._kill() if self._kill is not None and self.thread.is_alive() else False
 
 
 #: where `faas-cli` finds a gateway by default (and so the OpenFaaS invoker)
@@ -351,8 +360,15 @@ class OpenFaaSInvoker(Invoker):
 
     Every call carries the functions' token (the value of their secret cloudless-token) in the
     X-Cloudless-Token header: without it a function refuses the request (401). The token is never printed.
-    Should the connection end without an answer (a gateway timeout), the worker's completion marker in
-    storage is the answer if it is there."""
+    Should the call end without an answer (the gateway refused the connection or restarted, the instance
+    died: 502, 503, a cut connection), the worker's completion marker in storage is the answer if it is
+    there; else, if the worker never claimed the attempt's range (`protocol.claim_key`), the call never
+    reached a function and is sent again, with back-off, for up to `transient.RIDE_OUT_S` (a gateway
+    restarting, an instance Kubernetes is starting again); a claimed range that died needs a new attempt,
+    so the invocation fails and the controller retries it.
+
+    `kill`: a rehearsal's way to kill the instance running an invocation (`--inject-faults`: OOMKilled, and
+    started again as Kubernetes would); none kills nothing (a real gateway cannot be asked to)."""
 
     name = "OpenFaaS"
 
@@ -364,17 +380,22 @@ class OpenFaaSInvoker(Invoker):
         names: dict[str, str] | None = None,
         *,
         token: str | None = None,
+        kill: Callable[[Invocation], bool] | None = None,
     ) -> None:
         self.gateway, self.channel, self.namespace = gateway.rstrip("/"), channel, namespace
         self.names = names or {}
         self._token = token
+        self._kill = kill
+        self.can_kill = kill is not None
         self.busy = 0  # 429s met (instances busy with another call), for the run's record
+        self.resent = 0  # calls sent again because they never reached a function
 
     def __repr__(self) -> str:
         return f"OpenFaaSInvoker({self.gateway!r}, token={'***' if self._token else None})"
 
     def start(self, invocation: Invocation) -> Handle:
-        return _ThreadHandle(invocation, lambda: self._call(invocation))
+        kill = None if self._kill is None else partial(self._kill, invocation)
+        return _ThreadHandle(invocation, lambda: self._call(invocation), kill)
 
     def _call(self, invocation: Invocation) -> InvocationResult:
         name = self.names.get(invocation.function.name, invocation.function.name)
@@ -385,6 +406,8 @@ class OpenFaaSInvoker(Invoker):
         timeout = invocation.function.timeout_s + SYNC_MARGIN_S
         deadline = time.monotonic() + invocation.function.timeout_s
         wait = BUSY_FIRST_WAIT_S
+        unanswered: float | None = None  # when the first call that reached no function failed
+        resend = RESEND_FIRST_WAIT_S
         while True:
             request = urllib.request.Request(
                 f"{self.gateway}/function/{name}", data=body, headers=headers, method="POST"
@@ -400,21 +423,38 @@ class OpenFaaSInvoker(Invoker):
                     time.sleep(wait * (0.5 + random.random()))
                     wait = min(wait * BUSY_BACKOFF, BUSY_MAX_WAIT_S)
                     continue
-                if exc.code in (502, 503, 504):  # the gateway gave up waiting: the function may have finished
-                    marker = self._marker(invocation)
-                    if marker is not None:
-                        return marker
-                raise InvocationFailed(f"{invocation.label}: {name} answered {exc.code}: {text}") from None
+                if exc.code not in (502, 503, 504):
+                    raise InvocationFailed(f"{invocation.label}: {name} answered {exc.code}: {text}") from None
+                failure = f"{invocation.label}: {name} answered {exc.code}: {text}"
             except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
-                marker = self._marker(invocation)
-                if marker is not None:
-                    return marker
-                raise InvocationFailed(f"{invocation.label}: {self.gateway}: {exc}") from exc
+                failure = f"{invocation.label}: {self.gateway}: {exc}"
+            # No answer: the gateway gave up waiting, restarted or was not there, or the instance died.
+            marker = self._marker(invocation)
+            if marker is not None:
+                return marker  # the function finished
+            now = time.monotonic()
+            unanswered = now if unanswered is None else unanswered
+            if self._claimed(invocation) or now - unanswered + resend > RIDE_OUT_S:
+                raise InvocationFailed(failure)
+            self.resent += 1  # it reached no function: the same attempt again, a little later
+            time.sleep(resend * (0.5 + random.random()))
+            resend = min(resend * 2, RESEND_MAX_WAIT_S)
         try:
             return InvocationResult.from_json(json.loads(reply))
         except (ValueError, KeyError, TypeError) as exc:
             why = f"{invocation.label}: {name} answered 200 without a result: {reply[:200]!r}"
             raise InvocationFailed(why) from exc
+
+    def _claimed(self, invocation: Invocation) -> bool:
+        """Whether a worker began the invocation's range in its attempt (then a call of the same attempt
+        would only wait for it: a new attempt must run the range). Unknown is claimed."""
+        key = protocol.claim_key(
+            self.namespace, invocation.function.name, invocation.replica, invocation.event.start, invocation.attempt
+        )
+        try:
+            return self.channel.exists(key)
+        except Exception:  # noqa: BLE001 - storage does not say: the controller's retry decides
+            return True
 
     def _marker(self, invocation: Invocation) -> InvocationResult | None:
         try:

@@ -14,6 +14,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..storage.emulation import EmulatedChannel, Resources
 from ..storage.tensors import unpack
 from .controller import Controller
 from .invokers import (
+    Invocation,
     Invoker,
     LambdaInvoker,
     LocalProcessInvoker,
@@ -127,8 +129,10 @@ def final_model(
 
 def resume_hint(args: argparse.Namespace, run_id: str) -> str:
     """How to continue a failed run from its checkpoints: the command, with the options that name the same
-    build, storage, output and functions (a storage password masked)."""
+    build, storage, output, functions and training length (a storage password masked; the token by its file)."""
     command = ["cloudless-run", str(args.build), "--resume", run_id]
+    if args.iterations:
+        command += ["--iterations", str(args.iterations)]
     if args.out:
         command += ["--out", str(args.out)]
     for where in args.storage or ():
@@ -137,8 +141,10 @@ def resume_hint(args: argparse.Namespace, run_id: str) -> str:
         command += ["--model", str(args.model)]
     if args.invoker != "local":
         command += ["--invoker", args.invoker, *(["--rehearse"] if args.rehearse else [])]
-    for gateway in args.gateway or ():
+    for gateway in () if args.rehearse else args.gateway or ():  # a rehearsal's gateways are new each time
         command += ["--gateway", gateway]
+    if args.token_file:
+        command += ["--token-file", str(args.token_file)]
     for stack in args.stack or ():
         command += ["--stack", stack]
     return f"to continue it: {shlex.join(command)}"
@@ -177,10 +183,12 @@ def train(
     out: Path,
     token: str | None = None,
     take_down: Callable[[str], None] | None = None,
+    kill: Callable[[str, Invocation], bool] | None = None,
 ) -> int:
     """Stage the data, run the workflow, write the outputs into `out`; the exit status. `token`: what the
     OpenFaaS functions require (--invoker openfaas); `take_down`: a rehearsal's way to make a region's
-    functions stop answering (--fail-region)."""
+    functions stop answering (--fail-region); `kill`: its way to kill the instance running an invocation of
+    a region (--inject-faults)."""
     try:
         locations = storage_locations(workflow, args.storage, out)
     except ValueError as exc:
@@ -226,7 +234,13 @@ def train(
     elif args.invoker == "openfaas":
         invoker = RegionInvokers(
             {
-                name: OpenFaaSInvoker(url, channels[name], protocol.namespace(run_id, name), token=token)
+                name: OpenFaaSInvoker(
+                    url,
+                    channels[name],
+                    protocol.namespace(run_id, name),
+                    token=token,
+                    kill=None if kill is None else partial(kill, name),
+                )
                 for name, url in gateways.items()
             },
             take_down,

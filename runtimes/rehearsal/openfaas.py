@@ -63,7 +63,7 @@ from ...ir.protocol import (
     TOKEN_SECRET,
 )
 from ...ir.workflow import Workflow
-from ..control.invokers import _die_with_parent
+from ..control.invokers import Invocation, _die_with_parent
 from ..control.storage_locations import local_folder, storage_locations
 from ..storage.emulation import Resources
 from .lambda_local import _rss_mb
@@ -482,6 +482,32 @@ class RegionGateway:
             if replica.process is not None and replica.process.poll() is None:
                 replica.process.kill()
 
+    def kill(self, invocation: Invocation) -> bool:
+        """Fault injection (`--inject-faults`): the replica serving the invocation's call is killed, as the
+        kernel kills a container over its memory limit (OOMKilled, in its log); Kubernetes starts it again
+        (`keep_running`). False if no replica is serving the call now."""
+        event = invocation.event
+        for call in reversed(self.gateway.calls):
+            if call.function != invocation.function.name or call.status is not None or call.instance is None:
+                continue
+            try:
+                body = json.loads(call.body)
+            except ValueError:
+                continue
+            wanted = (event.run, invocation.replica, event.start, invocation.attempt)
+            if (body.get("run"), body.get("replica"), body.get("start"), body.get("attempt")) != wanted:
+                continue
+            replica = next(r for r in self.replicas if r.function == call.function and r.index == call.instance)
+            process = replica.process
+            if process is None or process.poll() is not None:
+                return False
+            process.kill()
+            replica.oom_kills += 1
+            with replica.log.open("a") as log:
+                log.write("OOMKilled: --inject-faults\n")
+            return True
+        return False
+
 
 @contextmanager
 def rehearse_region(
@@ -575,7 +601,16 @@ def rehearse(
                     print(f"rehearsal: the template's index.py: {deployed[region.name].index}", flush=True)
             several = len(workflow.regions) > 1
             args.gateway = [f"{name}={d.gateway.url}" if several else d.gateway.url for name, d in deployed.items()]
-            return train(args, build, workflow, iterations, out, token, lambda region: deployed[region].take_down())
+            return train(
+                args,
+                build,
+                workflow,
+                iterations,
+                out,
+                token,
+                lambda region: deployed[region].take_down(),
+                lambda region, invocation: deployed[region].kill(invocation),
+            )
     except RehearsalError as exc:
         print(f"cloudless-run: --rehearse: {exc}", file=sys.stderr)
         return 2
