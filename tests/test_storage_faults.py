@@ -66,6 +66,26 @@ def test_a_claim_whose_answer_was_lost_is_the_callers(s3_bucket: str, moto_endpo
     assert raw.try_get("claim") == b"mine" and raw.claim("claim", b"theirs") is False
 
 
+def test_a_burst_begins_at_its_iteration_and_lasts_its_seconds(monkeypatch) -> None:
+    """A burst of faults (every request failing) begins at the process's first request on a key of the
+    iteration given or a later one, not before, and ends `seconds` later; the encoding round-trips."""
+    burst = StorageFaults(1.0, kinds=("slow-down",), from_iteration=2, seconds=0.3)
+    monkeypatch.setenv(STORAGE_FAULTS_ENV, burst.encode())
+    assert StorageFaults.from_env() == burst
+    drawer = burst.drawer(S3_FAULTS)
+    assert drawer.draw("http://s3/bucket/run/r/it1/act/s0/mb0") is None
+    assert drawer.draw("http://s3/bucket/run/r/state/s0/latest") is None
+    assert drawer.draw("http://s3/bucket/run/r/it12/grad/s1/mb3") == "slow-down"  # 12 >= 2: it begins
+    assert drawer.draw("http://s3/bucket/run/r/it1/act/s0/mb0") == "slow-down"  # begun: every request
+    began = time.monotonic()
+    while time.monotonic() - began <= 0.3:
+        time.sleep(0.05)
+    assert drawer.draw("http://s3/bucket/run/r/it13/act/s0/mb0") is None
+    monkeypatch.setenv(STORAGE_FAULTS_ENV, json.dumps({"share": 1, "from_iteration": 2, "seconds": -1}))
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        StorageFaults.from_env()
+
+
 def test_redis_faults_are_ridden_out(redis_url: str, monkeypatch) -> None:
     monkeypatch.setenv(STORAGE_FAULTS_ENV, StorageFaults(0.3, seed=2).encode())
     raw = RedisChannel(redis_url, f"faults-{uuid.uuid4().hex[:8]}")

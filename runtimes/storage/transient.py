@@ -28,6 +28,7 @@ import io
 import json
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,9 @@ AWS_ATTEMPTS = 16
 #: dropped connection is mended at once, so the first pause is short
 REDIS_RETRIES = 12
 REDIS_BACKOFF_S = (0.01, 2.0)
+
+#: an iteration's keys (`protocol.iteration_prefix`), where a burst of faults begins
+_ITERATION = re.compile(r"/it(\d+)/")
 
 S3_FAULTS = ("slow-down", "internal-error", "reset-before", "answer-lost", "body-cut")
 REDIS_FAULTS = ("drop-before", "answer-lost")
@@ -177,15 +181,24 @@ def ride_out(call: Callable[[], _T], budget_s: float, retryable: Callable[[BaseE
 @dataclass(frozen=True)
 class StorageFaults:
     """Faults injected into a process's storage requests: `share` of them fail, each with a kind drawn
-    from the back end's (`S3_FAULTS`, `REDIS_FAULTS`), until `until` (a Unix time; 0: for ever)."""
+    from the back end's (`S3_FAULTS`, `REDIS_FAULTS`), until `until` (a Unix time; 0: for ever).
+
+    A burst (`from_iteration` >= 0) begins in each process at its first request on a key of that iteration
+    or a later one (training under way, as every process of a run reaches it within moments) and lasts
+    `seconds` (0: to the end)."""
 
     share: float
     seed: int = 0
     until: float = 0.0
     kinds: tuple[str, ...] = ()  # a subset of the back end's kinds; empty: all of them
+    from_iteration: int = -1
+    seconds: float = 0.0
 
     def encode(self) -> str:
-        return json.dumps({"share": self.share, "seed": self.seed, "until": self.until, "kinds": list(self.kinds)})
+        fields = {"share": self.share, "seed": self.seed, "until": self.until, "kinds": list(self.kinds)}
+        if self.from_iteration >= 0:
+            fields.update(from_iteration=self.from_iteration, seconds=self.seconds)
+        return json.dumps(fields)
 
     @classmethod
     def from_env(cls) -> StorageFaults | None:
@@ -199,12 +212,16 @@ class StorageFaults:
                 int(fields.get("seed", 0)),
                 float(fields.get("until", 0)),
                 tuple(str(k) for k in fields.get("kinds", ())),
+                int(fields.get("from_iteration", -1)),
+                float(fields.get("seconds", 0)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f'${STORAGE_FAULTS_ENV}={text!r}: expected {{"share": 0..1, "seed": N}}: {exc}') from None
         unknown = set(faults.kinds) - set(S3_FAULTS) - set(REDIS_FAULTS)
-        if not 0 <= faults.share <= 1 or unknown:
-            raise ValueError(f"${STORAGE_FAULTS_ENV}={text!r}: share in [0, 1], kinds among {S3_FAULTS + REDIS_FAULTS}")
+        if not 0 <= faults.share <= 1 or unknown or faults.seconds < 0:
+            raise ValueError(
+                f"${STORAGE_FAULTS_ENV}={text!r}: share in [0, 1], kinds among {S3_FAULTS + REDIS_FAULTS}, seconds >= 0"
+            )
         return faults
 
     def drawer(self, kinds: tuple[str, ...]) -> FaultDrawer:
@@ -222,11 +239,19 @@ class FaultDrawer:
         self._random = random.Random(f"{faults.seed}/{os.getpid()}")
         self._lock = threading.Lock()
         self.injected: dict[str, int] = {}
+        self._burst_began: float | None = None
 
-    def draw(self) -> str | None:
-        """The kind of fault this request meets, or None."""
+    def draw(self, where: str = "") -> str | None:
+        """The kind of fault this request, on `where` (its key or URL), meets, or None."""
         if not self.kinds or (self.faults.until and time.time() > self.faults.until):
             return None
+        if self.faults.from_iteration >= 0:
+            if self._burst_began is None:
+                if not any(int(n) >= self.faults.from_iteration for n in _ITERATION.findall(where)):
+                    return None
+                self._burst_began = time.monotonic()
+            if self.faults.seconds and time.monotonic() - self._burst_began > self.faults.seconds:
+                return None
         with self._lock:
             if self._random.random() >= self.faults.share:
                 return None
@@ -254,7 +279,7 @@ def inject_s3_faults(client: Any, faults: StorageFaults) -> FaultDrawer:
     session = URLLib3Session()  # the real request, for the faults that happen after S3 served it
 
     def before_send(request: Any, **_: Any) -> Any:
-        kind = drawer.draw()
+        kind = drawer.draw(request.url)
         if kind is None:
             return None
         if kind in _S3_ERRORS:
@@ -326,7 +351,8 @@ def redis_fault_connection(faults: StorageFaults, secure: bool = False) -> tuple
         def send_command(self, *args: Any, **kwargs: Any) -> None:
             # The connection's own handshake (HELLO, AUTH, SELECT, CLIENT SETINFO) is left alone: a fault
             # there would fail every retry's connect too, many faults for one of the caller's commands.
-            kind = drawer.draw() if str(args[0]).upper() not in _HANDSHAKE else None
+            command = str(args[0]).upper()
+            kind = drawer.draw(str(args[1]) if len(args) > 1 else "") if command not in _HANDSHAKE else None
             if kind == "drop-before":
                 self.disconnect()
                 raise ConnectionError("injected: connection dropped before the command")
