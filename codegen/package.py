@@ -57,7 +57,7 @@ class Pin:
     marker: str = ""
 
 
-#: What a function imports besides torch (safetensors; boto3 and redis, the storage clients), with all of
+#: What a function imports besides torch (safetensors; boto3 and redis, the storage clients; braceexpand), with all of
 #: their dependencies, pinned: known good together (and with torch 2.13); the hashes are PyPI's files'.
 PYPI_PINS = (
     Pin(
@@ -77,6 +77,8 @@ PYPI_PINS = (
     Pin("urllib3", "2.8.0", ("0cf3cae568d36aa9576b28dfb35f11328f1cb974ca7647d9475ebb86c75ac6e3",)),
     # redis needs async-timeout only before Python 3.11.3: not on the images' Python
     Pin("redis", "8.1.0", ("a4fe1aac3d3b3cc791d4b3d5931c5a956045dc951ee74d1c913ee3ac4d2ee9fb",)),
+    # the shard names of training data where it lies (runtimes/function/shards.py)
+    Pin("braceexpand", "0.1.7", ("91332d53de7828103dcae5773fb43bc34950b0c8160e35e0f44c4427a3b85014",)),
 )
 #: a package's requirement files, by the template each is rendered from (and, when the stage calls a
 #: library's ops, requirements-libraries.txt: the Lambda image's third pip step)
@@ -98,7 +100,9 @@ _INSTALLED_OTHERWISE = frozenset({"torch", *(pin.name for pin in PYPI_PINS)})
 #: storage channels it reads and writes through; the control plane, the clouds' drivers and the local clouds
 #: stay out of the packages), and the ir modules they import (the run contract: standard library and torch)
 VENDORED_FOLDERS = ("runtimes/function", "runtimes/storage")
-VENDORED_IR = ("__init__", "protocol", "schedule", "workflow")
+VENDORED_IR = ("__init__", "protocol", "sample_order", "schedule", "workflow")
+#: where a package holds the model file and its neighbours (`runtimes.function.user_code` imports them)
+USER_FOLDER = "user"
 
 
 @cache
@@ -141,8 +145,11 @@ def render_function_package(
     weights: dict[str, torch.Tensor],
     loss_source: str | None,
     torch_version: str,
+    user_sources: dict[str, bytes] | None = None,
 ) -> dict[str, bytes]:
-    """The package's files, by path relative to the build folder."""
+    """The package's files, by path relative to the build folder. `user_sources`: the model file and its
+    neighbours (by path relative to its folder), under `user/`: the functions import it for the user's
+    own code a run calls (`transform`, `collate_fn`)."""
     stages = workflow.region(region).stages
     context = {
         "function": function.name,
@@ -187,6 +194,8 @@ def render_function_package(
         files[f"{root}/{workflow.data.loss}.py"] = loss_source.encode()
     for name, data in runtime_sources().items():
         files[f"{root}/{name}"] = data
+    for name, data in (user_sources or {}).items():
+        files[f"{root}/{USER_FOLDER}/{name}"] = data
     return files
 
 

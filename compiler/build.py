@@ -111,6 +111,7 @@ def package_files(lowered: Lowered, graph: OpGraph | None = None) -> dict[str, b
                     weights=stage.state,
                     loss_source=lowered.loss_source,
                     torch_version=torch_release(),
+                    user_sources=dict(lowered.user_sources),
                 )
             )
     return files

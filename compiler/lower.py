@@ -89,6 +89,8 @@ class Lowered:
     stages: tuple[StageCode, ...]
     loss_source: str
     workflow: Workflow
+    #: the model file and the modules beside it that it imports, by path relative to its folder
+    user_sources: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from .frontend.coarsen import (
     coarsen,
     compute_positions,
 )
-from .frontend.model_file import ModelFile, default_loss, load_model_file, probe_learning_rates
+from .frontend.model_file import ModelFile, default_loss, load_model_file, probe_learning_rates, user_sources
 from .frontend.profile import loss_function, profile_blocks, reuse_profile
 from .frontend.split import inline_leaf_modules, partition
 from .frontend.stand_ins import holds_stand_ins, staged_parameter_names
@@ -318,7 +318,7 @@ def lower(
         inter_region=inter_region,
         adapter=adapter_format(front.model),
     )
-    return Lowered(stages, loss, workflow)
+    return Lowered(stages, loss, workflow, tuple(user_sources(model_file.path).items()))
 
 
 def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRegion | None]:

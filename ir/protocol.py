@@ -413,6 +413,12 @@ def activation_key(ns: str, iteration: int, stage: int, micro_batch: int) -> str
     return f"{ns}/it{iteration}/act/s{stage}/mb{micro_batch}"
 
 
+def target_key(ns: str, iteration: int, micro_batch: int) -> str:
+    """A micro-batch's targets, written by the first stage (which collated them with its inputs from data
+    that lies in place) for the last stage's loss."""
+    return f"{ns}/it{iteration}/target/mb{micro_batch}"
+
+
 def gradient_key(ns: str, iteration: int, stage: int, micro_batch: int) -> str:
     """The gradients of a stage's inputs for one micro-batch, read by the previous stage's backward."""
     return f"{ns}/it{iteration}/grad/s{stage}/mb{micro_batch}"

@@ -47,8 +47,9 @@ ROOMS = {
         ("cloudless.runtimes",),
     ),
 }
-#: what a function's image installs (requirements.txt): torch, safetensors, and the storage clients
-INSTALLED = {"torch", "safetensors", "boto3", "botocore", "redis"}
+#: what a function's image installs (requirements.txt): torch, safetensors, the storage clients, and what
+#: names the shards of data where it lies
+INSTALLED = {"torch", "safetensors", "boto3", "botocore", "redis", "braceexpand"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

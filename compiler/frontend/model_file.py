@@ -1,11 +1,16 @@
 """Load a user's model file by path and check it follows the contract (docs/model-file.md).
 
 Required: build_model() -> nn.Module; example_inputs(batch_size) -> tuple of tensors.
-Optional: example_targets, loss_fn, make_optimizer, make_scheduler, load_shard, TRAINING.
+Optional: example_targets, loss_fn, make_optimizer, make_scheduler, load_shard, transform, collate_fn,
+TRAINING.
+
+The functions run the model file's own code where a run needs it (a `transform` of samples read where they
+lie): the packages ship the file and the modules beside it that it imports (`user_sources`).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import math
@@ -68,6 +73,8 @@ class ModelFile:
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     make_scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
     load_shard: Callable[[str, str], Any] | None = None
+    transform: Callable[..., Any] | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -249,7 +256,15 @@ def load_model_file(path: Path) -> ModelFile:
         if not callable(value):
             raise ModelFileError(f"{shown}: {name} is {type(value).__name__}; expected a function")
         functions[name] = value
-    for name in ("example_targets", "loss_fn", "make_optimizer", "make_scheduler", "load_shard"):
+    for name in (
+        "example_targets",
+        "loss_fn",
+        "make_optimizer",
+        "make_scheduler",
+        "load_shard",
+        "transform",
+        "collate_fn",
+    ):
         value = getattr(module, name, None)
         if value is not None and not callable(value):
             raise ModelFileError(f"{shown}: {name} is {type(value).__name__}; expected a function")
@@ -259,6 +274,40 @@ def load_model_file(path: Path) -> ModelFile:
     training = getattr(module, "TRAINING", {})
     _check_training(training, shown)
     return ModelFile(path=path, training=dict(training), **functions)
+
+
+def user_sources(path: Path) -> dict[str, bytes]:
+    """The model file and the modules beside it that it imports, directly or through one another (a module
+    `name` of the model's folder: `name.py`, or the package `name/`, every .py file of it), by path relative
+    to the folder, in path order: what a function needs to import the model file as `python model.py` does.
+    Found from the import statements (static: an import inside a function counts, an `importlib` call does not)."""
+    folder = path.resolve().parent
+    found: dict[str, bytes] = {}
+    pending = [path.resolve()]
+    while pending:
+        source = pending.pop()
+        relative = source.relative_to(folder).as_posix()
+        if relative in found:
+            continue
+        found[relative] = source.read_bytes()
+        try:
+            tree = ast.parse(found[relative])
+        except SyntaxError:
+            continue  # the import reports it, as Python would
+        names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+        names += [
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level
+        ]
+        for name in names:
+            top = name.split(".")[0]
+            module, package = folder / f"{top}.py", folder / top
+            if module.is_file():
+                pending.append(module)
+            elif (package / "__init__.py").is_file():
+                pending += sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+    return dict(sorted(found.items()))
 
 
 def _check_training(training: Any, shown: str) -> None:

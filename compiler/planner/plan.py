@@ -163,7 +163,8 @@ def run_length(model_file: ModelFile, samples: int | None, global_batch: int) ->
         if epochs is not None:
             raise CompileError(
                 f"{model_file.shown}: TRAINING['epochs'] needs the training data's size, and load_shard(region, "
-                "'train') gives none (no load_shard, or a dataset without len()); give TRAINING['iterations']"
+                "'train') gives none (no load_shard, a dataset without len(), or shards where they lie, which "
+                "cloudless-run indexes); give TRAINING['iterations']"
             )
         return RunLength(1, "default: no TRAINING['iterations'] or ['epochs'], and no load_shard data to size an epoch")
     passes = int(epochs or 1)
@@ -177,6 +178,10 @@ def _samples_per_epoch(model_file: ModelFile, region: str) -> int | None:
     if model_file.load_shard is None:
         return None
     shard = model_file.call("load_shard", region, "train")
+    if isinstance(shard, str) or (
+        isinstance(shard, (list, tuple)) and shard and all(isinstance(s, str) for s in shard)
+    ):
+        return None  # shards where they lie: cloudless-run reads their index, the compiler does not
     try:
         return len(shard)
     except TypeError:

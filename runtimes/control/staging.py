@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypedDict
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.data import default_collate
 
 from ...ir import protocol
 from ...ir.protocol import DATA_META, data_key
+from ...ir.sample_order import SHUFFLE_SHARDS, sample_seed
 from ...ir.schedule import SHARD_SAMPLES
 from ...ir.workflow import DataSource, Region, Workflow
-from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, remove_split, write_split
+from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, WrittenSplit, read_meta, remove_split, write_split
+from ..function.in_place import flat_batch, seed_generators, user_module
 from ..function.initial_weights import package_weights
+from ..function.shards import FORMAT, ShardEntry, ShardError, ShardReader, index_split
 from ..function.worker import load_module
 from ..storage.channels import Channel
+from ..storage.objects import ObjectError
 from ..storage.tensors import autocast, unpack
 from .staged_weights import stage_weights, staged_functions, state_names
 
@@ -87,12 +93,39 @@ def _mismatch(what: str, leaves: list[Any], expected: list[tuple[str, tuple[int,
     return None
 
 
-def _samples(module: ModuleType, path: Path, region: str, split: str, first: int = 0, count: int | None = None) -> Any:
+def _load_shard(module: ModuleType, path: Path, region: str, split: str) -> Any:
+    try:
+        return module.load_shard(region, split)
+    except Exception as exc:
+        raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
+
+
+def in_place_pattern(given: Any, model_path: Path) -> str | list[str] | None:
+    """What load_shard gave, when it names shards where they lie (a pattern of locations, a list of them, a
+    wids index): locations relative to the model file's folder made absolute. None for a dataset."""
+    patterns = [given] if isinstance(given, str) else given
+    if not (isinstance(patterns, (list, tuple)) and patterns and all(isinstance(p, str) for p in patterns)):
+        return None
+    folder = model_path.resolve().parent
+    absolute = [p if p.startswith("s3://") or Path(p).is_absolute() else str(folder / p) for p in patterns]
+    return absolute[0] if isinstance(given, str) else absolute
+
+
+def _samples(
+    module: ModuleType,
+    path: Path,
+    region: str,
+    split: str,
+    first: int = 0,
+    count: int | None = None,
+    dataset: Any = None,
+) -> Any:
     """load_shard(region, split)'s samples first..first+count-1 as (flat inputs, flat targets), each
     checked against what example_inputs and example_targets give (one sample of the batch): data that
     does not fit the compiled stages is an error here, naming the sample, not at a function's first step."""
     try:
-        dataset = module.load_shard(region, split)
+        if dataset is None:
+            dataset = module.load_shard(region, split)
         stop = len(dataset) if count is None else first + count
         if stop > len(dataset):
             raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(dataset)}")
@@ -176,11 +209,32 @@ def stage_data(
     reasons: dict[str, str] = {}
     for split in ("train", "test"):
         where = name if name and split == "train" else region
+        try:
+            given = _load_shard(module, model_path, region, split) if not (split == "train" and sources) else None
+        except DataError as exc:
+            if split == "train":
+                raise
+            remove_split(channel, where, split)  # a test split of other data would give wrong figures
+            counts[split] = str(exc)  # no test split: the run trains but reports no test figures
+            continue
+        pattern = in_place_pattern(given, model_path)
+        if pattern is not None:
+            try:
+                indexed = index_in_place(channel, where, split, pattern, module, model_path, provenance)
+            except DataError as exc:
+                if split == "train":
+                    raise
+                remove_split(channel, where, split)  # a test split of other data would give wrong figures
+                counts[split] = str(exc)
+                continue
+            counts[split], fingerprints[split], actions[split] = indexed.samples, indexed.fingerprint, indexed.action
+            reasons[split] = indexed.read
+            continue
         if split == "train" and sources:
             slices = [_samples(module, model_path, s.region, split, s.first, s.count) for s in sources]
             samples: Any = (sample for part in slices for sample in part)
         else:
-            samples = _samples(module, model_path, region, split)
+            samples = _samples(module, model_path, region, split, dataset=given)
         try:
             written = write_split(channel, where, split, samples, shard_samples, force=force, provenance=provenance)
         except (DataError, ValueError) as exc:
@@ -195,6 +249,50 @@ def stage_data(
     return StagedData(
         train=int(counts["train"]), test=counts["test"], fingerprint=fingerprints, action=actions, reason=reasons
     )
+
+
+def index_in_place(
+    channel: Channel,
+    name: str,
+    split: str,
+    pattern: str | list[str],
+    module: ModuleType,
+    model_path: Path,
+    provenance: Mapping[str, Any],
+) -> WrittenSplit:
+    """Make the split's `meta` the index of shards where they lie (`shards.index_split`): each shard's
+    location, sample count, size and version, read from the shards' headers (or a wids index), never
+    their samples; a stored index whose shards are unchanged is reused as it is. The functions read the
+    shards themselves, through the model file's `transform` (required: a shard's samples are bytes)."""
+    if not callable(getattr(module, "transform", None)):
+        named = pattern if isinstance(pattern, str) else pattern[0]
+        raise DataError(
+            f"{model_path}: load_shard gives shards where they lie ({named}), "
+            "whose samples are dicts of bytes by extension ({'__key__': ..., 'jpg': b'...', 'cls': b'3'}); define "
+            "transform(sample, *, epoch, index) returning (inputs, target), as a dataset's item"
+        )
+    previous = read_meta(channel, name, split) or {}
+    known = [ShardEntry.from_json(e) for e in previous.get("shards", [])] if previous.get("format") == FORMAT else []
+    try:
+        index = index_split(pattern, known)
+    except (ShardError, ObjectError) as exc:
+        raise DataError(f"{model_path}: the {split} split: {exc}") from None
+    fingerprint = index.fingerprint
+    meta = {
+        "format": FORMAT,
+        "shards": [entry.to_json() for entry in index.entries],
+        "samples": index.samples,
+        "fingerprint": fingerprint,
+        "shuffle_shards": SHUFFLE_SHARDS,
+        "staged_from": dict(provenance),
+    }
+    read = f"{len(index.entries)} shard(s), {index.reads.requests} request(s), {index.reads.bytes:,} bytes read"
+    if previous.get("fingerprint") == fingerprint and previous.get("shuffle_shards") == SHUFFLE_SHARDS:
+        return WrittenSplit(meta["samples"], fingerprint, "reused", read=read)
+    if previous and previous.get("format") != FORMAT:  # staged shards of earlier data: not read any more
+        remove_split(channel, name, split)
+    channel.put(data_key(name, split, DATA_META), json.dumps(meta, sort_keys=True).encode())
+    return WrittenSplit(meta["samples"], fingerprint, "indexed", read=read)
 
 
 def stage_run_weights(
@@ -307,6 +405,35 @@ def save_peft_adapter(model_path: Path, state: dict[str, torch.Tensor], folder: 
     model.save_pretrained(str(folder))
 
 
+def _test_batches(
+    build: Path, workflow: Workflow, region: str, channel: Channel, size: int
+) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The test split in whole micro-batches of `size`, in its order, as (flat inputs, flat targets): staged
+    shards by index, or shards where they lie through the model file's transform and collate_fn, as the
+    package holds it (epoch 0, the generators seeded per sample as in training)."""
+    meta = read_meta(channel, region, "test") or {}
+    if meta.get("format") != FORMAT:
+        reader = SplitReader(channel, region, "test", meta=meta)
+        for first in range(0, reader.samples - size + 1, size):
+            indices = list(range(first, first + size))
+            yield reader.gather(indices, "input"), reader.gather(indices, "target")
+        return
+    module = user_module(build / workflow.region(region).functions[0].package, workflow.data.model_file)
+    collate = getattr(module, "collate_fn", None) or default_collate
+    entries = [ShardEntry.from_json(shard) for shard in meta["shards"]]
+    reader = ShardReader(entries, 1)
+    pending: list[Any] = []
+    index = 0
+    for shard, entry in enumerate(entries):
+        for row in range(entry.samples):
+            seed_generators(sample_seed(workflow.run.seed, 0, index))
+            pending.append(module.transform(reader.sample(shard, row), epoch=0, index=index))
+            index += 1
+            if len(pending) == size:
+                yield flat_batch(collate(pending))
+                pending = []
+
+
 @torch.no_grad()
 def evaluate(
     build: Path, workflow: Workflow, region: str, channel: Channel, state: dict[str, torch.Tensor]
@@ -323,17 +450,14 @@ def evaluate(
         own = set(stage.state_dict())
         stage.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
         stages.append((stage.eval(), list(module.INPUTS), list(module.OUTPUTS)))
-    reader = SplitReader(channel, region, "test")
     size = workflow.run.micro_batch
     total_loss, correct, counted, batches = 0.0, 0, 0, 0
-    for first in range(0, reader.samples - size + 1, size):
-        indices = list(range(first, first + size))
-        values = dict(zip(workflow.data.inputs, reader.gather(indices, "input"), strict=True))
+    for inputs, targets in _test_batches(build, workflow, region, channel, size):
+        values = dict(zip(workflow.data.inputs, inputs, strict=True))
         outputs: tuple[Any, ...] = ()
-        targets = reader.gather(indices, "target")
         with autocast(workflow.run.precision):  # the precision the model trained in
-            for stage, inputs, names in stages:
-                outputs = tuple(stage(*[values[n] for n in inputs]))
+            for stage, stage_inputs, names in stages:
+                outputs = tuple(stage(*[values[n] for n in stage_inputs]))
                 values.update(zip(names, outputs, strict=True))
             (loss,) = loss_module(*outputs, *targets)
         total_loss += float(loss)

@@ -38,8 +38,9 @@ FINGERPRINT_PREFIX = "sha256:"
 #: against its `meta`, which tells a shard of another staging from one of the staging it reads
 SHARD_DIGEST = "shard_digest"
 #: what `write_split` did with a split: wrote it where there was none, replaced different (or
-#: unfingerprinted) data, or found the same content in storage and wrote nothing
-Staging = Literal["staged", "restaged", "reused"]
+#: unfingerprinted) data, or found the same content in storage and wrote nothing; or, for shards where
+#: they lie, wrote their index (`staging.index_in_place`)
+Staging = Literal["staged", "restaged", "reused", "indexed"]
 #: the fields of `meta` that say which data the shards hold (the rest is provenance)
 _CONTENT_FIELDS = ("samples", "shard_samples", "inputs", "targets", "fingerprint", "shard_digests")
 
@@ -60,6 +61,8 @@ class WrittenSplit:
     action: Staging
     #: why it was re-staged when the stored data was damaged (a shard or meta corrupt or gone), else ""
     reason: str = ""
+    #: for shards where they lie, what indexing them read (shards, requests, bytes)
+    read: str = ""
 
 
 def data_name(region: Region) -> str:
@@ -241,14 +244,30 @@ def write_split(
     return WrittenSplit(count, meta["fingerprint"], "staged" if previous is None else "restaged", damage)
 
 
+def read_split_meta(channel: Channel, region: str, split: str, timeout: float) -> dict[str, Any]:
+    """The split's `meta`, waited for up to `timeout` (the controller writes it before any function starts)."""
+    meta = json.loads(channel.get(data_key(region, split, DATA_META), timeout))
+    if not isinstance(meta, dict):
+        raise ValueError(f"{channel.describe(data_key(region, split, DATA_META))}: not a JSON object")
+    return meta
+
+
 class SplitReader:
     """Reads micro-batches of a split from its shards, caching the shards it has read. It reads
     `meta` once and by it only: the samples it counts, and shards of the staging it describes."""
 
-    def __init__(self, channel: Channel, region: str, split: str = "train", timeout: float = 600.0) -> None:
-        """`timeout`: how long to wait for the split to be staged (the invocation's key timeout)."""
+    def __init__(
+        self,
+        channel: Channel,
+        region: str,
+        split: str = "train",
+        timeout: float = 600.0,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """`timeout`: how long to wait for the split to be staged (the invocation's key timeout); `meta`: the
+        split's, when the caller read it (`read_split_meta`)."""
         self.channel, self.region, self.split, self.timeout = channel, region, split, timeout
-        self.meta: dict[str, Any] = json.loads(channel.get(data_key(region, split, DATA_META), timeout))
+        self.meta: dict[str, Any] = meta if meta is not None else read_split_meta(channel, region, split, timeout)
         self._shards: dict[int, dict[str, torch.Tensor]] = {}
 
     @property

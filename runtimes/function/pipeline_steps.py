@@ -14,11 +14,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from ...ir import protocol
 from ...ir.schedule import compute_order, local_micro_batches, sample_indices
+from ..storage.objects import ObjectError
 from ..storage.tensors import autocast, pack, unpack, wire_dtype
-from .data import SplitReader
+from .data import SplitReader, read_split_meta
+from .failures import AbortRecord, ModelFailed
+from .in_place import InPlaceBatches, flat_batch, user_module
+from .shards import FORMAT as IN_PLACE_FORMAT
+from .shards import ShardError
 from .stage_context import InvocationState, Span, StageContext
 
 
@@ -27,6 +33,12 @@ def receive(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
         return value.requires_grad_(True)
     return value
+
+
+def sent_targets(data: bytes) -> list[Any]:
+    """A micro-batch's targets as the first stage sent them (`protocol.target_key`), in order."""
+    values = unpack(data)
+    return [values[f"target_{j}"] for j in range(len(values))]
 
 
 class PipelineSteps:
@@ -47,7 +59,12 @@ class PipelineSteps:
         self.inputs, self.outputs = inputs, outputs  # the stage module's, in its call's order
         self.loss = loss  # the last stage's loss module
         self.data_name = data_name  # the region's training data in storage
-        self._reader: SplitReader | None = None  # opened at the first read (a middle stage reads none)
+        # the data, opened at the first read (a middle stage reads none): staged shards, read by index, or
+        # data that lies in place, which the first stage reads, transforms and collates (and sends the
+        # targets on to the last)
+        self._reader: SplitReader | None = None
+        self._in_place: InPlaceBatches | None = None
+        self._opened = False
         self._batch: tuple[int, list[int]] = (-1, [])  # (iteration, its samples in order)
         self._link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
 
@@ -65,7 +82,11 @@ class PipelineSteps:
         uplink, downlink = self._links()
         cancelled = threading.Event()
         arriving: dict[tuple[str, int], Future[bytes]] = {}
+        targets_sent = context.last and not context.first and self._open_data(timeout) == "in place"
         for kind, m in order:
+            if kind == "forward" and targets_sent:  # before its activations: the first stage sent it first
+                target = protocol.target_key(namespace, iteration, m)
+                arriving[("target", m)] = downlink.submit(channel.get, target, timeout, cancelled)
             if kind == "forward" and not context.first:
                 key = protocol.activation_key(namespace, iteration, context.stage - 1, m)
             elif kind == "backward" and not context.last:
@@ -81,9 +102,13 @@ class PipelineSteps:
             for kind, m in order:
                 with Span(spans, f"{kind} {m}"):
                     incoming = arriving.pop((kind, m), None)
+                    target = arriving.pop(("target", m), None) if kind == "forward" else None
+                    targets = sent_targets(target.result()) if target is not None else None
                     data = incoming.result() if incoming is not None else None
                     if kind == "forward":
-                        received[m], produced[m] = self._forward(iteration, replica, m, data, losses, uplink, sending)
+                        received[m], produced[m] = self._forward(
+                            iteration, replica, m, data, losses, uplink, sending, targets
+                        )
                     else:
                         taken, outputs = received.pop(m), produced.pop(m)
                         self._backward(iteration, replica, m, data, taken, outputs, losses, uplink, sending)
@@ -93,9 +118,58 @@ class PipelineSteps:
             cancelled.set()  # on an error, stop the fetches still waiting
         return [float(losses[m]) for m in sorted(losses)]
 
+    def _open_data(self, timeout: float) -> str:
+        """Open the region's training data: "staged" or "in place" (what its `meta` says)."""
+        if not self._opened:
+            channel, run = self.context.channel, self.run
+            meta = read_split_meta(channel, self.data_name, "train", timeout)
+            if meta.get("format") == IN_PLACE_FORMAT:
+                if self.context.first:
+                    module = user_module(self.context.package, self.context.workflow.data.model_file)
+                    collate = getattr(module, "collate_fn", None) or default_collate
+                    self._in_place = InPlaceBatches(
+                        meta,
+                        module.transform,
+                        collate,
+                        seed=run.seed,
+                        micro_batch=run.micro_batch,
+                        global_batch=run.global_batch,
+                    )
+            else:
+                self._reader = SplitReader(channel, self.data_name, timeout=timeout, meta=meta)
+            self._opened = True
+        return "staged" if self._reader is not None else "in place"
+
+    def _in_place_batch(self, iteration: int, replica: int, m: int) -> tuple[list[Any], list[Any]]:
+        """The first stage's micro-batch from data in place: its flat inputs and flat targets."""
+        assert self._in_place is not None
+        context = self.context
+        samples = []
+        for named, read in self._in_place.samples_of(iteration, m):
+            try:
+                samples.append(context.model_code(iteration, replica, f"transform of {named}", read))
+            except (ShardError, ObjectError) as exc:  # damaged, changed or refused: no retry reads it otherwise
+                message = f"iteration {iteration}: stage {context.stage} ({context.function.name}) reads {named}: {exc}"
+                record = AbortRecord("failed", message, iteration, context.stage, context.function.name)
+                raise ModelFailed(record) from exc
+        collate = self._in_place.collate
+        batch = context.model_code(iteration, replica, f"collate_fn of micro-batch {m}", lambda: collate(samples))
+        try:
+            inputs, targets = flat_batch(batch)
+        except TypeError as exc:
+            message = f"iteration {iteration}: collate_fn of micro-batch {m} on stage {context.stage}: {exc}"
+            raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name)) from None
+        if len(inputs) != len(self.inputs):
+            message = (
+                f"iteration {iteration}: micro-batch {m}'s collated inputs have {len(inputs)} tensors, but the model "
+                f"takes {len(self.inputs)} ({', '.join(self.inputs)}), as example_inputs gives them"
+            )
+            raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name))
+        return inputs, targets
+
     def _indices(self, iteration: int, m: int) -> list[int]:
-        if self._reader is None:
-            self._reader = SplitReader(self.context.channel, self.data_name, timeout=self.invocation.key_timeout)
+        self._open_data(self.invocation.key_timeout)
+        assert self._reader is not None
         if self._batch[0] != iteration:  # the whole iteration's samples at once, then its slices
             run = self.run
             self._batch = (
@@ -128,9 +202,18 @@ class PipelineSteps:
         losses: dict[int, torch.Tensor],
         uplink: ThreadPoolExecutor,
         sending: list[Future[None]],
+        targets: list[Any] | None = None,
     ) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """`targets`: the last stage's, as the first stage sent them (data in place)."""
         context = self.context
-        if context.first:
+        if context.first and self._open_data(self.invocation.key_timeout) == "in place":
+            inputs, targets = self._in_place_batch(iteration, replica, m)
+            taken = dict(zip(self.inputs, inputs, strict=True))
+            if not context.last:  # the loss's targets, for the last stage
+                key = protocol.target_key(self.invocation.namespace, iteration, m)
+                packed = pack({f"target_{j}": t for j, t in enumerate(targets)})
+                sending.append(uplink.submit(context.channel.put, key, packed))
+        elif context.first:
             indices = self._indices(iteration, m)
             assert self._reader is not None
             taken = dict(zip(self.inputs, self._reader.gather(indices, "input"), strict=True))
@@ -153,9 +236,10 @@ class PipelineSteps:
         if context.last:
             loss = self.loss
             assert loss is not None
-            indices = self._indices(iteration, m)
-            assert self._reader is not None
-            targets = self._reader.gather(indices, "target")
+            if targets is None:
+                indices = self._indices(iteration, m)
+                assert self._reader is not None
+                targets = self._reader.gather(indices, "target")
 
             def compute_loss() -> Any:
                 with autocast(precision):

@@ -1,0 +1,114 @@
+"""A first stage's micro-batches from training data where it lies (shards.py), through the user's code.
+
+The split's `meta` (written by the controller: `format` "webdataset", the shards with their sample
+counts and versions) says which shards there are. Micro-batch m of iteration i is global positions
+i*G + m*B .. i*G + m*B + B - 1 (G the global batch, B the micro-batch), each read where `ShardOrder` puts
+it, transformed by the model file's `transform(sample, *, epoch, index)` with the random generators seeded
+by `sample_seed(seed, epoch, index)`, and the B results collated by its `collate_fn(samples)` (default:
+torch's `default_collate`). The result is `(inputs, target)`, as a map-style dataset's item is: the
+inputs' leaves are the first stage's inputs, the target's the loss's targets.
+
+The model file is imported from the package (`user/`, where the build put it and the modules beside it
+that it imports), once per process; what it raises names the sample.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ...ir.sample_order import ShardOrder, sample_seed
+from .shards import ShardEntry, ShardReader
+
+#: where a package holds the model file and its neighbours (codegen.package.USER_FOLDER)
+USER_FOLDER = "user"
+
+_modules: dict[str, ModuleType] = {}
+
+
+def user_module(package: Path, model_file: str) -> ModuleType:
+    """The model file as the package holds it, imported once per process (its neighbours importable)."""
+    path = (package / USER_FOLDER / Path(model_file).name).resolve()
+    key = str(path)
+    if key not in _modules:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the package holds no model file (built before data could lie in place)")
+        folder = str(path.parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # as `python model.py` imports the modules beside it
+        spec = importlib.util.spec_from_file_location(f"cloudless_user_{abs(hash(key))}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _modules[key] = module
+    return _modules[key]
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the generators a transform may draw from: torch's CPU generator, Python's, numpy's if loaded."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
+def entries_of(meta: dict[str, Any]) -> list[ShardEntry]:
+    return [ShardEntry.from_json(shard) for shard in meta["shards"]]
+
+
+class InPlaceBatches:
+    """Micro-batches of a split that lies in place, read by one function."""
+
+    def __init__(
+        self,
+        meta: dict[str, Any],
+        transform: Callable[..., Any],
+        collate: Callable[[list[Any]], Any],
+        *,
+        seed: int,
+        micro_batch: int,
+        global_batch: int,
+    ) -> None:
+        entries = entries_of(meta)
+        self.order = ShardOrder(tuple(e.samples for e in entries), seed, int(meta["shuffle_shards"]))
+        # a group's shards, and the next group's first while a micro-batch straddles the two
+        self.reader = ShardReader(entries, self.order.shuffle_shards + 1)
+        self.transform, self.collate = transform, collate
+        self.seed, self.micro_batch, self.global_batch = seed, micro_batch, global_batch
+
+    @property
+    def samples(self) -> int:
+        return self.order.samples
+
+    def samples_of(self, iteration: int, micro_batch: int) -> list[tuple[str, Callable[[], Any]]]:
+        """The micro-batch's samples as (what names it, the call that reads and transforms it)."""
+        first = iteration * self.global_batch + micro_batch * self.micro_batch
+        calls = []
+        for located in self.order.span(first, self.micro_batch):
+            entry = self.reader.entries[located.shard]
+
+            def read(located: Any = located) -> Any:
+                sample = self.reader.sample(located.shard, located.row)
+                seed_generators(sample_seed(self.seed, located.epoch, located.index))
+                return self.transform(sample, epoch=located.epoch, index=located.index)
+
+            calls.append((f"sample {located.row} of {entry.location}", read))
+        return calls
+
+
+def flat_batch(batch: Any) -> tuple[list[Any], list[Any]]:
+    """A collated `(inputs, target)`'s leaves: the first stage's inputs, and the loss's targets."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"expected the collated batch to be (inputs, target), got a {type(batch).__name__}")
+    inputs, target = batch
+    return pytree.tree_leaves(tuple(inputs) if isinstance(inputs, list) else inputs), pytree.tree_leaves(target)

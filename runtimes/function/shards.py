@@ -1,0 +1,274 @@
+"""Training data where it lies: WebDataset tar shards in a folder or a bucket, indexed by the controller
+and read by the functions.
+
+A split is named by a pattern of shard locations, as `webdataset` names them: braces expand to a list
+(`s3://bucket/train-{000000..000099}.tar`, `/data/train-{a,b}.tar`), in that order. A shard is a tar whose
+regular files are grouped into samples by WebDataset's conventions (`webdataset.tariterators`): a file's
+key is its path up to the first dot of its name, the rest its extension (lower-cased); consecutive files of
+one key are one sample, `{"__key__": key, "__url__": shard, ext: bytes, ...}`; names `__...__` are
+metadata, skipped.
+
+The controller indexes a split (`index_split`): each shard's size and version, and its sample count from
+its tar headers alone (ranged reads of 512-byte blocks; never a sample's bytes). The index is kept with
+the run's storage, and reused while every shard's size and version are unchanged. A split named by a
+`wids` shard index instead (a `.json` location: `{"shardlist": [{"url": ..., "nsamples": ...}, ...]}`, as
+`widsindex create` writes it; a shard's url relative to the index's folder, or to its `base_path`) takes
+its counts from there: a header scan costs a request per file, too slow for shards of thousands of samples
+in S3. A function reads whole
+shards (`ShardReader`), at most `capacity` of them held at once, each read at the version the index
+recorded: a shard written again since is an error, never a sample of other data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import tarfile
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..storage.objects import ObjectError, ObjectReads, ObjectStore, store_for
+
+#: webdataset's `base_plus_ext`: a file name's key and its extensions
+_KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+#: webdataset's metadata files, skipped (`tar_file_iterator`'s skip_meta and its `__...__` names)
+_METADATA = re.compile(r"__[^/]*__($|/)")
+FORMAT = "webdataset"
+#: the index's fingerprint: of every shard's location, size, version and sample count
+FINGERPRINT_PREFIX = "sha256:"
+
+Sample = dict[str, Any]
+
+
+class ShardError(ValueError):
+    """A shard cannot be read as the index says: damaged, changed, or not a tar of samples."""
+
+
+def shard_locations(pattern: str | Iterable[str]) -> list[str]:
+    """The shard locations a pattern (or a list of patterns) names, braces expanded, in order."""
+    import braceexpand
+
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    locations = [location for each in patterns for location in braceexpand.braceexpand(each)]
+    if not locations:
+        raise ShardError(f"{pattern!r}: names no shards")
+    return locations
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """The tar's members that are a sample's files, in order (webdataset's filter)."""
+    for info in tar:
+        name = info.name
+        if not info.isreg() or name is None:
+            continue
+        if _METADATA.match(name) or ("/" not in name and name.startswith("__") and name.endswith("__")):
+            continue
+        yield info
+
+
+def _samples_of(names: Iterable[tuple[str, Any]], location: str) -> Iterator[Sample]:
+    """(file name, its data) in tar order grouped into samples, as webdataset's `group_by_keys` groups them."""
+    current: Sample | None = None
+    for name, data in names:
+        matched = _KEY_AND_EXTENSION.match(name)
+        if matched is None:
+            continue
+        key, extension = matched.group(1), matched.group(2).lower()
+        if current is None or key != current["__key__"]:
+            if current is not None:
+                yield current
+            current = {"__key__": key, "__url__": location}
+        if extension in current:
+            raise ShardError(f"{location}: {name}: a second file of sample {key!r} with extension {extension!r}")
+        current[extension] = data
+    if current is not None:
+        yield current
+
+
+class _RangedReads(io.RawIOBase):
+    """An object as a seekable file whose reads are ranged reads of the store: tarfile reads a header's
+    blocks and seeks over the member's data, so indexing reads headers only."""
+
+    def __init__(self, store: ObjectStore, location: str, size: int, version: str) -> None:
+        self.store, self.location, self.size, self.version, self.position = store, location, size, version, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = min(len(buffer), self.size - self.position)
+        if wanted <= 0:
+            return 0
+        data = self.store.read(self.location, self.version, self.position, self.position + wanted)
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard of a split's index."""
+
+    location: str
+    samples: int
+    size: int
+    version: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"location": self.location, "samples": self.samples, "size": self.size, "version": self.version}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShardEntry:
+        return cls(str(data["location"]), int(data["samples"]), int(data["size"]), str(data["version"]))
+
+
+def count_samples(store: ObjectStore, location: str, size: int, version: str) -> int:
+    """The shard's sample count, from its tar headers alone."""
+    try:
+        with tarfile.open(fileobj=_RangedReads(store, location, size, version), mode="r:") as tar:
+            return sum(1 for _ in _samples_of(((m.name, None) for m in _members(tar)), location))
+    except tarfile.TarError as exc:
+        raise ShardError(f"{location}: not a tar file, or a damaged one: {exc}") from None
+
+
+def wids_counts(location: str, store: ObjectStore) -> dict[str, int]:
+    """The shards a wids shard index lists, by location, with their sample counts."""
+    import json
+
+    try:
+        index = json.loads(store.read(location, store.stat(location).version))
+        base = str(index.get("base_path") or location.rsplit("/", 1)[0])
+        listed = [(str(shard["url"]), int(shard["nsamples"])) for shard in index["shardlist"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ShardError(
+            f'{location}: expected a wids shard index, {{"shardlist": [{{"url": ..., "nsamples": N}}, ...]}}: '
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    absolute = ("s3://", "/")
+    return {url if url.startswith(absolute) else f"{base.rstrip('/')}/{url}": count for url, count in listed}
+
+
+@dataclass(frozen=True)
+class SplitIndex:
+    """A split's shards with their counts, the index's fingerprint, and what indexing read."""
+
+    entries: list[ShardEntry]
+    fingerprint: str
+    reads: ObjectReads
+
+    @property
+    def samples(self) -> int:
+        return sum(entry.samples for entry in self.entries)
+
+
+def index_split(pattern: str | Iterable[str], known: Iterable[ShardEntry] = ()) -> SplitIndex:
+    """Each shard of the pattern (or of a wids index) with its sample count, and the index's fingerprint. A
+    shard of `known` (an earlier index) whose size and version are unchanged keeps its count without
+    reading the shard."""
+    listed: dict[str, int] = {}
+    if isinstance(pattern, str) and pattern.endswith(".json"):
+        store = store_for(pattern)
+        listed = wids_counts(pattern, store)
+        locations = list(listed)
+        if not locations:
+            raise ShardError(f"{pattern}: its shardlist is empty")
+    else:
+        locations = shard_locations(pattern)
+        store = store_for(locations[0])
+    previous = {entry.location: entry for entry in known}
+    entries: list[ShardEntry] = []
+    for location in locations:
+        if location.startswith("s3://") != locations[0].startswith("s3://"):
+            raise ShardError(f"{location}: every shard of a split lies in one kind of storage, as {locations[0]}")
+        stat = store.stat(location)
+        before = previous.get(location)
+        if before is not None and (before.size, before.version) == (stat.size, stat.version):
+            entries.append(before)
+            continue
+        counted = listed[location] if listed else count_samples(store, location, stat.size, stat.version)
+        entries.append(ShardEntry(location, counted, stat.size, stat.version))
+    if sum(entry.samples for entry in entries) == 0:
+        raise ShardError(f"{locations[0]}{' …' if len(locations) > 1 else ''}: the shards hold no samples")
+    return SplitIndex(entries, fingerprint(entries), store.reads)
+
+
+def fingerprint(entries: Iterable[ShardEntry]) -> str:
+    digest = hashlib.sha256()
+    for entry in entries:
+        digest.update(f"{entry.location}\0{entry.size}\0{entry.version}\0{entry.samples}\n".encode())
+    return FINGERPRINT_PREFIX + digest.hexdigest()
+
+
+def read_shard(store: ObjectStore, entry: ShardEntry) -> list[Sample]:
+    """The shard's samples, read whole at the indexed version, checked against the index's count."""
+    data = store.read(entry.location, entry.version)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            files = ((m.name, _file_bytes(tar, m)) for m in _members(tar))
+            samples = list(_samples_of(files, entry.location))
+    except tarfile.TarError as exc:
+        raise ShardError(f"{entry.location}: damaged: {exc}") from None
+    if len(samples) != entry.samples:
+        raise ShardError(f"{entry.location}: {len(samples)} samples, where its index counted {entry.samples}")
+    return samples
+
+
+def _file_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    extracted = tar.extractfile(member)
+    if extracted is None:
+        raise ShardError(f"{member.name}: cannot be read from its tar")
+    data = extracted.read()
+    if len(data) != member.size:
+        raise ShardError(f"{member.name}: {len(data)} of its {member.size} bytes in the tar (cut short)")
+    return data
+
+
+class ShardReader:
+    """A function's reads of a split's shards: each read whole, at most `capacity` held at once (the
+    least recently used let go first)."""
+
+    def __init__(self, entries: list[ShardEntry], capacity: int) -> None:
+        if not entries:
+            raise ShardError("a split of no shards")
+        self.entries, self.capacity = entries, max(1, capacity)
+        self.store = store_for(entries[0].location)
+        self._held: OrderedDict[int, list[Sample]] = OrderedDict()
+
+    def sample(self, shard: int, row: int) -> Sample:
+        """Row `row` of shard `shard` (a copy: a transform may change it)."""
+        if shard not in self._held:
+            while len(self._held) >= self.capacity:
+                self._held.popitem(last=False)
+            self._held[shard] = read_shard(self.store, self.entries[shard])
+        self._held.move_to_end(shard)
+        return dict(self._held[shard][row])
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+
+__all__ = [
+    "ObjectError",
+    "ShardEntry",
+    "ShardError",
+    "ShardReader",
+    "SplitIndex",
+    "index_split",
+    "read_shard",
+    "shard_locations",
+]

@@ -1,0 +1,145 @@
+"""Training data where it lies: WebDataset shards in a folder or in S3, named by load_shard, read by the
+first stage through the model file's transform and collate, never through the controller; a run in
+2 stages x 2 replicas trains what a plain PyTorch loop reading the same shards in the same order trains."""
+
+from __future__ import annotations
+
+import io
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import webdataset
+import yaml
+from safetensors.torch import load_file
+from sklearn.datasets import load_digits
+from torch.utils.data import default_collate
+
+from cloudless.compiler.cli import main as compile_main
+from cloudless.ir.sample_order import SHUFFLE_SHARDS, ShardOrder, sample_seed
+from cloudless.runtimes.cli import main as run_main
+
+MODEL = """
+import io
+
+import numpy as np
+import torch
+from torch import nn
+
+TRAINING = {"global_batch_size": 32, "micro_batch_sizes": [8], "iterations": ITERATIONS, "learning_rate": 0.2}
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def example_inputs(batch_size):
+    return (torch.zeros(batch_size, 64),)
+
+
+def example_targets(batch_size):
+    return torch.zeros(batch_size, dtype=torch.int64)
+
+
+def load_shard(region, split):
+    return LOCATION
+
+
+def transform(sample, *, epoch, index):
+    pixels = torch.from_numpy(np.load(io.BytesIO(sample["npy"]))).float() / 16
+    jitter = 0.05 * torch.randn(64)  # an augmentation: drawn from the generator seeded per sample
+    return (pixels + jitter,), torch.tensor(int(sample["cls"]))
+"""
+ITERATIONS = 6
+COUNTS = {"train": (97, 60, 130, 41, 88), "test": (64,)}
+
+
+def write_digit_shards(folder: Path) -> dict[str, list[str]]:
+    """Real data (scikit-learn's digits) as WebDataset shards, `.npy` pixels and a `.cls` label."""
+    digits = load_digits()
+    folder.mkdir(parents=True, exist_ok=True)
+    written: dict[str, list[str]] = {}
+    position = 0
+    for split, counts in COUNTS.items():
+        with webdataset.ShardWriter(str(folder / f"{split}-%06d.tar"), maxcount=10**6, verbose=0) as sink:
+            for shard, count in enumerate(counts):
+                if shard:
+                    sink.next_stream()
+                for _ in range(count):
+                    buffer = io.BytesIO()
+                    np.save(buffer, digits.data[position].astype(np.uint8))
+                    sink.write(
+                        {"__key__": f"d{position:05d}", "npy": buffer.getvalue(), "cls": int(digits.target[position])}
+                    )
+                    position += 1
+        written[split] = [str(folder / f"{split}-{n:06d}.tar") for n in range(len(counts))]
+    return written
+
+
+def model_file(folder: Path, location: str) -> Path:
+    path = folder / "digits_shards.py"
+    source = MODEL.replace("ITERATIONS", str(ITERATIONS)).replace("LOCATION", location)
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def plain_loop(model: Path, shards: list[str], build: Path) -> dict[str, torch.Tensor]:
+    """The same training as one PyTorch loop: webdataset reads the shards, ShardOrder picks each
+    position's sample, the transform runs seeded by sample_seed, default_collate batches them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plain_digits_shards", model)
+    assert spec is not None and spec.loader is not None
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    workflow = yaml.safe_load((build / "workflow.yaml").read_text())
+    seed = int(workflow["run"]["seed"])
+    rows = [list(webdataset.WebDataset(shard, shardshuffle=False, empty_check=False)) for shard in shards]
+    order = ShardOrder(tuple(len(r) for r in rows), seed, SHUFFLE_SHARDS)
+    net = user.build_model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.2)
+    global_batch, micro = 32, 8
+    for iteration in range(ITERATIONS):
+        for m in range(global_batch // micro):
+            items = []
+            for located in order.span(iteration * global_batch + m * micro, micro):
+                torch.manual_seed(sample_seed(seed, located.epoch, located.index))
+                items.append(
+                    user.transform(dict(rows[located.shard][located.row]), epoch=located.epoch, index=located.index)
+                )
+            (inputs,), target = default_collate(items)
+            loss = torch.nn.functional.cross_entropy(net(inputs), target) / (global_batch // micro)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+def compile_and_run(model: Path, tmp_path: Path, *run_options: str) -> tuple[Path, dict[str, Any]]:
+    build, out = tmp_path / "build", tmp_path / "out"
+    options = ["--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]
+    assert compile_main([str(model), "-o", str(build), *options]) == 0
+    assert run_main([str(build), "--out", str(out), "--model", str(model), "-q", *run_options]) == 0
+    return build, json.loads((out / "metrics.json").read_text())
+
+
+def test_shards_in_a_folder_train_as_a_plain_loop_over_them(tmp_path: Path) -> None:
+    shards = write_digit_shards(tmp_path / "data")
+    model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (4 if split == "train" else 0)')
+    build, metrics = compile_and_run(model, tmp_path)
+    workflow = yaml.safe_load((build / "workflow.yaml").read_text())
+    assert [f["replicas"] for f in workflow["regions"][0]["functions"]] == [2, 2]
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    expected = plain_loop(model, shards["train"], build)
+    assert set(trained) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert metrics["status"] == "done"
+    assert metrics["test"]["samples"] == 64 and 0 <= metrics["test"]["accuracy"] <= 1
+    # the packages hold the model file, whose transform the first stage ran
+    packages = sorted((build / "regions").glob("*/functions/*/user/digits_shards.py"))
+    assert len(packages) == 2 and packages[0].read_bytes() == model.read_bytes()
