@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import webdataset
 import yaml
@@ -19,6 +21,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import default_collate
 
 from cloudless.compiler.cli import main as compile_main
+from cloudless.ir.protocol import S3_ENDPOINT_ENV
 from cloudless.ir.sample_order import SHUFFLE_SHARDS, ShardOrder, sample_seed
 from cloudless.runtimes.cli import main as run_main
 
@@ -143,3 +146,93 @@ def test_shards_in_a_folder_train_as_a_plain_loop_over_them(tmp_path: Path) -> N
     # the packages hold the model file, whose transform the first stage ran
     packages = sorted((build / "regions").glob("*/functions/*/user/digits_shards.py"))
     assert len(packages) == 2 and packages[0].read_bytes() == model.read_bytes()
+
+
+@pytest.mark.slow  # a header scan of 416 samples' files over HTTP, two runs
+def test_shards_in_s3_are_read_by_the_functions_and_the_controller_reads_their_headers_only(
+    tmp_path: Path, s3_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import boto3
+
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
+    shards = write_digit_shards(tmp_path / "data")
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    for location in shards["train"]:
+        s3.upload_file(location, s3_bucket, f"digits/{Path(location).name}")
+    model = model_file(
+        tmp_path, f'"s3://{s3_bucket}/digits/train-{{000000..000004}}.tar" if split == "train" else None'
+    )
+    build, out = tmp_path / "build", tmp_path / "out"
+    assert compile_main([str(model), "-o", str(build), "--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]) == 0
+    capsys.readouterr()
+    storage = ["--storage", str(tmp_path / "storage")]
+    assert run_main([str(build), "--out", str(out), "--model", str(model), *storage]) == 0
+    banner = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data: "))
+    read = re.search(r"indexed: 5 shard\(s\), (\d+) request\(s\), ([\d,]+) bytes read", banner)
+    assert read is not None, banner
+    # headers only: per file a PAX header, its data and the file's header, and a byte of the file before
+    # (tarfile's check that it is whole); the end's two blocks. A sample is two files.
+    headers = (3 * 512 + 1) * 2 * sum(COUNTS["train"]) + 2 * 512 * len(COUNTS["train"])
+    assert int(read.group(2).replace(",", "")) <= headers, banner
+    trained = load_file(out / "model.safetensors")
+    expected = plain_loop(model, shards["train"], build)
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    # a second run on the same shards reuses their index: a HEAD per shard
+    again_out = tmp_path / "again"
+    assert run_main([str(build), "--out", str(again_out), "--model", str(model), "--iterations", "1", *storage]) == 0
+    again = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data: "))
+    assert "reused: 5 shard(s), 5 request(s), 0 bytes read" in again, again
+
+
+@pytest.mark.parametrize(
+    ("location", "extra", "expected"),
+    [
+        ('"data/missing-{0..1}.tar"', "", r"the train split: .*/data/missing-0\.tar: no such file"),
+        ('"data/train-000000.tar"', "del transform\n", r"define transform\(sample, \*, epoch, index\)"),
+        ('"s3://no-such-bucket-here/t.tar"', "", r"s3://no-such-bucket-here/t\.tar: no such (bucket|object)"),
+    ],
+)
+def test_shards_that_cannot_be_read_are_one_line_before_any_function_starts(
+    location: str, extra: str, expected: str, tmp_path: Path, moto_endpoint: str, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
+    write_digit_shards(tmp_path / "data")
+    model = model_file(tmp_path, location)
+    build, out = tmp_path / "build", tmp_path / "out"
+    assert compile_main([str(model), "-o", str(build), "--stages", "2", "--repeats", "1", "-q"]) == 0
+    model.write_text(model.read_text() + extra)
+    capsys.readouterr()
+    assert run_main([str(build), "--out", str(out), "--model", str(model), "-q", "--no-verify-build"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(expected, err[0]), err
+    assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (
+            'def transform(sample, *, epoch, index):\n    raise ValueError("bad pixels")\n',
+            r"the transform of sample \d+ of .*/data/train-00000\d\.tar of stage 0 .* raised ValueError: bad pixels "
+            r"\(at digits_shards\.py:\d+\)",
+        ),
+        (
+            "def collate_fn(samples):\n"
+            "    return (torch.zeros(8, 64), torch.zeros(8, 64)), torch.zeros(8, dtype=torch.int64)\n",
+            r"micro-batch \d's collated inputs have 2 tensors, but the model takes 1",
+        ),
+    ],
+)
+def test_user_code_that_fails_in_the_function_names_the_sample_and_the_line(
+    code: str, expected: str, tmp_path: Path, capsys
+) -> None:
+    write_digit_shards(tmp_path / "data")
+    model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (4 if split == "train" else 0)')
+    model.write_text(model.read_text() + "\n\n" + code)
+    build, out = tmp_path / "build", tmp_path / "out"
+    assert compile_main([str(model), "-o", str(build), "--stages", "2", "--repeats", "1", "-q"]) == 0
+    capsys.readouterr()
+    assert run_main([str(build), "--out", str(out), "--model", str(model), "-q"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(expected, err[0]), err

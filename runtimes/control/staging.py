@@ -209,24 +209,27 @@ def stage_data(
     reasons: dict[str, str] = {}
     for split in ("train", "test"):
         where = name if name and split == "train" else region
+        sliced = split == "train" and bool(sources)  # slices of other regions' data (several regions)
         try:
-            given = _load_shard(module, model_path, region, split) if not (split == "train" and sources) else None
+            given = None if sliced else _load_shard(module, model_path, region, split)
+            if given is None and not sliced:
+                raise DataError(
+                    f"{model_path}: load_shard({region!r}, {split!r}) gives None; expected a dataset, or shards "
+                    "where they lie (docs/data.md)"
+                )
+            pattern = None if sliced else in_place_pattern(given, model_path)
+            indexed = (
+                None
+                if pattern is None
+                else index_in_place(channel, where, split, pattern, module, model_path, provenance)
+            )
         except DataError as exc:
             if split == "train":
                 raise
             remove_split(channel, where, split)  # a test split of other data would give wrong figures
             counts[split] = str(exc)  # no test split: the run trains but reports no test figures
             continue
-        pattern = in_place_pattern(given, model_path)
-        if pattern is not None:
-            try:
-                indexed = index_in_place(channel, where, split, pattern, module, model_path, provenance)
-            except DataError as exc:
-                if split == "train":
-                    raise
-                remove_split(channel, where, split)  # a test split of other data would give wrong figures
-                counts[split] = str(exc)
-                continue
+        if indexed is not None:
             counts[split], fingerprints[split], actions[split] = indexed.samples, indexed.fingerprint, indexed.action
             reasons[split] = indexed.read
             continue

@@ -27,6 +27,7 @@ import re
 import tarfile
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 #: webdataset's metadata files, skipped (`tar_file_iterator`'s skip_meta and its `__...__` names)
 _METADATA = re.compile(r"__[^/]*__($|/)")
 FORMAT = "webdataset"
+#: shards indexed at once
+INDEX_THREADS = 16
 #: the index's fingerprint: of every shard's location, size, version and sample count
 FINGERPRINT_PREFIX = "sha256:"
 
@@ -190,17 +193,21 @@ def index_split(pattern: str | Iterable[str], known: Iterable[ShardEntry] = ()) 
         locations = shard_locations(pattern)
         store = store_for(locations[0])
     previous = {entry.location: entry for entry in known}
-    entries: list[ShardEntry] = []
     for location in locations:
         if location.startswith("s3://") != locations[0].startswith("s3://"):
             raise ShardError(f"{location}: every shard of a split lies in one kind of storage, as {locations[0]}")
+
+    def entry_of(location: str) -> ShardEntry:
         stat = store.stat(location)
         before = previous.get(location)
         if before is not None and (before.size, before.version) == (stat.size, stat.version):
-            entries.append(before)
-            continue
+            return before
         counted = listed[location] if listed else count_samples(store, location, stat.size, stat.version)
-        entries.append(ShardEntry(location, counted, stat.size, stat.version))
+        return ShardEntry(location, counted, stat.size, stat.version)
+
+    # shards at once: a header scan waits a request's latency per file, S3's tens of milliseconds
+    with ThreadPoolExecutor(max_workers=INDEX_THREADS, thread_name_prefix="index") as pool:
+        entries = list(pool.map(entry_of, locations))
     if sum(entry.samples for entry in entries) == 0:
         raise ShardError(f"{locations[0]}{' …' if len(locations) > 1 else ''}: the shards hold no samples")
     return SplitIndex(entries, fingerprint(entries), store.reads)
