@@ -194,7 +194,7 @@ def test_shards_in_s3_are_read_by_the_functions_and_the_controller_reads_their_h
     ],
 )
 def test_shards_that_cannot_be_read_are_one_line_before_any_function_starts(
-    location: str, extra: str, expected: str, tmp_path: Path, moto_endpoint: str, monkeypatch, capsys
+    location: str, extra: str, expected: str, tmp_path: Path, moto_endpoint: str, aws_env: None, monkeypatch, capsys
 ) -> None:
     monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
     write_digit_shards(tmp_path / "data")

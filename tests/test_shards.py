@@ -135,3 +135,15 @@ def test_damaged_shards_are_named(tmp_path: Path) -> None:
         index_split(str(tmp_path / "data" / "missing-{0..1}.tar"))
     with pytest.raises(ObjectError, match="expected s3://BUCKET/KEY or an absolute path"):
         index_split("relative/train.tar")
+
+
+def test_s3_without_credentials_is_one_clear_error(tmp_path: Path, moto_endpoint: str, monkeypatch) -> None:
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # another test's session keeps its credentials
+    with pytest.raises(ObjectError, match="s3://b/t.tar: no AWS credentials to read it with"):
+        index_split("s3://b/t.tar")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -126,20 +127,31 @@ def _samples(
     try:
         if dataset is None:
             dataset = module.load_shard(region, split)
-        stop = len(dataset) if count is None else first + count
-        if stop > len(dataset):
-            raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(dataset)}")
+        # a stream (an IterableDataset, a generator) is read as it comes, once: bounded memory whatever its size
+        streamed = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__")
+        if streamed:
+            items: Any = itertools.islice(iter(dataset), first, None if count is None else first + count)
+            stop = None
+        else:
+            stop = len(dataset) if count is None else first + count
+            if stop > len(dataset):
+                raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(dataset)}")
+            items = (dataset[i] for i in range(first, stop))
         make_inputs, make_targets = getattr(module, "example_inputs", None), getattr(module, "example_targets", None)
         expected_inputs = _leaf_specs(make_inputs(1)) if make_inputs is not None else None
         expected_targets = _leaf_specs(make_targets(1)) if make_targets is not None else None
     except Exception as exc:
         raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
-    for i in range(first, stop):
+    i = first
+    while True:
         try:
-            inputs, target = dataset[i]
+            item = next(items)
+        except StopIteration:
+            break
         except Exception as exc:
             what = f"load_shard({region!r}, {split!r})[{i}] failed: {type(exc).__name__}: {exc}"
             raise DataError(f"{path}: {what}") from exc
+        inputs, target = _inputs_and_target(module, path, f"load_shard({region!r}, {split!r})[{i}]", item)
         sample = pytree.tree_leaves(inputs), pytree.tree_leaves(target)
         wrong = _mismatch("input", sample[0], expected_inputs) if expected_inputs is not None else None
         if wrong is None and expected_targets is not None:
@@ -147,6 +159,40 @@ def _samples(
         if wrong is not None:
             raise DataError(f"{path}: load_shard({region!r}, {split!r})[{i}]: {wrong}")
         yield sample
+        i += 1
+    if count is not None and i < first + count:
+        raise DataError(
+            f"{path}: load_shard({region!r}, {split!r}): samples {first}..{first + count - 1} were planned, "
+            f"but it gave {i}"
+        )
+
+
+#: the model file's mapping of a dict row (a Hugging Face `datasets.Dataset`'s) to inputs and target
+DATA_COLUMNS = "DATA_COLUMNS"
+
+
+def _inputs_and_target(module: ModuleType, path: Path, where: str, item: Any) -> tuple[Any, Any]:
+    """A dataset's item as (inputs, target): a pair as it is; a dict row by the model file's DATA_COLUMNS,
+    `{"inputs": [column, ...], "target": column}` (columns of lists become tensors)."""
+    if isinstance(item, Mapping):
+        columns = getattr(module, DATA_COLUMNS, None)
+        if not (
+            isinstance(columns, Mapping) and isinstance(columns.get("inputs"), (list, tuple)) and "target" in columns
+        ):
+            raise DataError(
+                f"{path}: {where} is a row of columns {', '.join(map(repr, list(item)[:6]))}; say which are the "
+                f'model\'s inputs and which its target: {DATA_COLUMNS} = {{"inputs": ["input_ids", ...], '
+                f'"target": "labels"}}'
+            )
+        missing = [c for c in [*columns["inputs"], columns["target"]] if c not in item]
+        if missing:
+            raise DataError(f"{path}: {where} has no column {missing[0]!r} ({DATA_COLUMNS}); it has {', '.join(item)}")
+        return tuple(torch.as_tensor(item[c]) for c in columns["inputs"]), torch.as_tensor(item[columns["target"]])
+    try:
+        inputs, target = item
+    except (TypeError, ValueError):
+        raise DataError(f"{path}: {where} is a {type(item).__name__}; expected (inputs, target)") from None
+    return inputs, target
 
 
 def recorded_model_file(workflow: Workflow, given: Path | None) -> Path:
@@ -291,11 +337,11 @@ def index_in_place(
     }
     read = f"{len(index.entries)} shard(s), {index.reads.requests} request(s), {index.reads.bytes:,} bytes read"
     if previous.get("fingerprint") == fingerprint and previous.get("shuffle_shards") == SHUFFLE_SHARDS:
-        return WrittenSplit(meta["samples"], fingerprint, "reused", read=read)
+        return WrittenSplit(index.samples, fingerprint, "reused", read=read)
     if previous and previous.get("format") != FORMAT:  # staged shards of earlier data: not read any more
         remove_split(channel, name, split)
     channel.put(data_key(name, split, DATA_META), json.dumps(meta, sort_keys=True).encode())
-    return WrittenSplit(meta["samples"], fingerprint, "indexed", read=read)
+    return WrittenSplit(index.samples, fingerprint, "indexed", read=read)
 
 
 def stage_run_weights(
@@ -424,13 +470,13 @@ def _test_batches(
     module = user_module(build / workflow.region(region).functions[0].package, workflow.data.model_file)
     collate = getattr(module, "collate_fn", None) or default_collate
     entries = [ShardEntry.from_json(shard) for shard in meta["shards"]]
-    reader = ShardReader(entries, 1)
+    shards = ShardReader(entries, 1)
     pending: list[Any] = []
     index = 0
     for shard, entry in enumerate(entries):
         for row in range(entry.samples):
             seed_generators(sample_seed(workflow.run.seed, 0, index))
-            pending.append(module.transform(reader.sample(shard, row), epoch=0, index=index))
+            pending.append(module.transform(shards.sample(shard, row), epoch=0, index=index))
             index += 1
             if len(pending) == size:
                 yield flat_batch(collate(pending))

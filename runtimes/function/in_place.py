@@ -93,7 +93,7 @@ class InPlaceBatches:
     def samples_of(self, iteration: int, micro_batch: int) -> list[tuple[str, Callable[[], Any]]]:
         """The micro-batch's samples as (what names it, the call that reads and transforms it)."""
         first = iteration * self.global_batch + micro_batch * self.micro_batch
-        calls = []
+        calls: list[tuple[str, Callable[[], Any]]] = []
         for located in self.order.span(first, self.micro_batch):
             entry = self.reader.entries[located.shard]
 

@@ -85,8 +85,8 @@ class PipelineSteps:
         targets_sent = context.last and not context.first and self._open_data(timeout) == "in place"
         for kind, m in order:
             if kind == "forward" and targets_sent:  # before its activations: the first stage sent it first
-                target = protocol.target_key(namespace, iteration, m)
-                arriving[("target", m)] = downlink.submit(channel.get, target, timeout, cancelled)
+                target_name = protocol.target_key(namespace, iteration, m)
+                arriving[("target", m)] = downlink.submit(channel.get, target_name, timeout, cancelled)
             if kind == "forward" and not context.first:
                 key = protocol.activation_key(namespace, iteration, context.stage - 1, m)
             elif kind == "backward" and not context.last:

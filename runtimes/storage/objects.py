@@ -13,13 +13,16 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import urlparse
 
 from ...ir.protocol import S3_ENDPOINT_ENV
 from .transient import RIDE_OUT_S, StorageFaults, aws_client, inject_s3_faults, ride_out
+
+_T = TypeVar("_T")
 
 
 class ObjectError(ValueError):
@@ -130,20 +133,29 @@ class S3Objects(ObjectStore):
             return ObjectError(f"{location}: changed since it was indexed (written again while the run read it)")
         return ObjectError(f"{location}: {code}: {exc}")
 
-    def stat(self, location: str) -> ObjectStat:
-        from botocore.exceptions import ClientError
+    def _call(self, location: str, request: Callable[[], _T]) -> _T:
+        """`request()`, its transient errors ridden out; what S3 or botocore refuse, one ObjectError."""
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-        bucket, key = self._split(location)
         try:
-            head = ride_out(lambda: self.client.head_object(Bucket=bucket, Key=key), self.ride_out_s)
+            return ride_out(request, self.ride_out_s)
         except ClientError as exc:
             raise self._refused(location, exc) from None
+        except NoCredentialsError:
+            raise ObjectError(
+                f"{location}: no AWS credentials to read it with (set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY)"
+            ) from None
+        except BotoCoreError as exc:
+            raise ObjectError(f"{location}: cannot be read: {exc}") from None
+
+    def stat(self, location: str) -> ObjectStat:
+        bucket, key = self._split(location)
+        head = self._call(location, lambda: self.client.head_object(Bucket=bucket, Key=key))
         self.reads.count(0)
         return ObjectStat(int(head["ContentLength"]), str(head["ETag"]))
 
     def read(self, location: str, version: str, start: int = 0, end: int | None = None) -> bytes:
-        from botocore.exceptions import ClientError
-
         bucket, key = self._split(location)
         options: dict[str, Any] = {"Bucket": bucket, "Key": key, "IfMatch": version}
         if start or end is not None:
@@ -152,25 +164,21 @@ class S3Objects(ObjectStore):
         def get() -> bytes:  # a body cut short raises while it is read: ridden out with the request
             return cast(bytes, self.client.get_object(**options)["Body"].read())
 
-        try:
-            data = ride_out(get, self.ride_out_s)
-        except ClientError as exc:
-            raise self._refused(location, exc) from None
+        data = self._call(location, get)
         self.reads.count(len(data))
         return data
 
     def list(self, prefix: str) -> list[str]:
-        from botocore.exceptions import ClientError
-
         bucket, key = self._split(prefix)
-        found: list[str] = []
-        try:
+
+        def pages() -> list[str]:
+            found: list[str] = []
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
                 self.reads.count(0)
                 found += [f"s3://{bucket}/{item['Key']}" for item in page.get("Contents", [])]
-        except ClientError as exc:
-            raise self._refused(prefix, exc) from None
-        return sorted(found)
+            return found
+
+        return sorted(self._call(prefix, pages))
 
 
 def store_for(location: str) -> ObjectStore:
