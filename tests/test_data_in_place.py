@@ -236,3 +236,29 @@ def test_user_code_that_fails_in_the_function_names_the_sample_and_the_line(
     assert run_main([str(build), "--out", str(out), "--model", str(model), "-q"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(expected, err[0]), err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("invoker", ["lambda", "openfaas"])
+def test_each_rehearsal_reads_shards_in_its_functions_as_the_plain_loop_does(invoker: str, tmp_path: Path) -> None:
+    """The functions are processes of their packages here: the model file and its transform come from the
+    package's user/ folder, the shards from where they lie."""
+    shards = write_digit_shards(tmp_path / "data")
+    model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (4 if split == "train" else 0)')
+    build, metrics = compile_and_run(model, tmp_path, "--invoker", invoker, "--rehearse")
+    assert metrics["status"] == "done" and metrics["invoker"] == invoker
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    for name, value in plain_loop(model, shards["train"], build).items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_deployed_run_refuses_shards_in_a_folder_of_this_machine(tmp_path: Path) -> None:
+    from cloudless.runtimes.control.staging import DataError, stage_data
+    from cloudless.runtimes.storage.channels import DirectoryChannel
+
+    write_digit_shards(tmp_path / "data")
+    model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (4 if split == "train" else 0)')
+    channel = DirectoryChannel(tmp_path / "storage")
+    with pytest.raises(DataError, match=r"shards in a folder of this machine \(/.*/data/train-\{000000\.\.000004\}"):
+        stage_data(channel, "aws-us-east-1", model, deployed=True)
+    assert stage_data(channel, "aws-us-east-1", model)["train"] == sum(COUNTS["train"])  # a local run reads them

@@ -461,7 +461,12 @@ def drive(
         for region in workflow.regions:
             channels[region.name] = RetryingChannel(open_channel(stacks[region.name].storage(workflow)))
             staged = stage_data(
-                channels[region.name], region.name, model, sources=region.data_sources, name=data_name(region)
+                channels[region.name],
+                region.name,
+                model,
+                sources=region.data_sources,
+                name=data_name(region),
+                deployed=True,
             )
             if not args.quiet:
                 print(f"{describe_staged(staged)} in s3://{stacks[region.name].bucket}", flush=True)

@@ -236,6 +236,7 @@ def stage_data(
     sources: Sequence[DataSource] = (),
     name: str | None = None,
     shard_samples: int = SHARD_SAMPLES,
+    deployed: bool = False,
 ) -> StagedData:
     """Make storage hold the region's train split (required) and test split (if load_shard gives
     one) as load_shard gives them now: storage is shared by runs, and the model file may have changed
@@ -243,7 +244,8 @@ def stage_data(
     its fingerprint matches (no writes), else re-staged (`write_split`); `force` rewrites it anyway.
     A stored test split that load_shard no longer gives is deleted, so no run is tested on it.
     `sources` (several regions, data moved) are the slices of other regions' train splits it trains
-    on, kept under `name` (data.data_name)."""
+    on, kept under `name` (data.data_name). `deployed`: the functions run in a cloud, which reads shards
+    where they lie in S3 only."""
     module = load_model_module(model_path)
     # Recorded in meta as where the data came from; not part of the fingerprint: the data is shared
     # per region and split, and a model file whose load_shard gives the same samples (an edit of the
@@ -264,6 +266,14 @@ def stage_data(
                     "where they lie (docs/data.md)"
                 )
             pattern = None if sliced else in_place_pattern(given, model_path)
+            if deployed and pattern is not None:
+                first = pattern if isinstance(pattern, str) else pattern[0]
+                if not first.startswith("s3://"):
+                    raise DataError(
+                        f"{model_path}: load_shard({region!r}, {split!r}) gives shards in a folder of this machine "
+                        f"({first}), which a deployed function cannot read; copy them to the region's S3 and give "
+                        "s3://BUCKET/… locations"
+                    )
             indexed = (
                 None
                 if pattern is None

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ...ir.sample_order import ShardOrder, sample_seed
-from .shards import ShardEntry, ShardReader
+from ...ir.sample_order import ShardLocation, ShardOrder, sample_seed
+from .shards import Sample, ShardEntry, ShardReader
 
 #: where a package holds the model file and its neighbours (codegen.package.USER_FOLDER)
 USER_FOLDER = "user"
@@ -90,20 +90,22 @@ class InPlaceBatches:
     def samples(self) -> int:
         return self.order.samples
 
-    def samples_of(self, iteration: int, micro_batch: int) -> list[tuple[str, Callable[[], Any]]]:
-        """The micro-batch's samples as (what names it, the call that reads and transforms it)."""
+    def positions(self, iteration: int, micro_batch: int) -> list[ShardLocation]:
+        """Where the micro-batch's samples lie, in order."""
         first = iteration * self.global_batch + micro_batch * self.micro_batch
-        calls: list[tuple[str, Callable[[], Any]]] = []
-        for located in self.order.span(first, self.micro_batch):
-            entry = self.reader.entries[located.shard]
+        return self.order.span(first, self.micro_batch)
 
-            def read(located: Any = located) -> Any:
-                sample = self.reader.sample(located.shard, located.row)
-                seed_generators(sample_seed(self.seed, located.epoch, located.index))
-                return self.transform(sample, epoch=located.epoch, index=located.index)
+    def name(self, located: ShardLocation) -> str:
+        return f"sample {located.row} of {self.reader.entries[located.shard].location}"
 
-            calls.append((f"sample {located.row} of {entry.location}", read))
-        return calls
+    def read(self, located: ShardLocation) -> Sample:
+        """The sample as the shard holds it (its shard read whole, if it is not held)."""
+        return self.reader.sample(located.shard, located.row)
+
+    def transformed(self, located: ShardLocation, sample: Sample) -> Any:
+        """The model file's transform of it, the generators seeded for this sample and epoch."""
+        seed_generators(sample_seed(self.seed, located.epoch, located.index))
+        return self.transform(sample, epoch=located.epoch, index=located.index)
 
 
 def flat_batch(batch: Any) -> tuple[list[Any], list[Any]]:

@@ -9,6 +9,7 @@ two link threads.
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -144,14 +145,18 @@ class PipelineSteps:
         """The first stage's micro-batch from data in place: its flat inputs and flat targets."""
         assert self._in_place is not None
         context = self.context
-        samples = []
-        for named, read in self._in_place.samples_of(iteration, m):
-            try:
-                samples.append(context.model_code(iteration, replica, f"transform of {named}", read))
+        data, samples = self._in_place, []
+        for located in data.positions(iteration, m):
+            try:  # storage, not the model's code: outside its compute share
+                raw = data.read(located)
             except (ShardError, ObjectError) as exc:  # damaged, changed or refused: no retry reads it otherwise
-                message = f"iteration {iteration}: stage {context.stage} ({context.function.name}) reads {named}: {exc}"
+                message = f"iteration {iteration}: stage {context.stage} ({context.function.name}) reads "
+                message += f"{data.name(located)}: {exc}"
                 record = AbortRecord("failed", message, iteration, context.stage, context.function.name)
                 raise ModelFailed(record) from exc
+            what = f"transform of {data.name(located)}"
+            transform = functools.partial(data.transformed, located, raw)
+            samples.append(context.model_code(iteration, replica, what, transform))
         collate = self._in_place.collate
         batch = context.model_code(iteration, replica, f"collate_fn of micro-batch {m}", lambda: collate(samples))
         try:
