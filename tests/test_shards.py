@@ -147,3 +147,15 @@ def test_s3_without_credentials_is_one_clear_error(tmp_path: Path, moto_endpoint
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # another test's session keeps its credentials
     with pytest.raises(ObjectError, match="s3://b/t.tar: no AWS credentials to read it with"):
         index_split("s3://b/t.tar")
+
+
+def test_prefetched_shards_are_read_once_in_the_background_within_the_capacity(tmp_path: Path) -> None:
+    pattern = write_shards(tmp_path / "data", (2, 2, 2, 2))
+    reader = ShardReader(index_split(pattern).entries, capacity=2)
+    reader.prefetch([3, 1, 0])  # the first two only: the capacity
+    assert reader.held == 2
+    assert reader.sample(3, 1)["__key__"] == "s3/0001" and reader.sample(1, 0)["__key__"] == "s1/0000"
+    assert reader.store.reads.requests == 2  # read once each, by the prefetch
+    reader.sample(0, 0)
+    assert reader.held == 2 and reader.store.reads.requests == 3
+    reader.close()

@@ -98,6 +98,10 @@ class InPlaceBatches:
     def name(self, located: ShardLocation) -> str:
         return f"sample {located.row} of {self.reader.entries[located.shard].location}"
 
+    def prefetch(self, iteration: int, micro_batch: int) -> None:
+        """Start reading the shards of that micro-batch that are not held (in the background)."""
+        self.reader.prefetch(located.shard for located in self.positions(iteration, micro_batch))
+
     def read(self, located: ShardLocation) -> Sample:
         """The sample as the shard holds it (its shard read whole, if it is not held)."""
         return self.reader.sample(located.shard, located.row)

@@ -157,6 +157,12 @@ class PipelineSteps:
             what = f"transform of {data.name(located)}"
             transform = functools.partial(data.transformed, located, raw)
             samples.append(context.model_code(iteration, replica, what, transform))
+        # the replica's next micro-batch (the next iteration's first after its last): read while this one runs
+        following = m + self.invocation.replicas
+        if following < self.run.micro_batches:
+            data.prefetch(iteration, following)
+        else:
+            data.prefetch(iteration + 1, m % self.invocation.replicas)
         collate = self._in_place.collate
         batch = context.model_code(iteration, replica, f"collate_fn of micro-batch {m}", lambda: collate(samples))
         try:

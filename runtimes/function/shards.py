@@ -27,7 +27,7 @@ import re
 import tarfile
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,28 +245,45 @@ def _file_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
 
 
 class ShardReader:
-    """A function's reads of a split's shards: each read whole, at most `capacity` held at once (the
-    least recently used let go first)."""
+    """A function's reads of a split's shards: each read whole, by one reading thread, at most `capacity`
+    held or being read at once (the least recently used let go first). `prefetch` starts the reads of
+    shards the next micro-batch needs, so that they overlap the model's compute."""
 
     def __init__(self, entries: list[ShardEntry], capacity: int) -> None:
         if not entries:
             raise ShardError("a split of no shards")
         self.entries, self.capacity = entries, max(1, capacity)
         self.store = store_for(entries[0].location)
-        self._held: OrderedDict[int, list[Sample]] = OrderedDict()
+        self._held: OrderedDict[int, Future[list[Sample]]] = OrderedDict()
+        self._reading: ThreadPoolExecutor | None = None
 
-    def sample(self, shard: int, row: int) -> Sample:
-        """Row `row` of shard `shard` (a copy: a transform may change it)."""
+    def _get(self, shard: int) -> Future[list[Sample]]:
         if shard not in self._held:
             while len(self._held) >= self.capacity:
                 self._held.popitem(last=False)
-            self._held[shard] = read_shard(self.store, self.entries[shard])
+            if self._reading is None:
+                self._reading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
+            self._held[shard] = self._reading.submit(read_shard, self.store, self.entries[shard])
         self._held.move_to_end(shard)
-        return dict(self._held[shard][row])
+        return self._held[shard]
+
+    def sample(self, shard: int, row: int) -> Sample:
+        """Row `row` of shard `shard` (a copy: a transform may change it)."""
+        return dict(self._get(shard).result()[row])
+
+    def prefetch(self, shards: Iterable[int]) -> None:
+        """Start reading these shards (in order; those held are kept), up to the capacity."""
+        for shard in list(dict.fromkeys(shards))[: self.capacity]:
+            self._get(shard)
 
     @property
     def held(self) -> int:
         return len(self._held)
+
+    def close(self) -> None:
+        if self._reading is not None:
+            self._reading.shutdown(wait=False, cancel_futures=True)
+            self._reading = None
 
 
 __all__ = [
