@@ -262,3 +262,27 @@ def test_a_deployed_run_refuses_shards_in_a_folder_of_this_machine(tmp_path: Pat
     with pytest.raises(DataError, match=r"shards in a folder of this machine \(/.*/data/train-\{000000\.\.000004\}"):
         stage_data(channel, "aws-us-east-1", model, deployed=True)
     assert stage_data(channel, "aws-us-east-1", model)["train"] == sum(COUNTS["train"])  # a local run reads them
+
+
+@pytest.mark.slow
+def test_the_jpeg_sample_writes_its_shards_the_same_way_and_trains_on_them(tmp_path: Path) -> None:
+    """samples/digits_jpeg.py as a user runs it: its shards (written by its first load_shard, byte for byte
+    the same on every machine), compiled, trained with the JPEGs decoded and cropped in the function."""
+    import importlib.util
+
+    sample = Path(__file__).resolve().parent.parent / "samples" / "digits_jpeg.py"
+    spec = importlib.util.spec_from_file_location("digits_jpeg_sample", sample)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for folder in ("a", "b"):
+        module.write_shards(tmp_path / folder)
+    written = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert written == [f"test-00000{n}.tar" for n in range(2)] + [f"train-00000{n}.tar" for n in range(6)]
+    assert all((tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes() for name in written)
+    build, out = tmp_path / "build", tmp_path / "out"
+    assert compile_main([str(sample), "-o", str(build), "--repeats", "1", "-q"]) == 0
+    assert run_main([str(build), "--out", str(out), "--model", str(sample), "-q", "--iterations", "30"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "done" and metrics["test"]["samples"] == 352
+    assert metrics["test"]["accuracy"] > 0.3  # ten classes: well above chance after 30 iterations

@@ -23,6 +23,7 @@ CASES = {
     "llama_text": ("export", 656_512),
     "llama_lora": ("export", 131_072),  # the trained ones: adapters, embedding, head
     "mlp_digits_geo": ("fx", 17_226),
+    "digits_jpeg": ("fx", 136_586),
 }
 
 
