@@ -24,8 +24,11 @@ from cloudless.compiler.cli import main as compile_main
 from cloudless.ir.protocol import S3_ENDPOINT_ENV
 from cloudless.ir.sample_order import SHUFFLE_SHARDS, ShardOrder, sample_seed
 from cloudless.runtimes.cli import main as run_main
+from tests.data_cases import DIGITS_MLP
 
-MODEL = """
+MODEL = (
+    DIGITS_MLP
+    + """
 import io
 
 import numpy as np
@@ -34,18 +37,6 @@ from torch import nn
 
 TRAINING = {"global_batch_size": 32, "micro_batch_sizes": [8], "iterations": ITERATIONS, "learning_rate": 0.2}
 
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-
-def example_inputs(batch_size):
-    return (torch.zeros(batch_size, 64),)
-
-
-def example_targets(batch_size):
-    return torch.zeros(batch_size, dtype=torch.int64)
 
 
 def load_shard(region, split):
@@ -57,6 +48,7 @@ def transform(sample, *, epoch, index):
     jitter = 0.05 * torch.randn(64)  # an augmentation: drawn from the generator seeded per sample
     return (pixels + jitter,), torch.tensor(int(sample["cls"]))
 """
+)
 ITERATIONS = 6
 COUNTS = {"train": (97, 60, 130, 41, 88), "test": (64,)}
 

@@ -13,8 +13,11 @@ from safetensors.torch import load_file
 
 from cloudless.compiler.cli import main as compile_main
 from cloudless.runtimes.cli import main as run_main
+from tests.data_cases import DIGITS_MLP
 
-MODEL = """
+MODEL = (
+    DIGITS_MLP
+    + """
 import os
 
 import torch
@@ -40,18 +43,6 @@ class Stream(torch.utils.data.IterableDataset):
             yield (pixels,), torch.tensor(label)
 
 
-def build_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-
-def example_inputs(batch_size):
-    return (torch.zeros(batch_size, 64),)
-
-
-def example_targets(batch_size):
-    return torch.zeros(batch_size, dtype=torch.int64)
-
 
 def load_shard(region, split):
     kind = os.environ["DIGITS_SOURCE"]
@@ -64,6 +55,7 @@ def load_shard(region, split):
     rows = _digits(split)
     return datasets.Dataset.from_dict({"pixels": [p.tolist() for p, _ in rows], "label": [l for _, l in rows]})
 """
+)
 
 
 @pytest.fixture(scope="module")
