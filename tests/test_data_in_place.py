@@ -53,12 +53,12 @@ ITERATIONS = 6
 COUNTS = {"train": (97, 60, 130, 41, 88), "test": (64,)}
 
 
-def write_digit_shards(folder: Path) -> dict[str, list[str]]:
-    """Real data (scikit-learn's digits) as WebDataset shards, `.npy` pixels and a `.cls` label."""
+def write_digit_shards(folder: Path, first: int = 0) -> dict[str, list[str]]:
+    """Real data (scikit-learn's digits from `first` on) as WebDataset shards, `.npy` pixels and a `.cls` label."""
     digits = load_digits()
     folder.mkdir(parents=True, exist_ok=True)
     written: dict[str, list[str]] = {}
-    position = 0
+    position = first
     for split, counts in COUNTS.items():
         with webdataset.ShardWriter(str(folder / f"{split}-%06d.tar"), maxcount=10**6, verbose=0) as sink:
             for shard, count in enumerate(counts):
@@ -125,7 +125,8 @@ def compile_and_run(model: Path, tmp_path: Path, *run_options: str) -> tuple[Pat
 def test_shards_in_a_folder_train_as_a_plain_loop_over_them(tmp_path: Path) -> None:
     shards = write_digit_shards(tmp_path / "data")
     model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (4 if split == "train" else 0)')
-    build, metrics = compile_and_run(model, tmp_path)
+    storage = ["--storage", str(tmp_path / "storage")]
+    build, metrics = compile_and_run(model, tmp_path, *storage)
     workflow = yaml.safe_load((build / "workflow.yaml").read_text())
     assert [f["replicas"] for f in workflow["regions"][0]["functions"]] == [2, 2]
     trained = load_file(tmp_path / "out" / "model.safetensors")
@@ -138,6 +139,14 @@ def test_shards_in_a_folder_train_as_a_plain_loop_over_them(tmp_path: Path) -> N
     # the packages hold the model file, whose transform the first stage ran
     packages = sorted((build / "regions").glob("*/functions/*/user/digits_shards.py"))
     assert len(packages) == 2 and packages[0].read_bytes() == model.read_bytes()
+    # other data in the same shards' places, the next run on the same storage: its functions (warm, in this
+    # process) read the new index and train on the new data
+    shards = write_digit_shards(tmp_path / "data", first=500)
+    again = tmp_path / "again"
+    assert run_main([str(build), "--out", str(again), "--model", str(model), "-q", *storage]) == 0
+    retrained, expected = load_file(again / "model.safetensors"), plain_loop(model, shards["train"], build)
+    for name, value in expected.items():
+        torch.testing.assert_close(retrained[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow  # a header scan of 416 samples' files over HTTP, two runs

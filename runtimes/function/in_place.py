@@ -80,6 +80,7 @@ class InPlaceBatches:
         global_batch: int,
     ) -> None:
         entries = entries_of(meta)
+        self.fingerprint = str(meta["fingerprint"])
         self.order = ShardOrder(tuple(e.samples for e in entries), seed, int(meta["shuffle_shards"]))
         # a group's shards, and the next group's first while a micro-batch straddles the two
         self.reader = ShardReader(entries, self.order.shuffle_shards + 1)

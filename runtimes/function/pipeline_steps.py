@@ -65,7 +65,7 @@ class PipelineSteps:
         # targets on to the last)
         self._reader: SplitReader | None = None
         self._in_place: InPlaceBatches | None = None
-        self._opened = False
+        self._opened_for: str | None = None  # the run (namespace) the data was opened for
         self._batch: tuple[int, list[int]] = (-1, [])  # (iteration, its samples in order)
         self._link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
 
@@ -120,25 +120,29 @@ class PipelineSteps:
         return [float(losses[m]) for m in sorted(losses)]
 
     def _open_data(self, timeout: float) -> str:
-        """Open the region's training data: "staged" or "in place" (what its `meta` says)."""
-        if not self._opened:
+        """Open the region's training data: "staged" or "in place" (what its `meta` says). Once per run: a
+        warm function serving the next run reads its `meta` again (the data may have changed in between),
+        and keeps the shards it holds when the index is the same."""
+        namespace = self.invocation.namespace
+        if self._opened_for != namespace:
             channel, run = self.context.channel, self.run
             meta = read_split_meta(channel, self.data_name, "train", timeout)
-            if meta.get("format") == IN_PLACE_FORMAT:
-                if self.context.first:
-                    module = user_module(self.context.package, self.context.workflow.data.model_file)
-                    collate = getattr(module, "collate_fn", None) or default_collate
-                    self._in_place = InPlaceBatches(
-                        meta,
-                        module.transform,
-                        collate,
-                        seed=run.seed,
-                        micro_batch=run.micro_batch,
-                        global_batch=run.global_batch,
-                    )
-            else:
+            self._reader = None
+            if meta.get("format") != IN_PLACE_FORMAT:
+                self._in_place = None
                 self._reader = SplitReader(channel, self.data_name, timeout=timeout, meta=meta)
-            self._opened = True
+            elif self.context.first and (self._in_place is None or self._in_place.fingerprint != meta["fingerprint"]):
+                module = user_module(self.context.package, self.context.workflow.data.model_file)
+                collate = getattr(module, "collate_fn", None) or default_collate
+                self._in_place = InPlaceBatches(
+                    meta,
+                    module.transform,
+                    collate,
+                    seed=run.seed,
+                    micro_batch=run.micro_batch,
+                    global_batch=run.global_batch,
+                )
+            self._opened_for = namespace
         return "staged" if self._reader is not None else "in place"
 
     def _in_place_batch(self, iteration: int, replica: int, m: int) -> tuple[list[Any], list[Any]]:
