@@ -218,10 +218,11 @@ def test_shards_that_cannot_be_read_are_one_line_before_any_function_starts(
             r"the transform of sample \d+ of .*/data/train-00000\d\.tar of stage 0 .* raised ValueError: bad pixels "
             r"\(at digits_shards\.py:\d+\)",
         ),
-        (
+        pytest.param(
             "def collate_fn(samples):\n"
             "    return (torch.zeros(8, 64), torch.zeros(8, 64)), torch.zeros(8, dtype=torch.int64)\n",
             r"micro-batch \d's collated inputs have 2 tensors, but the model takes 1",
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -70,6 +70,7 @@ def digits_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, build
 
 
+@pytest.mark.slow  # three runs
 def test_an_iterable_and_a_hugging_face_dataset_stage_the_map_style_datasets_samples(
     digits_build: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
@@ -91,6 +92,7 @@ def test_an_iterable_and_a_hugging_face_dataset_stage_the_map_style_datasets_sam
         assert all((models[kind][name] == models["map"][name]).all() for name in models["map"]), kind
 
 
+@pytest.mark.slow  # the module's compile
 def test_dict_rows_without_data_columns_are_one_line(
     digits_build: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
