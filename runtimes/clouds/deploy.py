@@ -466,7 +466,7 @@ def drive(
                 model,
                 sources=region.data_sources,
                 name=data_name(region),
-                deployed=True,
+                deployed=not args.rehearse,  # a rehearsal's functions run here, and read this machine's folders
             )
             if not args.quiet:
                 print(f"{describe_staged(staged)} in s3://{stacks[region.name].bucket}", flush=True)
