@@ -284,7 +284,7 @@ def test_the_jpeg_sample_writes_its_shards_the_same_way_and_trains_on_them(tmp_p
     assert all((tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes() for name in written)
     build, out = tmp_path / "build", tmp_path / "out"
     assert compile_main([str(sample), "-o", str(build), "--repeats", "1", "-q"]) == 0
-    assert run_main([str(build), "--out", str(out), "--model", str(sample), "-q", "--iterations", "30"]) == 0
+    assert run_main([str(build), "--out", str(out), "--model", str(sample), "-q"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "done" and metrics["test"]["samples"] == 352
-    assert metrics["test"]["accuracy"] > 0.3  # ten classes: well above chance after 30 iterations
+    assert metrics["test"]["accuracy"] > 0.7  # its 120 iterations: 0.83 measured (chance: 0.1)
