@@ -12,6 +12,7 @@ train on them there (docs/data.md).
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ def write_shards(folder: Path = SHARDS) -> None:
     for split, (count, per_shard) in SPLITS.items():
         for shard in range(count):
             path = folder / f"{split}-{shard:06d}.tar"
-            partial = path.with_suffix(".tar.partial")
+            partial = path.with_suffix(f".tar.{os.getpid()}.partial")  # two processes may write them at once
             with tarfile.open(partial, "w") as tar:
                 for _ in range(per_shard):
                     index = order[position]
