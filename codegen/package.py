@@ -33,6 +33,7 @@ import jinja2
 import torch
 from safetensors.torch import save
 
+from ..ir.protocol import USER_FOLDER
 from ..ir.workflow import Function, Workflow
 from .images import LAMBDA_BASE_IMAGE, PYTHON_VERSION
 from .libraries import library_imports, library_pins
@@ -101,8 +102,6 @@ _INSTALLED_OTHERWISE = frozenset({"torch", *(pin.name for pin in PYPI_PINS)})
 #: stay out of the packages), and the ir modules they import (the run contract: standard library and torch)
 VENDORED_FOLDERS = ("runtimes/function", "runtimes/storage")
 VENDORED_IR = ("__init__", "protocol", "sample_order", "schedule", "workflow")
-#: where a package holds the model file and its neighbours (`runtimes.function.user_code` imports them)
-USER_FOLDER = "user"
 
 
 @cache

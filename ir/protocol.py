@@ -413,6 +413,11 @@ def activation_key(ns: str, iteration: int, stage: int, micro_batch: int) -> str
     return f"{ns}/it{iteration}/act/s{stage}/mb{micro_batch}"
 
 
+#: the folder of a function package that holds the model file and the modules beside it that it imports
+#: (codegen writes it; a function imports the model file from it for the user's own code a run calls)
+USER_FOLDER = "user"
+
+
 def target_key(ns: str, iteration: int, micro_batch: int) -> str:
     """A micro-batch's targets, written by the first stage (which collated them with its inputs from data
     that lies in place) for the last stage's loss."""

@@ -25,11 +25,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ...ir.protocol import USER_FOLDER
 from ...ir.sample_order import ShardLocation, ShardOrder, sample_seed
 from .shards import Sample, ShardEntry, ShardReader
-
-#: where a package holds the model file and its neighbours (codegen.package.USER_FOLDER)
-USER_FOLDER = "user"
 
 _modules: dict[str, ModuleType] = {}
 
