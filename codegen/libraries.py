@@ -9,10 +9,12 @@ pinned to the compiling machine's version, with its dependencies.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from packaging.markers import Marker
 from packaging.requirements import Requirement
@@ -145,3 +147,91 @@ def library_pins(modules: list[str], environment: dict[str, str], skip: frozense
 def canonical_name(name: str) -> str:
     """A distribution's name as PEP 503 compares them."""
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+#: what a function calls of the model file: the rest of it (build_model, load_shard, ...) runs where it compiles
+FUNCTION_ENTRY_POINTS = ("transform", "collate_fn")
+
+
+class UserImportError(ValueError):
+    """The user's code a function runs imports a module this machine does not have, so it cannot be pinned."""
+
+
+_Imports = list[tuple[ast.stmt, bool]]
+
+
+def _scoped_imports(tree: ast.Module) -> tuple[_Imports, dict[str, _Imports], dict[str, set[str]]]:
+    """A module's imports run as it is imported (with: inside a `try`), those of each top-level function,
+    and the bare names each top-level function calls."""
+    at_import: _Imports = []
+    by_function: dict[str, _Imports] = {}
+    calls: dict[str, set[str]] = {}
+
+    def visit(node: ast.AST, found: _Imports, guarded: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, guarded))
+            visit(child, found, guarded or isinstance(child, ast.Try))
+
+    for statement in tree.body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            by_function[statement.name] = found = []
+            visit(statement, found, False)
+            calls[statement.name] = {
+                n.func.id for n in ast.walk(statement) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            }
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            at_import.append((statement, False))
+        else:  # a class's methods count as run: a class is there to be used
+            visit(statement, at_import, isinstance(statement, ast.Try))
+    return at_import, by_function, calls
+
+
+def third_party_imports(sources: dict[str, bytes], entry: str) -> list[str]:
+    """The top-level modules outside the standard library and the sources themselves that a function
+    imports when it imports `entry` (the model file, among `sources`: path -> bytes, its neighbours) and
+    calls its FUNCTION_ENTRY_POINTS: what the model file and the neighbours import as they load, and the
+    imports inside the entry points and the model file's functions they call (by name); a neighbour's
+    functions all count. A module imported under a `try` that this machine lacks is optional, left out.
+    UserImportError names
+    the file and line of an import this machine cannot resolve to an installed distribution."""
+    local = {Path(name).parts[0].removesuffix(".py") for name in sources}
+    distributions = importlib.metadata.packages_distributions()
+    found: set[str] = set()
+    for name, data in sources.items():
+        try:
+            tree = ast.parse(data)
+        except SyntaxError:
+            continue  # the import of the model file reports it
+        at_import, by_function, calls = _scoped_imports(tree)
+        if name == entry:
+            reached: set[str] = set()
+            pending = [f for f in FUNCTION_ENTRY_POINTS if f in by_function]
+            while pending:
+                function = pending.pop()
+                if function not in reached:
+                    reached.add(function)
+                    pending += [called for called in calls[function] if called in by_function]
+        else:
+            reached = set(by_function)
+        imports = at_import + [each for function in sorted(reached) for each in by_function[function]]
+        for statement, guarded in imports:
+            if isinstance(statement, ast.ImportFrom):
+                modules = [] if statement.level or not statement.module else [statement.module]
+            else:
+                modules = [alias.name for alias in statement.names]
+            for module in modules:
+                top = module.split(".")[0]
+                if top in local or top in sys.stdlib_module_names or top == "__future__":
+                    continue
+                owners = distributions.get(top) or []
+                if not owners:
+                    if guarded:
+                        continue
+                    raise UserImportError(
+                        f"{name}:{statement.lineno}: imports {module}, which no package installed here provides; "
+                        "the function runs this code, so its package must install it: pip install it here, where "
+                        "the build pins it"
+                    )
+                found.add(top)
+    return sorted(found)

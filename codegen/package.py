@@ -25,6 +25,7 @@ build from PyTorch's index; everything else comes from PyPI, pinned with every d
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -145,10 +146,12 @@ def render_function_package(
     loss_source: str | None,
     torch_version: str,
     user_sources: dict[str, bytes] | None = None,
+    user_imports: Sequence[str] = (),
 ) -> dict[str, bytes]:
     """The package's files, by path relative to the build folder. `user_sources`: the model file and its
     neighbours (by path relative to its folder), under `user/`: the functions import it for the user's
-    own code a run calls (`transform`, `collate_fn`)."""
+    own code a run calls (`transform`, `collate_fn`); `user_imports`: the third-party modules that code
+    imports, whose packages the function installs as it does a library's."""
     stages = workflow.region(region).stages
     context = {
         "function": function.name,
@@ -164,8 +167,10 @@ def render_function_package(
         "pypi_index": PYPI_INDEX,
         "pins": PYPI_PINS,
     }
-    # the libraries whose ops or modules the stage (or its loss) uses: their modules' packages
-    registering = sorted({m for code in (stage_source, loss_source or "") for m in library_imports(code)})
+    # the libraries whose ops or modules the stage (or its loss) uses, and those the user's code imports
+    registering = sorted(
+        {m for code in (stage_source, loss_source or "") for m in library_imports(code)} | set(user_imports)
+    )
     libraries = library_pins(registering, IMAGE_MARKERS, _INSTALLED_OTHERWISE) if registering else ()
     context["libraries"] = libraries
     env = _environment()

@@ -112,6 +112,7 @@ def package_files(lowered: Lowered, graph: OpGraph | None = None) -> dict[str, b
                     loss_source=lowered.loss_source,
                     torch_version=torch_release(),
                     user_sources=dict(lowered.user_sources),
+                    user_imports=lowered.user_imports,
                 )
             )
     return files

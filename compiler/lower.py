@@ -91,6 +91,8 @@ class Lowered:
     workflow: Workflow
     #: the model file and the modules beside it that it imports, by path relative to its folder
     user_sources: tuple[tuple[str, bytes], ...] = ()
+    #: the third-party modules the functions import through them (libraries.third_party_imports)
+    user_imports: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..codegen.libraries import UserImportError, third_party_imports
 from ..codegen.platforms import TARGETS
 from ..codegen.stage_source import StageHeader, TensorKind, render_stage_source
 from ..codegen.validate import check_build
@@ -37,7 +38,14 @@ from .frontend.coarsen import (
     coarsen,
     compute_positions,
 )
-from .frontend.model_file import ModelFile, default_loss, load_model_file, probe_learning_rates, user_sources
+from .frontend.model_file import (
+    ModelFile,
+    data_in_place,
+    default_loss,
+    load_model_file,
+    probe_learning_rates,
+    user_sources,
+)
 from .frontend.profile import loss_function, profile_blocks, reuse_profile
 from .frontend.split import inline_leaf_modules, partition
 from .frontend.stand_ins import holds_stand_ins, staged_parameter_names
@@ -318,7 +326,16 @@ def lower(
         inter_region=inter_region,
         adapter=adapter_format(front.model),
     )
-    return Lowered(stages, loss, workflow, tuple(user_sources(model_file.path).items()))
+    if not data_in_place(model_file, [region.name for region in workflow.regions]):
+        return Lowered(stages, loss, workflow)
+    # the first stage reads the shards through the model file's transform: the packages hold the file, its
+    # neighbours, and what they import
+    sources = user_sources(model_file.path)
+    try:
+        imports = third_party_imports(sources, model_file.path.name)
+    except UserImportError as exc:
+        raise ModelFileError(f"{display_path(model_file.path.parent)}/{exc}") from None
+    return Lowered(stages, loss, workflow, tuple(sources.items()), tuple(imports))
 
 
 def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRegion | None]:

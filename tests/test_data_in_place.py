@@ -139,6 +139,10 @@ def test_shards_in_a_folder_train_as_a_plain_loop_over_them(tmp_path: Path) -> N
     # the packages hold the model file, whose transform the first stage ran
     packages = sorted((build / "regions").glob("*/functions/*/user/digits_shards.py"))
     assert len(packages) == 2 and packages[0].read_bytes() == model.read_bytes()
+    # and install what it imports (numpy, at the version here), what the vendored runtime does not
+    for package in packages:
+        installed = (package.parent.parent / "requirements.txt").read_text()
+        assert f"numpy=={np.__version__}\n" in installed and "scikit-learn" not in installed
     # other data in the same shards' places, the next run on the same storage: its functions (warm, in this
     # process) read the new index and train on the new data
     shards = write_digit_shards(tmp_path / "data", first=500)

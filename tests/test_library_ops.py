@@ -12,7 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cloudless.codegen.libraries import import_lines, library_ops, unimported_classes, unregistered_ops
+from cloudless.codegen.libraries import (
+    UserImportError,
+    import_lines,
+    library_ops,
+    third_party_imports,
+    unimported_classes,
+    unregistered_ops,
+)
 from cloudless.codegen.library_objects import REBUILD_SOURCE, LibraryObjects
 from cloudless.codegen.validate import BuildCheckError, check_build
 from cloudless.compiler.errors import CompileError
@@ -370,3 +377,44 @@ def test_a_library_module_is_rebuilt_from_literals_and_what_cannot_be_written_is
     module.register_forward_hook(lambda *_: None)
     with pytest.raises(ValueError, match=r"net\.routed has forward hooks"):
         LibraryObjects().module(module, "net.routed")
+
+
+def test_the_third_party_modules_the_users_code_imports_in_the_function_are_found_by_scope() -> None:
+    """What a function imports of the model file: what it and its neighbours import as they load, and what
+    transform and collate_fn (and the model file's functions they call) import; not what only the
+    compiling machine runs (build_model, load_shard and their helpers)."""
+    model = textwrap.dedent(
+        """
+        import json, torch
+        from torch import nn
+        import helpers
+        from . import nothing
+        try:
+            import not_installed_anywhere
+        except ImportError:
+            not_installed_anywhere = None
+
+        def write_shards():
+            import sklearn.datasets
+
+        def load_shard(region, split):
+            write_shards()
+
+        def decode(data):
+            from PIL import Image
+            return Image
+
+        def transform(sample, *, epoch, index):
+            return decode(sample)
+
+        class Padding:
+            def __call__(self, samples):
+                import yaml
+        """
+    ).encode()
+    helpers = b"def scale():\n    import numpy\n"
+    modules = third_party_imports({"model.py": model, "helpers.py": helpers}, "model.py")
+    assert modules == ["PIL", "numpy", "torch", "yaml"]  # torch too: the images install it anyway
+    # an import this machine cannot resolve, outside a try: its file and line
+    with pytest.raises(UserImportError, match=r"^model\.py:3: imports no_such_module_here, which no package"):
+        third_party_imports({"model.py": b"import torch\n\nimport no_such_module_here\n"}, "model.py")

@@ -7,15 +7,19 @@ import ast
 import json
 import math
 import typing
+from pathlib import Path
 from typing import Any
 
+from ...ir.protocol import USER_FOLDER
 from ...ir.workflow import Function, Region, Workflow
 from ...ir.workflow_rules import function_key
 from ..libraries import (
     LibraryOpError,
+    UserImportError,
     canonical_name,
     distribution_of,
     library_imports,
+    third_party_imports,
     unimported_classes,
     unregistered_ops,
 )
@@ -93,6 +97,7 @@ def check_packages(context: BuildContext, document: dict[str, Any], workflow: Wo
             if last:
                 _check_loss(context, workflow, function)
             _check_library_ops(context, workflow, function, last)
+            _check_user_imports(context, workflow, function)
         _check_shared(context, document, r, region, tensors)
         _check_groups(workflow, tensors)
 
@@ -137,6 +142,33 @@ def _check_library_ops(context: BuildContext, workflow: Workflow, function: Func
                     f"missing: {file} imports {module} (the stage calls its ops or runs its modules), which this "
                     f"package does not install{context.note(file)}",
                 )
+
+
+def _check_user_imports(context: BuildContext, workflow: Workflow, function: Function) -> None:
+    """What the user's code under user/ imports (third_party_imports) the package installs."""
+    folder = context.root / function.package / USER_FOLDER
+    if not folder.is_dir():
+        return
+    sources = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*.py"))}
+    installed = {
+        canonical_name(line.split("==")[0])
+        for line in (context.root / function.package / "requirements.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    entry = Path(workflow.data.model_file).name
+    try:
+        modules = third_party_imports(sources, entry)
+    except UserImportError as exc:
+        fail(f"{function.package}/{USER_FOLDER}", "(imports)", str(exc))
+    for module in modules:
+        distribution = distribution_of(module)
+        if canonical_name(distribution) not in installed:
+            fail(
+                f"{function.package}/requirements.txt",
+                distribution,
+                f"missing: {USER_FOLDER}/ imports {module} (the function runs its transform or collate_fn), which "
+                "this package does not install",
+            )
 
 
 def _check_groups(workflow: Workflow, tensors: dict[int, dict[str, StageTensor]]) -> None:

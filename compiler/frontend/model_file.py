@@ -16,7 +16,7 @@ import inspect
 import math
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,6 +274,21 @@ def load_model_file(path: Path) -> ModelFile:
     training = getattr(module, "TRAINING", {})
     _check_training(training, shown)
     return ModelFile(path=path, training=dict(training), **functions)
+
+
+def names_shards(given: Any) -> bool:
+    """Whether what load_shard gave names shards where they lie (a location, or a list of them), rather than
+    being a dataset: the first stage's functions then read them, importing the model file for its transform."""
+    return isinstance(given, str) or (
+        isinstance(given, (list, tuple)) and bool(given) and all(isinstance(each, str) for each in given)
+    )
+
+
+def data_in_place(model_file: ModelFile, regions: Iterable[str]) -> bool:
+    """Whether any of these regions' train split lies in place (names_shards)."""
+    return model_file.load_shard is not None and any(
+        names_shards(model_file.call("load_shard", region, "train")) for region in regions
+    )
 
 
 def user_sources(path: Path) -> dict[str, bytes]:

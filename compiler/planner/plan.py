@@ -16,7 +16,7 @@ from ...ir import BlockChain
 from ...ir.catalog import Catalog, Link, Region, load_catalog, platform_limits
 from ...ir.schema import SchemaError
 from ..errors import CompileError
-from ..frontend.model_file import ModelFile, probe_optimizer
+from ..frontend.model_file import ModelFile, names_shards, probe_optimizer
 from .baselines import Baseline, baselines
 from .cost_model import (
     MB,
@@ -178,9 +178,7 @@ def _samples_per_epoch(model_file: ModelFile, region: str) -> int | None:
     if model_file.load_shard is None:
         return None
     shard = model_file.call("load_shard", region, "train")
-    if isinstance(shard, str) or (
-        isinstance(shard, (list, tuple)) and shard and all(isinstance(s, str) for s in shard)
-    ):
+    if names_shards(shard):
         return None  # shards where they lie: cloudless-run reads their index, the compiler does not
     try:
         return len(shard)

@@ -38,7 +38,10 @@ def user_module(package: Path, model_file: str) -> ModuleType:
     key = str(path)
     if key not in _modules:
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: the package holds no model file (built before data could lie in place)")
+            raise FileNotFoundError(
+                f"{path}: the package holds no model file: it was compiled while load_shard gave a dataset, not "
+                "shards where they lie; compile the model file again"
+            )
         folder = str(path.parent)
         if folder not in sys.path:
             sys.path.insert(0, folder)  # as `python model.py` imports the modules beside it
