@@ -26,6 +26,7 @@ from ..codegen.validate import check_build
 from ..ir.blocks import BlockChain
 from ..ir.graph import OpGraph
 from ..ir.plan import TrainingPlan
+from ..ir.protocol import PARQUET_READER, PARQUET_SUFFIX
 from ..ir.workflow import Schedule, Workflow
 from .build import build_files, write_build
 from .errors import CompileError, ModelFileError, display_path
@@ -326,16 +327,19 @@ def lower(
         inter_region=inter_region,
         adapter=adapter_format(front.model),
     )
-    if not data_in_place(model_file, [region.name for region in workflow.regions]):
+    in_place = data_in_place(model_file, [region.name for region in workflow.regions])
+    if not in_place:
         return Lowered(stages, loss, workflow)
     # the first stage reads the shards through the model file's transform: the packages hold the file, its
-    # neighbours, and what they import
+    # neighbours, what they import, and Parquet's reader when the shards are Parquet files
     sources = user_sources(model_file.path)
     try:
-        imports = third_party_imports(sources, model_file.path.name)
+        imports = set(third_party_imports(sources, model_file.path.name))
     except UserImportError as exc:
         raise ModelFileError(f"{display_path(model_file.path.parent)}/{exc}") from None
-    return Lowered(stages, loss, workflow, tuple(sources.items()), tuple(imports))
+    if any(location.lower().endswith(PARQUET_SUFFIX) for location in in_place):
+        imports.add(PARQUET_READER)
+    return Lowered(stages, loss, workflow, tuple(sources.items()), tuple(sorted(imports)))
 
 
 def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRegion | None]:

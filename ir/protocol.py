@@ -651,3 +651,10 @@ WAN_COUNT_PREFIX = "wan/"
 def module_values(values: Mapping[str, _V]) -> dict[str, _V]:
     """A checkpoint's module state under the module's own names."""
     return {k.removeprefix(MODULE_PREFIX): v for k, v in values.items() if k.startswith(MODULE_PREFIX)}
+
+
+#: training data where it lies in files of this suffix is Parquet, read by pyarrow: a first stage's package
+#: installs it (the compiler), the functions and the controller read row groups with it (shards.py)
+PARQUET_SUFFIX = ".parquet"
+#: the module that reads Parquet, and so the one package a build with Parquet data in place installs for it
+PARQUET_READER = "pyarrow"

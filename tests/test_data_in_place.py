@@ -85,12 +85,7 @@ def model_file(folder: Path, location: str) -> Path:
 def plain_loop(model: Path, shards: list[str], build: Path) -> dict[str, torch.Tensor]:
     """The same training as one PyTorch loop: webdataset reads the shards, ShardOrder picks each
     position's sample, the transform runs seeded by sample_seed, default_collate batches them."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plain_digits_shards", model)
-    assert spec is not None and spec.loader is not None
-    user = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(user)
+    user = _module(model)
     workflow = yaml.safe_load((build / "workflow.yaml").read_text())
     seed = int(workflow["run"]["seed"])
     rows = [list(webdataset.WebDataset(shard, shardshuffle=False, empty_check=False)) for shard in shards]
@@ -292,3 +287,137 @@ def test_the_jpeg_sample_writes_its_shards_the_same_way_and_trains_on_them(tmp_p
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "done" and metrics["test"]["samples"] == 352
     assert metrics["test"]["accuracy"] > 0.7  # its 120 iterations: 0.83 measured (chance: 0.1)
+
+
+PADDED_MODEL = """
+import torch
+from torch import nn
+
+TRAINING = {"global_batch_size": 32, "micro_batch_sizes": [8], "iterations": ITERATIONS, "learning_rate": 0.2}
+LONGEST = 64
+
+
+class Bag(nn.Module):
+    \"\"\"Mean of the embedded tokens under the mask: what a text classifier over padded batches does.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(17, 16)
+        self.head = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, tokens, mask):
+        embedded = self.embed(tokens) * mask.unsqueeze(-1)
+        return self.head(embedded.sum(1) / mask.sum(1, keepdim=True))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Bag()
+
+
+def example_inputs(batch_size):
+    return torch.zeros(batch_size, LONGEST, dtype=torch.int64), torch.ones(batch_size, LONGEST)
+
+
+def example_targets(batch_size):
+    return torch.zeros(batch_size, dtype=torch.int64)
+
+
+def load_shard(region, split):
+    return "data/" + split + ("-{0,1}.parquet" if split == "train" else "-0.parquet")
+
+
+def transform(row, *, epoch, index):
+    tokens = torch.tensor(row["pixels"])
+    keep = int(torch.randint(len(tokens) // 2, len(tokens) + 1, ()))  # a random crop: seeded per sample
+    return tokens[:keep], torch.tensor(row["label"])
+
+
+def collate_fn(samples):
+    \"\"\"Pad to the batch's longest: a micro-batch is as wide as its samples need.\"\"\"
+    longest = max(len(tokens) for tokens, _ in samples)
+    tokens = torch.zeros(len(samples), longest, dtype=torch.int64)
+    mask = torch.zeros(len(samples), longest)
+    for row, (sample, _) in enumerate(samples):
+        tokens[row, : len(sample)] = sample
+        mask[row, : len(sample)] = 1
+    return (tokens, mask), torch.stack([label for _, label in samples])
+"""
+
+
+def write_digit_parquet(folder: Path) -> dict[str, list[str]]:
+    """The digits as rows of variable length (each image's pixels up to its last nonzero one), in Parquet
+    files of row groups of 50, as pyarrow writes them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    digits = load_digits()
+    folder.mkdir(parents=True, exist_ok=True)
+    written: dict[str, list[str]] = {}
+    position = 0
+    for split, counts in {"train": (230, 190), "test": (64,)}.items():
+        written[split] = []
+        for part, count in enumerate(counts):
+            rows = []
+            for _ in range(count):
+                pixels = digits.data[position].astype(int).tolist()
+                last = max(i for i, value in enumerate(pixels) if value) + 1
+                rows.append({"pixels": pixels[:last], "label": int(digits.target[position])})
+                position += 1
+            path = folder / f"{split}-{part}.parquet"
+            pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=50)
+            written[split].append(str(path))
+    return written
+
+
+def test_parquet_rows_of_any_length_padded_per_batch_train_as_a_plain_loop_over_them(tmp_path: Path) -> None:
+    """Parquet row groups as shards, a transform cropping each row at random, a collate_fn padding each
+    micro-batch to its longest: 2 stages x 2 replicas train what the plain loop over pyarrow's rows does."""
+    import pyarrow.parquet as pq
+
+    files = write_digit_parquet(tmp_path / "data")
+    model = tmp_path / "digits_padded.py"
+    model.write_text(textwrap.dedent(PADDED_MODEL.replace("ITERATIONS", str(ITERATIONS))))
+    build, metrics = compile_and_run(model, tmp_path, "--storage", str(tmp_path / "storage"))
+    assert metrics["status"] == "done" and metrics["test"]["samples"] == 64
+    for package in sorted((build / "regions").glob("*/functions/*")):  # the packages install Parquet's reader
+        assert re.search(r"^pyarrow==", (package / "requirements.txt").read_text(), re.M), package
+    user = _module(model)
+    workflow = yaml.safe_load((build / "workflow.yaml").read_text())
+    seed = int(workflow["run"]["seed"])
+    groups = [
+        file.read_row_group(g).to_pylist()
+        for path in files["train"]
+        for file in [pq.ParquetFile(path)]
+        for g in range(file.num_row_groups)
+    ]
+    order = ShardOrder(tuple(len(rows) for rows in groups), seed, SHUFFLE_SHARDS)
+    net = user.build_model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.2)
+    widths = set()
+    for iteration in range(ITERATIONS):
+        for m in range(4):
+            items = []
+            for located in order.span(iteration * 32 + m * 8, 8):
+                torch.manual_seed(sample_seed(seed, located.epoch, located.index))
+                row = dict(groups[located.shard][located.row])
+                items.append(user.transform(row, epoch=located.epoch, index=located.index))
+            (tokens, mask), target = user.collate_fn(items)
+            widths.add(tokens.shape[1])
+            (torch.nn.functional.cross_entropy(net(tokens, mask), target) / 4).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(widths) > 3  # the micro-batches were of many widths
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    for name, value in net.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _module(path: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"plain_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

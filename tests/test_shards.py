@@ -159,3 +159,65 @@ def test_prefetched_shards_are_read_once_in_the_background_within_the_capacity(t
     reader.sample(0, 0)
     assert reader.held == 2 and reader.store.reads.requests == 3
     reader.close()
+
+
+def write_parquet(folder: Path) -> str:
+    """Two Parquet files as a user's own would be: one written by `datasets` (an Image-like struct column of
+    bytes, rows of text), one by pyarrow in row groups of 4."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"text": "x" * (row + 1), "image": {"bytes": os.urandom(20_000), "path": None}, "label": row % 3}
+            for row in range(10)]  # fmt: skip
+    datasets.Dataset.from_list(rows).to_parquet(str(folder / "part-0.parquet"))
+    table = pa.Table.from_pylist([{"text": f"row {row}", "label": row} for row in range(11)])
+    pq.write_table(table, folder / "part-1.parquet", row_group_size=4)
+    return str(folder / "part-{0,1}.parquet")
+
+
+def test_parquet_files_are_sharded_by_row_group_from_their_footers_alone(
+    tmp_path: Path, s3_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow.parquet as pq
+
+    pattern = write_parquet(tmp_path / "data")
+    index = index_split(pattern)
+    assert index.format == "parquet"
+    assert [(Path(e.location).name, e.row_group, e.samples) for e in index.entries] == [
+        ("part-0.parquet", 0, 10),
+        ("part-1.parquet", 0, 4),
+        ("part-1.parquet", 1, 4),
+        ("part-1.parquet", 2, 3),
+    ]
+    ours = [row for entry in index.entries for row in read_shard(store_for(entry.location), entry)]
+    theirs = [
+        row for path in ("part-0", "part-1") for row in pq.read_table(tmp_path / "data" / f"{path}.parquet").to_pylist()
+    ]
+    assert ours == theirs
+    # not both kinds in one split; a file that is not Parquet is named
+    with pytest.raises(ShardError, match=r"a.tar: a split's files are all Parquet"):
+        index_split([str(tmp_path / "data" / "part-0.parquet"), str(tmp_path / "a.tar")])
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ShardError, match=r"bad.parquet: not a Parquet file, or a damaged one"):
+        index_split(str(tmp_path / "bad.parquet"))
+    # in S3: the footers only at indexing (pyarrow reads a file's last 64 KB: the whole of a smaller one), and
+    # a file written again is refused by its row groups' readers
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    for path in sorted((tmp_path / "data").iterdir()):
+        s3.upload_file(str(path), s3_bucket, f"pq/{path.name}")
+    store = S3Objects()
+    import cloudless.runtimes.function.shards as shards
+
+    monkeypatch.setattr(shards, "store_for", lambda location: store)
+    remote = index_split(f"s3://{s3_bucket}/pq/part-{{0,1}}.parquet")
+    assert [(e.row_group, e.samples) for e in remote.entries] == [(e.row_group, e.samples) for e in index.entries]
+    images = sum(len(row["image"]["bytes"]) for row in ours if row.get("image"))
+    assert store.reads.requests == 4 and store.reads.bytes < images / 2, store.reads  # a HEAD and a GET per file
+    reader = ShardReader(remote.entries, capacity=2)
+    assert reader.sample(2, 1) == {"text": "row 5", "label": 5} and reader.sample(0, 9)["label"] == 0
+    s3.put_object(Bucket=s3_bucket, Key="pq/part-1.parquet", Body=(tmp_path / "data" / "part-0.parquet").read_bytes())
+    with pytest.raises(ObjectError, match="part-1.parquet: changed since it was indexed"):
+        ShardReader(remote.entries, 1).sample(3, 0)

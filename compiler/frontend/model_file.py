@@ -284,11 +284,15 @@ def names_shards(given: Any) -> bool:
     )
 
 
-def data_in_place(model_file: ModelFile, regions: Iterable[str]) -> bool:
-    """Whether any of these regions' train split lies in place (names_shards)."""
-    return model_file.load_shard is not None and any(
-        names_shards(model_file.call("load_shard", region, "train")) for region in regions
-    )
+def data_in_place(model_file: ModelFile, regions: Iterable[str]) -> list[str]:
+    """The shard locations or patterns these regions' train splits name where they lie (names_shards); none
+    when every region's is a dataset."""
+    if model_file.load_shard is None:
+        return []
+    given = [model_file.call("load_shard", region, "train") for region in regions]
+    return [
+        location for each in given if names_shards(each) for location in ([each] if isinstance(each, str) else each)
+    ]
 
 
 def user_sources(path: Path) -> dict[str, bytes]:

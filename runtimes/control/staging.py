@@ -30,7 +30,7 @@ from ...ir.workflow import DataSource, Region, Workflow
 from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, WrittenSplit, read_meta, remove_split, write_split
 from ..function.in_place import flat_batch, seed_generators, user_module
 from ..function.initial_weights import package_weights
-from ..function.shards import FORMAT, ShardEntry, ShardError, ShardReader, index_split
+from ..function.shards import IN_PLACE_FORMATS, ShardEntry, ShardError, ShardReader, index_split
 from ..function.worker import load_module
 from ..storage.channels import Channel
 from ..storage.objects import ObjectError
@@ -321,24 +321,26 @@ def index_in_place(
 ) -> WrittenSplit:
     """Make the split's `meta` the index of shards where they lie (`shards.index_split`): each shard's
     location, sample count, size and version, read from the shards' headers (or a wids index), never
-    their samples; a stored index whose shards are unchanged is reused as it is. The functions read the
-    shards themselves, through the model file's `transform` (required: a shard's samples are bytes)."""
+    their samples (a Parquet file's footer); a stored index whose shards are unchanged is reused as it is. The
+    functions read the shards themselves, through the model file's `transform` (required: a shard's samples
+    are dicts of bytes, or a Parquet file's rows)."""
     if not callable(getattr(module, "transform", None)):
         named = pattern if isinstance(pattern, str) else pattern[0]
         raise DataError(
-            f"{model_path}: load_shard gives shards where they lie ({named}), "
-            "whose samples are dicts of bytes by extension ({'__key__': ..., 'jpg': b'...', 'cls': b'3'}); define "
-            "transform(sample, *, epoch, index) returning (inputs, target), as a dataset's item"
+            f"{model_path}: load_shard gives shards where they lie ({named}), whose samples are dicts: of bytes by "
+            "extension in tar shards ({'__key__': ..., 'jpg': b'...', 'cls': b'3'}), of a row's columns in Parquet "
+            "files; define transform(sample, *, epoch, index) returning (inputs, target), as a dataset's item"
         )
     previous = read_meta(channel, name, split) or {}
-    known = [ShardEntry.from_json(e) for e in previous.get("shards", [])] if previous.get("format") == FORMAT else []
+    in_place = previous.get("format") in IN_PLACE_FORMATS
+    known = [ShardEntry.from_json(e) for e in previous.get("shards", [])] if in_place else []
     try:
         index = index_split(pattern, known)
     except (ShardError, ObjectError) as exc:
         raise DataError(f"{model_path}: the {split} split: {exc}") from None
     fingerprint = index.fingerprint
     meta = {
-        "format": FORMAT,
+        "format": index.format,
         "shards": [entry.to_json() for entry in index.entries],
         "samples": index.samples,
         "fingerprint": fingerprint,
@@ -348,7 +350,7 @@ def index_in_place(
     read = f"{len(index.entries)} shard(s), {index.reads.requests} request(s), {index.reads.bytes:,} bytes read"
     if previous.get("fingerprint") == fingerprint and previous.get("shuffle_shards") == SHUFFLE_SHARDS:
         return WrittenSplit(index.samples, fingerprint, "reused", read=read)
-    if previous and previous.get("format") != FORMAT:  # staged shards of earlier data: not read any more
+    if previous and not in_place:  # staged shards of earlier data: not read any more
         remove_split(channel, name, split)
     channel.put(data_key(name, split, DATA_META), json.dumps(meta, sort_keys=True).encode())
     return WrittenSplit(index.samples, fingerprint, "indexed", read=read)
@@ -471,7 +473,7 @@ def _test_batches(
     shards by index, or shards where they lie through the model file's transform and collate_fn, as the
     package holds it (epoch 0, the generators seeded per sample as in training)."""
     meta = read_meta(channel, region, "test") or {}
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in IN_PLACE_FORMATS:
         reader = SplitReader(channel, region, "test", meta=meta)
         for first in range(0, reader.samples - size + 1, size):
             indices = list(range(first, first + size))

@@ -1,6 +1,6 @@
 """A first stage's micro-batches from training data where it lies (shards.py), through the user's code.
 
-The split's `meta` (written by the controller: `format` "webdataset", the shards with their sample
+The split's `meta` (written by the controller: `format` "webdataset" or "parquet", the shards with their sample
 counts and versions) says which shards there are. Micro-batch m of iteration i is global positions
 i*G + m*B .. i*G + m*B + B - 1 (G the global batch, B the micro-batch), each read where `ShardOrder` puts
 it, transformed by the model file's `transform(sample, *, epoch, index)` with the random generators seeded
@@ -98,7 +98,7 @@ class InPlaceBatches:
         return self.order.span(first, self.micro_batch)
 
     def name(self, located: ShardLocation) -> str:
-        return f"sample {located.row} of {self.reader.entries[located.shard].location}"
+        return f"sample {located.row} of {self.reader.entries[located.shard].name}"
 
     def prefetch(self, iteration: int, micro_batch: int) -> None:
         """Start reading the shards of that micro-batch that are not held (in the background)."""

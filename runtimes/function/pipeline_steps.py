@@ -24,8 +24,7 @@ from ..storage.tensors import autocast, pack, unpack, wire_dtype
 from .data import SplitReader, read_split_meta
 from .failures import AbortRecord, ModelFailed
 from .in_place import InPlaceBatches, flat_batch, user_module
-from .shards import FORMAT as IN_PLACE_FORMAT
-from .shards import ShardError
+from .shards import IN_PLACE_FORMATS, ShardError
 from .stage_context import InvocationState, Span, StageContext
 
 
@@ -128,7 +127,7 @@ class PipelineSteps:
             channel, run = self.context.channel, self.run
             meta = read_split_meta(channel, self.data_name, "train", timeout)
             self._reader = None
-            if meta.get("format") != IN_PLACE_FORMAT:
+            if meta.get("format") not in IN_PLACE_FORMATS:
                 self._in_place = None
                 self._reader = SplitReader(channel, self.data_name, timeout=timeout, meta=meta)
             elif self.context.first and (self._in_place is None or self._in_place.fingerprint != meta["fingerprint"]):

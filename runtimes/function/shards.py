@@ -1,5 +1,5 @@
-"""Training data where it lies: WebDataset tar shards in a folder or a bucket, indexed by the controller
-and read by the functions.
+"""Training data where it lies: WebDataset tar shards or Parquet files in a folder or a bucket, indexed by
+the controller and read by the functions.
 
 A split is named by a pattern of shard locations, as `webdataset` names them: braces expand to a list
 (`s3://bucket/train-{000000..000099}.tar`, `/data/train-{a,b}.tar`), in that order. A shard is a tar whose
@@ -14,8 +14,15 @@ the run's storage, and reused while every shard's size and version are unchanged
 `wids` shard index instead (a `.json` location: `{"shardlist": [{"url": ..., "nsamples": ...}, ...]}`, as
 `widsindex create` writes it; a shard's url relative to the index's folder, or to its `base_path`) takes
 its counts from there: a header scan costs a request per file, too slow for shards of thousands of samples
-in S3. A function reads whole
-shards (`ShardReader`), at most `capacity` of them held at once, each read at the version the index
+in S3.
+
+A split of Parquet files (every location ending `.parquet`, as pyarrow and Hugging Face `datasets` write
+them) is sharded by row group: each row group of each file is one shard, its sample count from the file's
+footer (pyarrow reads the footer alone, by ranged reads). A sample is a row, `{column: value}` as pyarrow
+gives it in Python (a `datasets` Image column: `{"bytes": b"...", "path": ...}`).
+
+A function reads whole shards (`ShardReader`; a Parquet shard's row group is read alone, its column
+chunks by ranged reads), at most `capacity` of them held at once, each read at the version the index
 recorded: a shard written again since is an error, never a sample of other data.
 """
 
@@ -25,19 +32,23 @@ import hashlib
 import io
 import re
 import tarfile
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ...ir.protocol import PARQUET_SUFFIX
 from ..storage.objects import ObjectError, ObjectReads, ObjectStore, store_for
 
 #: webdataset's `base_plus_ext`: a file name's key and its extensions
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 #: webdataset's metadata files, skipped (`tar_file_iterator`'s skip_meta and its `__...__` names)
 _METADATA = re.compile(r"__[^/]*__($|/)")
-FORMAT = "webdataset"
+WEBDATASET, PARQUET = "webdataset", "parquet"
+#: the formats of a split's `meta` whose shards lie in place (a staged split's meta has its own)
+IN_PLACE_FORMATS = (WEBDATASET, PARQUET)
 #: shards indexed at once
 INDEX_THREADS = 16
 #: the index's fingerprint: of every shard's location, size, version and sample count
@@ -124,19 +135,62 @@ class _RangedReads(io.RawIOBase):
 
 @dataclass(frozen=True)
 class ShardEntry:
-    """One shard of a split's index."""
+    """One shard of a split's index: a tar, or one row group of a Parquet file."""
 
     location: str
     samples: int
     size: int
     version: str
+    row_group: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"location": self.location, "samples": self.samples, "size": self.size, "version": self.version}
+        data = {"location": self.location, "samples": self.samples, "size": self.size, "version": self.version}
+        return data if self.row_group is None else {**data, "row_group": self.row_group}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardEntry:
-        return cls(str(data["location"]), int(data["samples"]), int(data["size"]), str(data["version"]))
+        row_group = None if data.get("row_group") is None else int(data["row_group"])
+        return cls(str(data["location"]), int(data["samples"]), int(data["size"]), str(data["version"]), row_group)
+
+    @property
+    def name(self) -> str:
+        return self.location if self.row_group is None else f"{self.location} (row group {self.row_group})"
+
+
+def split_format(locations: list[str]) -> str:
+    """PARQUET when every location names a Parquet file, WEBDATASET when none does."""
+    parquet = [location.lower().endswith(PARQUET_SUFFIX) for location in locations]
+    if any(parquet) and not all(parquet):
+        odd = locations[parquet.index(False)]
+        raise ShardError(f"{odd}: a split's files are all Parquet ({PARQUET_SUFFIX}) or all tar shards, not both")
+    return PARQUET if all(parquet) else WEBDATASET
+
+
+def _pyarrow_parquet() -> Any:
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise ShardError("reading Parquet needs pyarrow: pip install pyarrow") from None
+    return pyarrow.parquet
+
+
+def _parquet_file(store: ObjectStore, location: str, size: int, version: str, metadata: Any = None) -> Any:
+    parquet = _pyarrow_parquet()
+    try:
+        return parquet.ParquetFile(_RangedReads(store, location, size, version), metadata=metadata)
+    except ObjectError:
+        raise
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise ShardError(f"{location}: not a Parquet file, or a damaged one: {exc}") from None
+
+
+def row_group_entries(store: ObjectStore, location: str, size: int, version: str) -> list[ShardEntry]:
+    """A Parquet file's row groups as shards, their counts from its footer alone."""
+    metadata = _parquet_file(store, location, size, version).metadata
+    return [
+        ShardEntry(location, metadata.row_group(group).num_rows, size, version, group)
+        for group in range(metadata.num_row_groups)
+    ]
 
 
 def count_samples(store: ObjectStore, location: str, size: int, version: str) -> int:
@@ -167,11 +221,12 @@ def wids_counts(location: str, store: ObjectStore) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class SplitIndex:
-    """A split's shards with their counts, the index's fingerprint, and what indexing read."""
+    """A split's shards with their counts, their format, the index's fingerprint, and what indexing read."""
 
     entries: list[ShardEntry]
     fingerprint: str
     reads: ObjectReads
+    format: str = WEBDATASET
 
     @property
     def samples(self) -> int:
@@ -180,8 +235,8 @@ class SplitIndex:
 
 def index_split(pattern: str | Iterable[str], known: Iterable[ShardEntry] = ()) -> SplitIndex:
     """Each shard of the pattern (or of a wids index) with its sample count, and the index's fingerprint. A
-    shard of `known` (an earlier index) whose size and version are unchanged keeps its count without
-    reading the shard."""
+    file of `known` (an earlier index) whose size and version are unchanged keeps its shards and counts
+    without reading the file."""
     listed: dict[str, int] = {}
     if isinstance(pattern, str) and pattern.endswith(".json"):
         store = store_for(pattern)
@@ -192,36 +247,45 @@ def index_split(pattern: str | Iterable[str], known: Iterable[ShardEntry] = ()) 
     else:
         locations = shard_locations(pattern)
         store = store_for(locations[0])
-    previous = {entry.location: entry for entry in known}
+    previous: dict[str, list[ShardEntry]] = {}
+    for entry in known:
+        previous.setdefault(entry.location, []).append(entry)
     for location in locations:
         if location.startswith("s3://") != locations[0].startswith("s3://"):
             raise ShardError(f"{location}: every shard of a split lies in one kind of storage, as {locations[0]}")
+    kind = split_format(locations)
 
-    def entry_of(location: str) -> ShardEntry:
+    def entries_of(location: str) -> list[ShardEntry]:
         stat = store.stat(location)
         before = previous.get(location)
-        if before is not None and (before.size, before.version) == (stat.size, stat.version):
+        if before and all((e.size, e.version) == (stat.size, stat.version) for e in before):
             return before
+        if kind == PARQUET:
+            return row_group_entries(store, location, stat.size, stat.version)
         counted = listed[location] if listed else count_samples(store, location, stat.size, stat.version)
-        return ShardEntry(location, counted, stat.size, stat.version)
+        return [ShardEntry(location, counted, stat.size, stat.version)]
 
-    # shards at once: a header scan waits a request's latency per file, S3's tens of milliseconds
+    # files at once: a header scan waits a request's latency per file, S3's tens of milliseconds
     with ThreadPoolExecutor(max_workers=INDEX_THREADS, thread_name_prefix="index") as pool:
-        entries = list(pool.map(entry_of, locations))
+        entries = [entry for of_file in pool.map(entries_of, locations) for entry in of_file]
     if sum(entry.samples for entry in entries) == 0:
         raise ShardError(f"{locations[0]}{' …' if len(locations) > 1 else ''}: the shards hold no samples")
-    return SplitIndex(entries, fingerprint(entries), store.reads)
+    return SplitIndex(entries, fingerprint(entries), store.reads, kind)
 
 
 def fingerprint(entries: Iterable[ShardEntry]) -> str:
     digest = hashlib.sha256()
     for entry in entries:
-        digest.update(f"{entry.location}\0{entry.size}\0{entry.version}\0{entry.samples}\n".encode())
+        group = "" if entry.row_group is None else f"\0{entry.row_group}"
+        digest.update(f"{entry.location}\0{entry.size}\0{entry.version}\0{entry.samples}{group}\n".encode())
     return FINGERPRINT_PREFIX + digest.hexdigest()
 
 
 def read_shard(store: ObjectStore, entry: ShardEntry) -> list[Sample]:
-    """The shard's samples, read whole at the indexed version, checked against the index's count."""
+    """The shard's samples, read whole at the indexed version (a Parquet row group: its column chunks),
+    checked against the index's count."""
+    if entry.row_group is not None:
+        return _read_row_group(store, entry)
     data = store.read(entry.location, entry.version)
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
@@ -232,6 +296,34 @@ def read_shard(store: ObjectStore, entry: ShardEntry) -> list[Sample]:
     if len(samples) != entry.samples:
         raise ShardError(f"{entry.location}: {len(samples)} samples, where its index counted {entry.samples}")
     return samples
+
+
+#: Parquet footers a process keeps, by file and version (a file's row groups are read one by one: its footer once)
+_footers: OrderedDict[tuple[str, str], Any] = OrderedDict()
+_footers_lock = threading.Lock()
+FOOTERS_HELD = 64
+
+
+def _read_row_group(store: ObjectStore, entry: ShardEntry) -> list[Sample]:
+    assert entry.row_group is not None
+    key = (entry.location, entry.version)
+    with _footers_lock:
+        footer = _footers.get(key)
+    file = _parquet_file(store, entry.location, entry.size, entry.version, footer)
+    with _footers_lock:
+        _footers[key] = file.metadata
+        _footers.move_to_end(key)
+        while len(_footers) > FOOTERS_HELD:
+            _footers.popitem(last=False)
+    try:
+        rows = file.read_row_group(entry.row_group).to_pylist()
+    except ObjectError:
+        raise  # the store's own, named: missing, changed, refused
+    except (OSError, ValueError, IndexError) as exc:
+        raise ShardError(f"{entry.name}: damaged: {exc}") from None
+    if len(rows) != entry.samples:
+        raise ShardError(f"{entry.name}: {len(rows)} rows, where its index counted {entry.samples}")
+    return rows
 
 
 def _file_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
@@ -287,6 +379,7 @@ class ShardReader:
 
 
 __all__ = [
+    "IN_PLACE_FORMATS",
     "ObjectError",
     "ShardEntry",
     "ShardError",
