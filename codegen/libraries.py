@@ -157,7 +157,7 @@ class UserImportError(ValueError):
     """The user's code a function runs imports a module this machine does not have, so it cannot be pinned."""
 
 
-_Imports = list[tuple[ast.stmt, bool]]
+_Imports = list[tuple[ast.Import | ast.ImportFrom, bool]]
 
 
 def _scoped_imports(tree: ast.Module) -> tuple[_Imports, dict[str, _Imports], dict[str, set[str]]]:
@@ -175,7 +175,8 @@ def _scoped_imports(tree: ast.Module) -> tuple[_Imports, dict[str, _Imports], di
 
     for statement in tree.body:
         if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            by_function[statement.name] = found = []
+            found: _Imports = []
+            by_function[statement.name] = found
             visit(statement, found, False)
             calls[statement.name] = {
                 n.func.id for n in ast.walk(statement) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
