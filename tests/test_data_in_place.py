@@ -223,6 +223,18 @@ def test_shards_that_cannot_be_read_are_one_line_before_any_function_starts(
             r"micro-batch \d's collated inputs have 2 tensors, but the model takes 1",
             marks=pytest.mark.slow,
         ),
+        pytest.param(
+            "def collate_fn(samples):\n"
+            "    return (torch.zeros(8, 64, dtype=torch.float64),), torch.zeros(8, dtype=torch.int64)\n",
+            r"micro-batch \d's collate_fn on stage 0: inputs 0 is float64 \[8, 64\], but example_inputs's is "
+            r"float32 of 2 dimensions \(\[8, 64\]\)",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "def collate_fn(samples):\n    return (torch.zeros(8, 64),), torch.zeros(5, dtype=torch.int64)\n",
+            r"targets 0 is int64 \[5\]: 5 samples, where the micro-batch is 8",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_user_code_that_fails_in_the_function_names_the_sample_and_the_line(

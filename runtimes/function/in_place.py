@@ -79,6 +79,7 @@ class InPlaceBatches:
         seed: int,
         micro_batch: int,
         global_batch: int,
+        examples: tuple[list[Any] | None, list[Any] | None] = (None, None),
     ) -> None:
         entries = entries_of(meta)
         self.fingerprint = str(meta["fingerprint"])
@@ -87,6 +88,8 @@ class InPlaceBatches:
         self.reader = ShardReader(entries, self.order.shuffle_shards + 1)
         self.transform, self.collate = transform, collate
         self.seed, self.micro_batch, self.global_batch = seed, micro_batch, global_batch
+        #: the leaves of example_inputs' and example_targets' batch of a micro-batch (None: not given)
+        self.examples = examples
 
     @property
     def samples(self) -> int:
@@ -114,9 +117,40 @@ class InPlaceBatches:
         return self.transform(sample, epoch=located.epoch, index=located.index)
 
 
+def example_leaves(module: ModuleType, micro_batch: int) -> tuple[list[Any] | None, list[Any] | None]:
+    """The leaves of the model file's example_inputs and example_targets at the micro-batch (None for one it
+    does not define): what a collated batch is checked against."""
+    leaves: list[list[Any] | None] = []
+    for name in ("example_inputs", "example_targets"):
+        make = getattr(module, name, None)
+        leaves.append(pytree.tree_leaves(make(micro_batch)) if callable(make) else None)
+    return leaves[0], leaves[1]
+
+
 def flat_batch(batch: Any) -> tuple[list[Any], list[Any]]:
     """A collated `(inputs, target)`'s leaves: the first stage's inputs, and the loss's targets."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(f"expected the collated batch to be (inputs, target), got a {type(batch).__name__}")
     inputs, target = batch
     return pytree.tree_leaves(tuple(inputs) if isinstance(inputs, list) else inputs), pytree.tree_leaves(target)
+
+
+def batch_difference(what: str, leaves: list[Any], example: list[Any], micro_batch: int) -> str | None:
+    """How a collated micro-batch's `what` (inputs, targets) differ from the example batch's leaves, or None:
+    as many tensors, each of the example's dtype and number of dimensions, `micro_batch` long in the first;
+    the other sizes may differ (a collate_fn pads each batch to its longest sample)."""
+    if len(leaves) != len(example):
+        return f"{len(leaves)} {what} tensors, but example_{what}(batch_size) gives {len(example)}"
+    for index, (leaf, expected) in enumerate(zip(leaves, example, strict=True)):
+        if not isinstance(expected, torch.Tensor):
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            return f"{what} {index} is a {type(leaf).__name__}, but example_{what}'s is a tensor"
+        found, wanted = f"{str(leaf.dtype).removeprefix('torch.')} {list(leaf.shape)}", str(expected.dtype)
+        if leaf.dtype != expected.dtype or leaf.dim() != expected.dim():
+            wanted = f"{wanted.removeprefix('torch.')} of {expected.dim()} dimensions"
+            return f"{what} {index} is {found}, but example_{what}'s is {wanted} ({list(expected.shape)})"
+        if leaf.dim() and leaf.shape[0] != micro_batch:
+            return f"{what} {index} is {found}: {leaf.shape[0]} samples, where the micro-batch is {micro_batch}"
+    return None
+

@@ -23,7 +23,7 @@ from ..storage.objects import ObjectError
 from ..storage.tensors import autocast, pack, unpack, wire_dtype
 from .data import SplitReader, read_split_meta
 from .failures import AbortRecord, ModelFailed
-from .in_place import InPlaceBatches, flat_batch, user_module
+from .in_place import InPlaceBatches, batch_difference, example_leaves, flat_batch, user_module
 from .shards import IN_PLACE_FORMATS, ShardError
 from .stage_context import InvocationState, Span, StageContext
 
@@ -140,6 +140,7 @@ class PipelineSteps:
                     seed=run.seed,
                     micro_batch=run.micro_batch,
                     global_batch=run.global_batch,
+                    examples=example_leaves(module, run.micro_batch),
                 )
             self._opened_for = namespace
         return "staged" if self._reader is not None else "in place"
@@ -179,6 +180,12 @@ class PipelineSteps:
                 f"takes {len(self.inputs)} ({', '.join(self.inputs)}), as example_inputs gives them"
             )
             raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name))
+        examples = data.examples
+        for what, leaves, example in (("inputs", inputs, examples[0]), ("targets", targets, examples[1])):
+            difference = None if example is None else batch_difference(what, leaves, example, self.run.micro_batch)
+            if difference is not None:
+                message = f"iteration {iteration}: micro-batch {m}'s collate_fn on stage {context.stage}: {difference}"
+                raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name))
         return inputs, targets
 
     def _indices(self, iteration: int, m: int) -> list[int]:
