@@ -87,6 +87,19 @@ class ShardOrder:
             taken -= self.shard_samples[shard]
         raise AssertionError("a group's permutation stays within its samples")
 
+    def groups_at(self, position: int) -> tuple[list[int], list[int]]:
+        """The shards of the group position `position` lies in, and of the group read after it (the next
+        epoch's first after the last): what a reader holds, and what it may start on meanwhile."""
+        epoch, within = divmod(position, self.samples)
+        shards, group_starts = _epoch_layout(self, epoch)
+        group = bisect.bisect_right(group_starts, within) - 1
+        first = group * self.shuffle_shards
+        current = shards[first : first + self.shuffle_shards]
+        if group + 1 < len(group_starts):
+            return current, shards[first + self.shuffle_shards : first + 2 * self.shuffle_shards]
+        following, _ = _epoch_layout(self, epoch + 1)
+        return current, following[: self.shuffle_shards]
+
     def span(self, first: int, count: int) -> list[ShardLocation]:
         """The samples of positions first .. first + count - 1, in order."""
         return [self.at(position) for position in range(first, first + count)]

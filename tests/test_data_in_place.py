@@ -189,8 +189,18 @@ def test_shards_in_s3_are_read_by_the_functions_and_the_controller_reads_their_h
     ("location", "extra", "expected"),
     [
         ('"data/missing-{0..1}.tar"', "", r"the train split: .*/data/missing-0\.tar: no such file"),
-        ('"data/train-000000.tar"', "del transform\n", r"define transform\(sample, \*, epoch, index\)"),
-        ('"s3://no-such-bucket-here/t.tar"', "", r"s3://no-such-bucket-here/t\.tar: no such (bucket|object)"),
+        pytest.param(
+            '"data/train-000000.tar"',
+            "del transform\n",
+            r"define transform\(sample, \*, epoch, index\)",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            '"s3://no-such-bucket-here/t.tar"',
+            "",
+            r"s3://no-such-bucket-here/t\.tar: no such (bucket|object)",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_shards_that_cannot_be_read_are_one_line_before_any_function_starts(
@@ -382,6 +392,7 @@ def write_digit_parquet(folder: Path) -> dict[str, list[str]]:
     return written
 
 
+@pytest.mark.slow  # the default run trains shards in place once (a folder of tars)
 def test_parquet_rows_of_any_length_padded_per_batch_train_as_a_plain_loop_over_them(tmp_path: Path) -> None:
     """Parquet row groups as shards, a transform cropping each row at random, a collate_fn padding each
     micro-batch to its longest: 2 stages x 2 replicas train what the plain loop over pyarrow's rows does."""

@@ -277,7 +277,7 @@ def parse_or_schema_error(doc: Any) -> Catalog | None:
     return catalog
 
 
-@sizes(300, 5000)
+@sizes(300, 2500)
 def test_mutated_catalogs_parse_or_fail_with_one_line(examples: int) -> None:
     @fuzz(examples)
     @given(mutated_catalogs())
@@ -324,7 +324,7 @@ def plan_or_compile_error(chain: Any, model_file: Any, catalog: Catalog, options
     assert math.isfinite(timeline.iteration_s) and timeline.iteration_s > 0
 
 
-@sizes(12, 400)
+@sizes(12, 200)
 def test_catalogs_that_parse_plan_or_fail_with_one_line(examples: int, planning_inputs: tuple[Any, Any]) -> None:
     from cloudless.compiler.planner.plan import PlanOptions
 
@@ -360,7 +360,7 @@ def test_catalogs_that_parse_plan_or_fail_with_one_line(examples: int, planning_
     check()
 
 
-@sizes(4, 150)
+@sizes(4, 80)
 def test_catalogs_that_parse_plan_across_regions_or_fail_with_one_line(
     examples: int, planning_inputs: tuple[Any, Any]
 ) -> None:
@@ -475,7 +475,7 @@ def catalog_texts(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@sizes(120, 3000)
+@sizes(120, 1500)
 def test_catalog_text_loads_or_fails_with_one_line(examples: int, tmp_path: Path) -> None:
     path = tmp_path / "cloud.yaml"
 
@@ -739,7 +739,7 @@ def assert_refused(
         event(f"refused: {lines[0].removeprefix(prefix).split(':')[0][:30]}")
 
 
-@sizes(150, 3000)
+@sizes(150, 1500)
 def test_compile_command_lines_fail_fast_with_one_line(
     examples: int, cli_sandbox: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -773,7 +773,7 @@ def test_compile_command_lines_fail_fast_with_one_line(
     check()
 
 
-@sizes(150, 3000)
+@sizes(150, 1500)
 def test_run_command_lines_fail_fast_with_one_line(
     examples: int, cli_sandbox: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -891,7 +891,7 @@ def assert_bad_request(exc: ValueError) -> None:
     assert message.split(":")[0] in (*PAYLOAD_FIELDS, 'expected a JSON object like {"iteration"'), message
 
 
-@sizes(400, 3000)
+@sizes(400, 1500)
 def test_invocation_payloads_give_an_invocation_in_bounds_or_a_value_error(examples: int) -> None:
     @fuzz(examples)
     @given(invocation_events())
@@ -1027,7 +1027,7 @@ def check_handler(function: Function, payload: Any) -> None:
     assert files_of(function.build) == build_before  # the function's package is read-only
 
 
-@sizes(30, 400)
+@sizes(30, 200)
 def test_handler_answers_or_refuses_and_stays_in_its_prefix(
     examples: int, mlp_build: Path, staged_storage: Path, tmp_path: Path
 ) -> None:

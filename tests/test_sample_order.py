@@ -64,3 +64,14 @@ def test_bad_counts_are_refused(shards: tuple[int, ...], shuffle: int, message: 
         ShardOrder(shards, seed=0, shuffle_shards=shuffle)
     with pytest.raises(ValueError, match="position"):
         ShardOrder((3,), seed=0).at(-1)
+
+
+def test_the_group_a_position_lies_in_holds_its_shard_and_the_next_group_is_the_one_read_next() -> None:
+    order = ShardOrder((5, 3, 7, 2, 4, 6, 1), seed=3, shuffle_shards=3)
+    positions = range(2 * order.samples + 5)  # across epochs
+    for position in positions:
+        current, following = order.groups_at(position)
+        assert order.at(position).shard in current and len(current) <= 3
+        # the first position whose group differs is in `following`
+        later = next(p for p in range(position, position + order.samples + 1) if order.groups_at(p)[0] != current)
+        assert order.groups_at(later)[0] == following

@@ -104,8 +104,14 @@ class InPlaceBatches:
         return f"sample {located.row} of {self.reader.entries[located.shard].name}"
 
     def prefetch(self, iteration: int, micro_batch: int) -> None:
-        """Start reading the shards of that micro-batch that are not held (in the background)."""
+        """Start reading the shards of that micro-batch that are not held (in the background), then the
+        first shard of the group after its last sample's: the cache holds a group and one more shard, so
+        the next group's first read overlaps this group's compute (the rest follow as it begins)."""
         self.reader.prefetch(located.shard for located in self.positions(iteration, micro_batch))
+        current, following = self.order.groups_at(
+            iteration * self.global_batch + (micro_batch + 1) * self.micro_batch - 1
+        )
+        self.reader.prefetch_spare(following[0], keep=set(current))
 
     def read(self, located: ShardLocation) -> Sample:
         """The sample as the shard holds it (its shard read whole, if it is not held)."""
@@ -153,4 +159,3 @@ def batch_difference(what: str, leaves: list[Any], example: list[Any], micro_bat
         if leaf.dim() and leaf.shape[0] != micro_batch:
             return f"{what} {index} is {found}: {leaf.shape[0]} samples, where the micro-batch is {micro_batch}"
     return None
-

@@ -33,8 +33,10 @@ import io
 import re
 import tarfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -289,7 +291,7 @@ def read_shard(store: ObjectStore, entry: ShardEntry) -> list[Sample]:
     data = store.read(entry.location, entry.version)
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            files = ((m.name, _file_bytes(tar, m)) for m in _members(tar))
+            files = ((m.name, _file_bytes(data, m)) for m in _members(tar))
             samples = list(_samples_of(files, entry.location))
     except tarfile.TarError as exc:
         raise ShardError(f"{entry.location}: damaged: {exc}") from None
@@ -326,14 +328,12 @@ def _read_row_group(store: ObjectStore, entry: ShardEntry) -> list[Sample]:
     return rows
 
 
-def _file_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    extracted = tar.extractfile(member)
-    if extracted is None:
-        raise ShardError(f"{member.name}: cannot be read from its tar")
-    data = extracted.read()
-    if len(data) != member.size:
-        raise ShardError(f"{member.name}: {len(data)} of its {member.size} bytes in the tar (cut short)")
-    return data
+def _file_bytes(data: bytes, member: tarfile.TarInfo) -> bytes:
+    """A regular member's bytes, sliced from the shard's (tarfile's own reader copies them twice)."""
+    content = data[member.offset_data : member.offset_data + member.size]
+    if len(content) != member.size:
+        raise ShardError(f"{member.name}: {len(content)} of its {member.size} bytes in the tar (cut short)")
+    return content
 
 
 class ShardReader:
@@ -348,6 +348,9 @@ class ShardReader:
         self.store = store_for(entries[0].location)
         self._held: OrderedDict[int, Future[list[Sample]]] = OrderedDict()
         self._reading: ThreadPoolExecutor | None = None
+        #: seconds the reading thread spent reading shards, and those a caller waited for one (the reads
+        #: not hidden behind the caller's work)
+        self.read_seconds = self.waited_seconds = 0.0
 
     def _get(self, shard: int) -> Future[list[Sample]]:
         if shard not in self._held:
@@ -355,17 +358,40 @@ class ShardReader:
                 self._held.popitem(last=False)
             if self._reading is None:
                 self._reading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
-            self._held[shard] = self._reading.submit(read_shard, self.store, self.entries[shard])
+            self._held[shard] = self._reading.submit(self._read, shard)
         self._held.move_to_end(shard)
         return self._held[shard]
 
+    def _read(self, shard: int) -> list[Sample]:
+        began = time.perf_counter()
+        try:
+            return read_shard(self.store, self.entries[shard])
+        finally:
+            self.read_seconds += time.perf_counter() - began
+
     def sample(self, shard: int, row: int) -> Sample:
         """Row `row` of shard `shard` (a copy: a transform may change it)."""
-        return dict(self._get(shard).result()[row])
+        held = self._get(shard)
+        if not held.done():
+            began = time.perf_counter()
+            futures.wait([held])
+            self.waited_seconds += time.perf_counter() - began
+        return dict(held.result()[row])
 
     def prefetch(self, shards: Iterable[int]) -> None:
         """Start reading these shards (in order; those held are kept), up to the capacity."""
         for shard in list(dict.fromkeys(shards))[: self.capacity]:
+            self._get(shard)
+
+    def prefetch_spare(self, shard: int, keep: set[int]) -> None:
+        """Start reading `shard` if the cache has room for it without letting go of a shard of `keep` (the
+        group being read: letting one go would read it again)."""
+        if shard in self._held:
+            return
+        spare = [held for held in self._held if held not in keep]
+        if len(self._held) < self.capacity or spare:
+            if len(self._held) >= self.capacity:
+                del self._held[spare[0]]  # the least recently used of those not needed
             self._get(shard)
 
     @property

@@ -357,7 +357,7 @@ class LambdaService:
     ) -> None:
         self.images, self.configuration, self.logs, self.concurrency = images, configuration, logs, concurrency
         # fault injection: this share of invokes answers TooManyRequestsException
-        self._throttled = StorageFaults(throttled, seed).drawer(("throttled",))
+        self._throttled = StorageFaults(throttled, seed).drawer(("throttled",), per_process=False)
         logs.mkdir(parents=True, exist_ok=True)
         self._idle: dict[str, list[Sandbox]] = {}
         self._busy: set[Sandbox] = set()

@@ -224,19 +224,21 @@ class StorageFaults:
             )
         return faults
 
-    def drawer(self, kinds: tuple[str, ...]) -> FaultDrawer:
+    def drawer(self, kinds: tuple[str, ...], per_process: bool = True) -> FaultDrawer:
         wanted = tuple(k for k in kinds if not self.kinds or k in self.kinds)
-        return FaultDrawer(self, wanted)
+        return FaultDrawer(self, wanted, per_process)
 
 
 class FaultDrawer:
     """One client's draws: which of its requests fail, and how (thread-safe); counts what it injected.
     Storage faults draw here, and so do the rehearsals' throttled requests (`Throttled`, the Lambda service)."""
 
-    def __init__(self, faults: StorageFaults, kinds: tuple[str, ...]) -> None:
+    def __init__(self, faults: StorageFaults, kinds: tuple[str, ...], per_process: bool = True) -> None:
         self.faults, self.kinds = faults, kinds
-        # Each process draws its own faults: the seed and the process, so that replicas differ.
-        self._random = random.Random(f"{faults.seed}/{os.getpid()}")
+        # Each process draws its own faults: the seed and the process, so that replicas differ; a drawer
+        # that is the only one of its kind (a rehearsal's Lambda service) draws from the seed alone, the
+        # same sequence in every run.
+        self._random = random.Random(f"{faults.seed}/{os.getpid()}" if per_process else f"{faults.seed}")
         self._lock = threading.Lock()
         self.injected: dict[str, int] = {}
         self._burst_began: float | None = None
