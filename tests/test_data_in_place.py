@@ -463,3 +463,20 @@ def test_the_text_sample_reads_its_parquet_rows_in_place_and_learns_prose_from_c
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "done" and metrics["test"]["samples"] > 1000
     assert metrics["test"]["accuracy"] > 0.75  # its 150 iterations: 0.86 measured (chance: 0.5)
+
+
+@pytest.mark.slow
+def test_the_data_bench_runs_and_the_controller_reads_headers_only(tmp_path: Path) -> None:
+    """bench/data_bench.py at 0.1 and 0.2 GB (a bench no test runs rots): the controller reads a few
+    hundred bytes per sample's file, never the samples, and both read paths report a ratio."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "data_bench.py"
+    command = [sys.executable, str(bench), "--sizes", "0.1,0.2", "--repeats", "1", "--folder", str(tmp_path / "d")]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    indexed = re.findall(r"(\d+) shard\(s\), (\d+) request\(s\), ([\d,]+) bytes read", finished.stdout)
+    assert [int(shards) for shards, _, _ in indexed] == [1, 2], finished.stdout
+    assert all(int(read.replace(",", "")) < int(shards) * 2_000_000 for shards, _, read in indexed)  # of 100 MB each
+    assert re.search(r"ratios: folder \d\.\d\d, S3 \d\.\d\d", finished.stdout), finished.stdout
