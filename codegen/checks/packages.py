@@ -102,15 +102,20 @@ def check_packages(context: BuildContext, document: dict[str, Any], workflow: Wo
         _check_groups(workflow, tensors)
 
 
-def _check_library_ops(context: BuildContext, workflow: Workflow, function: Function, last: bool) -> None:
-    """Every op the stage (and the loss) calls resolves in the function: torch's own, or a library's
-    that a module the code imports registers, from a package requirements.txt installs; every library
-    class it rebuilds is imported the same way."""
-    installed = {
+def _installed(context: BuildContext, function: Function) -> set[str]:
+    """The distributions the package's requirements.txt pins, by canonical name."""
+    return {
         canonical_name(line.split("==")[0])
         for line in (context.root / function.package / "requirements.txt").read_text().splitlines()
         if "==" in line and not line.startswith("#")
     }
+
+
+def _check_library_ops(context: BuildContext, workflow: Workflow, function: Function, last: bool) -> None:
+    """Every op the stage (and the loss) calls resolves in the function: torch's own, or a library's
+    that a module the code imports registers, from a package requirements.txt installs; every library
+    class it rebuilds is imported the same way."""
+    installed = _installed(context, function)
     for name in ("stage.py", *([f"{workflow.data.loss}.py"] if last else [])):
         file = f"{function.package}/{name}"
         source = (context.root / file).read_text()
@@ -150,11 +155,7 @@ def _check_user_imports(context: BuildContext, workflow: Workflow, function: Fun
     if not folder.is_dir():
         return
     sources = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*.py"))}
-    installed = {
-        canonical_name(line.split("==")[0])
-        for line in (context.root / function.package / "requirements.txt").read_text().splitlines()
-        if "==" in line and not line.startswith("#")
-    }
+    installed = _installed(context, function)
     entry = Path(workflow.data.model_file).name
     try:
         modules = third_party_imports(sources, entry)
