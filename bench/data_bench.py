@@ -42,8 +42,8 @@ import torch
 from cloudless.ir.protocol import S3_ENDPOINT_ENV
 from cloudless.ir.sample_order import SHUFFLE_SHARDS
 from cloudless.runtimes.function.in_place import InPlaceBatches
-from cloudless.runtimes.function.shards import ShardReader, index_split
 from cloudless.runtimes.storage.objects import S3Objects
+from cloudless.runtimes.storage.shards import ShardReader, index_split
 
 SAMPLE_BYTES = 100_000
 SAMPLES_PER_SHARD = 1_000
@@ -222,7 +222,7 @@ def s3_reads(folder: Path, entries: list, repeats: int) -> float:
         shardlist = [{"url": Path(e.location).name, "nsamples": e.samples} for e in entries]
         s3.put_object(Bucket="data-bench", Key="train.json", Body=json.dumps({"shardlist": shardlist}).encode())
         remote = "s3://data-bench/train.json"
-        import cloudless.runtimes.function.shards as shards
+        import cloudless.runtimes.storage.shards as shards
 
         store, folder_store = S3Objects(), shards.store_for
         shards.store_for = lambda location: store  # type: ignore[assignment]  # one client, as a function has

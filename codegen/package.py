@@ -79,7 +79,7 @@ PYPI_PINS = (
     Pin("urllib3", "2.8.0", ("0cf3cae568d36aa9576b28dfb35f11328f1cb974ca7647d9475ebb86c75ac6e3",)),
     # redis needs async-timeout only before Python 3.11.3: not on the images' Python
     Pin("redis", "8.1.0", ("a4fe1aac3d3b3cc791d4b3d5931c5a956045dc951ee74d1c913ee3ac4d2ee9fb",)),
-    # the shard names of training data where it lies (runtimes/function/shards.py)
+    # the shard names of training data where it lies (runtimes/storage/shards.py)
     Pin("braceexpand", "0.1.7", ("91332d53de7828103dcae5773fb43bc34950b0c8160e35e0f44c4427a3b85014",)),
 )
 #: a package's requirement files, by the template each is rendered from (and, when the stage calls a

@@ -337,7 +337,7 @@ def lower(
         imports = set(third_party_imports(sources, model_file.path.name))
     except UserImportError as exc:
         raise ModelFileError(f"{display_path(model_file.path.parent)}/{exc}") from None
-    if any(location.lower().endswith(PARQUET_SUFFIX) for location in in_place):
+    if any(location.lower().endswith(PARQUET_SUFFIX) for patterns in in_place.values() for location in patterns):
         imports.add(PARQUET_READER)
     return Lowered(stages, loss, workflow, tuple(sources.items()), tuple(sorted(imports)))
 

@@ -24,6 +24,8 @@ from cloudless.compiler.cli import main as compile_main
 from cloudless.ir.protocol import S3_ENDPOINT_ENV
 from cloudless.ir.sample_order import SHUFFLE_SHARDS, ShardOrder, sample_seed
 from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.function.data import read_meta
+from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.data_cases import DIGITS_MLP
 
 MODEL = (
@@ -183,6 +185,27 @@ def test_shards_in_s3_are_read_by_the_functions_and_the_controller_reads_their_h
     assert run_main([str(build), "--out", str(again_out), "--model", str(model), "--iterations", "1", *storage]) == 0
     again = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data: "))
     assert "reused: 5 shard(s), 5 request(s), 0 bytes read" in again, again
+
+
+def test_an_epoch_of_shards_in_place_is_counted_at_compile_time_from_their_headers(tmp_path: Path, capsys) -> None:
+    write_digit_shards(tmp_path / "data")
+    model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (4 if split == "train" else 0)')
+    model.write_text(model.read_text().replace(f'"iterations": {ITERATIONS}', '"epochs": 2'))
+    build = tmp_path / "build"
+    assert compile_main([str(model), "-o", str(build), "--stages", "2", "--repeats", "1", "-q"]) == 0
+    workflow = yaml.safe_load((build / "workflow.yaml").read_text())
+    # two passes over the 416 samples of the five shards at the global batch of 32
+    assert workflow["run"]["iterations"] == -(-2 * sum(COUNTS["train"]) // 32) == 26
+    assert workflow["regions"][0]["samples"] == sum(COUNTS["train"])
+    # a shard that is not there: one line at compile time, naming the model file and the shard; no build
+    model.write_text(model.read_text().replace("{000000..%06d}", "{000000..%06d}-gone"))
+    capsys.readouterr()
+    assert compile_main([str(model), "-o", str(tmp_path / "other"), "--stages", "2", "--repeats", "1", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(
+        r"digits_shards\.py: load_shard\('\S+', 'train'\): .*000000-gone\.tar", err[0]
+    ), err
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.parametrize(
@@ -480,3 +503,104 @@ def test_the_data_bench_runs_and_the_controller_reads_headers_only(tmp_path: Pat
     assert [int(shards) for shards, _, _ in indexed] == [1, 2], finished.stdout
     assert all(int(read.replace(",", "")) < int(shards) * 2_000_000 for shards, _, read in indexed)  # of 100 MB each
     assert re.search(r"ratios: folder \d\.\d\d, S3 \d\.\d\d", finished.stdout), finished.stdout
+
+
+#: several regions, each reading its own bucket: the train shards of write_digit_shards, split between them
+REGION_SHARDS = {"aws-us-east-1": (0, 1, 2), "aws-eu-west-1": (3, 4)}
+
+
+def plain_model_average(model: Path, shards: dict[str, list[str]], workflow: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Model averaging as plain PyTorch loops, one per region over its own shards in ShardOrder: each region
+    trains its iterations of every round, then every region takes the weighted mean of the regions' models."""
+    from cloudless.ir.workflow import round_ends
+
+    user = _module(model)
+    seed, global_batch, micro = int(workflow["run"]["seed"]), 32, 8
+    regions = workflow["regions"]
+    rounds = int(workflow["sync"]["rounds"])
+    nets, optimizers, rows, orders, ends = [], [], [], [], []
+    for region in regions:
+        read = [list(webdataset.WebDataset(s, shardshuffle=False, empty_check=False)) for s in shards[region["name"]]]
+        rows.append(read)
+        orders.append(ShardOrder(tuple(len(r) for r in read), seed, SHUFFLE_SHARDS))
+        nets.append(user.build_model())
+        optimizers.append(torch.optim.SGD(nets[-1].parameters(), lr=0.2))
+        ends.append((0, *round_ends(int(region["iterations"]), rounds)))
+    for round_index in range(rounds):
+        for r in range(len(regions)):
+            for iteration in range(ends[r][round_index], ends[r][round_index + 1]):
+                for m in range(global_batch // micro):
+                    items = []
+                    for located in orders[r].span(iteration * global_batch + m * micro, micro):
+                        torch.manual_seed(sample_seed(seed, located.epoch, located.index))
+                        sample = dict(rows[r][located.shard][located.row])
+                        items.append(user.transform(sample, epoch=located.epoch, index=located.index))
+                    (inputs,), target = default_collate(items)
+                    loss = torch.nn.functional.cross_entropy(nets[r](inputs), target) / (global_batch // micro)
+                    loss.backward()
+                optimizers[r].step()
+                optimizers[r].zero_grad()
+        mean = {
+            name: sum(region["weight"] * net.state_dict()[name] for region, net in zip(regions, nets, strict=True))
+            for name in nets[0].state_dict()
+        }
+        with torch.no_grad():
+            for net in nets:
+                for name, value in net.state_dict().items():
+                    value.copy_(mean[name])
+    return {k: v.detach() for k, v in nets[0].state_dict().items()}
+
+
+@pytest.mark.slow  # header scans over HTTP, two regions' pipelines
+def test_regions_each_train_on_their_own_buckets_shards_and_no_sample_passes_the_controller(
+    tmp_path: Path, moto_endpoint: str, aws_env: None, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import boto3
+
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
+    written = write_digit_shards(tmp_path / "data")["train"]
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    buckets = {region: f"digits-{region}-{tmp_path.name[-8:]}".lower().replace("_", "-") for region in REGION_SHARDS}
+    locations: dict[str, str] = {}
+    shards: dict[str, list[str]] = {}
+    for region, numbers in REGION_SHARDS.items():
+        s3.create_bucket(Bucket=buckets[region])
+        for n in numbers:
+            s3.upload_file(written[n], buckets[region], f"digits/train-{n:06d}.tar")
+        locations[region] = f"s3://{buckets[region]}/digits/train-{{{numbers[0]:06d}..{numbers[-1]:06d}}}.tar"
+        shards[region] = [written[n] for n in numbers]
+    model = model_file(tmp_path, f"{locations!r}[region] if split == 'train' else None")
+    build, out, storage = tmp_path / "build", tmp_path / "out", tmp_path / "storage"
+    regions = ",".join(REGION_SHARDS)
+    options = ["--regions", regions, "--sync", "model-average", "--repeats", "1", "-q"]
+    assert compile_main([str(model), "-o", str(build), *options]) == 0
+    workflow = yaml.safe_load((build / "workflow.yaml").read_text())
+    # the plan counted each region's shards from their headers, and moved none: each trains what it holds
+    held = {r["name"]: r["samples"] for r in workflow["regions"]}
+    assert held == {region: sum(COUNTS["train"][n] for n in numbers) for region, numbers in REGION_SHARDS.items()}
+    assert workflow["sync"]["rounds"] >= 2 and all(r["iterations"] >= 2 for r in workflow["regions"])
+    assert {r["name"]: [s["region"] for s in r["data_sources"]] for r in workflow["regions"]} == {
+        region: [region] for region in REGION_SHARDS
+    }
+    capsys.readouterr()
+    assert run_main([str(build), "--out", str(out), "--model", str(model), "--storage", str(storage)]) == 0
+    banners = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "done"
+    # each region's index in its own storage names its own bucket's shards, and the controller read their
+    # headers only; the run's storage holds no sample of them (the functions read them where they lie)
+    for region, numbers in REGION_SHARDS.items():
+        data = storage / region / "data"
+        held_files = sorted(p.relative_to(data) for p in data.rglob("*") if p.is_file())
+        assert len(held_files) == 1 and held_files[0].parts[1:] == ("train", "meta"), held_files
+        meta = read_meta(DirectoryChannel(storage / region), held_files[0].parts[0], "train")
+        assert meta is not None
+        assert [e["location"] for e in meta["shards"]] == [
+            f"s3://{buckets[region]}/digits/train-{n:06d}.tar" for n in numbers
+        ]
+    read = [re.findall(r"(\d+) request\(s\), ([\d,]+) bytes read", banner) for banner in banners]
+    headers = (3 * 512 + 1) * 2 * sum(COUNTS["train"]) + 2 * 512 * len(COUNTS["train"])
+    assert sum(int(b.replace(",", "")) for found in read for _, b in found) <= headers, banners
+    trained = load_file(out / "model.safetensors")
+    for name, value in plain_model_average(model, shards, workflow).items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)

@@ -15,7 +15,8 @@ import pytest
 import webdataset
 
 from cloudless.ir.protocol import S3_ENDPOINT_ENV
-from cloudless.runtimes.function.shards import (
+from cloudless.runtimes.storage.objects import ObjectError, S3Objects, store_for
+from cloudless.runtimes.storage.shards import (
     ShardEntry,
     ShardError,
     ShardReader,
@@ -23,7 +24,6 @@ from cloudless.runtimes.function.shards import (
     read_shard,
     shard_locations,
 )
-from cloudless.runtimes.storage.objects import ObjectError, S3Objects, store_for
 
 COUNTS = (7, 3, 5)
 
@@ -75,7 +75,7 @@ def test_s3_shards_are_indexed_from_their_headers_and_the_index_reused(
         s3.upload_file(str(path), s3_bucket, f"corpus/{path.name}")
     pattern = f"s3://{s3_bucket}/corpus/train-{{000000..000002}}.tar"
     store = S3Objects()
-    import cloudless.runtimes.function.shards as shards
+    import cloudless.runtimes.storage.shards as shards
 
     monkeypatch.setattr(shards, "store_for", lambda location: store)
     entries = index_split(pattern).entries
@@ -209,7 +209,7 @@ def test_parquet_files_are_sharded_by_row_group_from_their_footers_alone(
     for path in sorted((tmp_path / "data").iterdir()):
         s3.upload_file(str(path), s3_bucket, f"pq/{path.name}")
     store = S3Objects()
-    import cloudless.runtimes.function.shards as shards
+    import cloudless.runtimes.storage.shards as shards
 
     monkeypatch.setattr(shards, "store_for", lambda location: store)
     remote = index_split(f"s3://{s3_bucket}/pq/part-{{0,1}}.parquet")

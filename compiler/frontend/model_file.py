@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from ...ir.checkpoint_loading import checked_checkpoint_loads
 from ...ir.workflow import PRECISIONS, ParameterGroup
+from ...runtimes.storage.shards import in_place_pattern
 from ..errors import ModelFileError, describe, display_path, frame_location, name_as_typed, user_frame
 from .stand_ins import STAGED_WEIGHTS_BYTES, parameter_bytes, parameters_on_meta, replace_with_stand_ins
 
@@ -276,23 +277,19 @@ def load_model_file(path: Path) -> ModelFile:
     return ModelFile(path=path, training=dict(training), **functions)
 
 
-def names_shards(given: Any) -> bool:
-    """Whether what load_shard gave names shards where they lie (a location, or a list of them), rather than
-    being a dataset: the first stage's functions then read them, importing the model file for its transform."""
-    return isinstance(given, str) or (
-        isinstance(given, (list, tuple)) and bool(given) and all(isinstance(each, str) for each in given)
-    )
-
-
-def data_in_place(model_file: ModelFile, regions: Iterable[str]) -> list[str]:
-    """The shard locations or patterns these regions' train splits name where they lie (names_shards); none
-    when every region's is a dataset."""
+def data_in_place(model_file: ModelFile, regions: Iterable[str]) -> dict[str, list[str]]:
+    """Per region whose train split names shards where they lie (shards' `in_place_pattern`: the first
+    stage's functions then read them, importing the model file for its transform), its patterns; none when
+    every region's is a dataset."""
     if model_file.load_shard is None:
-        return []
-    given = [model_file.call("load_shard", region, "train") for region in regions]
-    return [
-        location for each in given if names_shards(each) for location in ([each] if isinstance(each, str) else each)
-    ]
+        return {}
+    folder = model_file.path.resolve().parent
+    found = {}
+    for region in regions:
+        pattern = in_place_pattern(model_file.call("load_shard", region, "train"), folder)
+        if pattern is not None:
+            found[region] = [pattern] if isinstance(pattern, str) else pattern
+    return found
 
 
 def user_sources(path: Path) -> dict[str, bytes]:

@@ -9,14 +9,16 @@ import dataclasses
 import functools
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...ir import BlockChain
 from ...ir.catalog import Catalog, Link, Region, load_catalog, platform_limits
 from ...ir.schema import SchemaError
+from ...runtimes.storage.shards import in_place_pattern, index_split
 from ..errors import CompileError
-from ..frontend.model_file import ModelFile, names_shards, probe_optimizer
+from ..frontend.model_file import ModelFile, data_in_place, probe_optimizer
 from .baselines import Baseline, baselines
 from .cost_model import (
     MB,
@@ -108,7 +110,8 @@ def build_problem(
     except SchemaError as exc:
         raise CompileError(str(exc)) from exc
     training = model_file.training
-    samples = _samples_per_epoch(model_file, region.name)
+    index_in_place = "iterations" not in model_file.training or len(set(options.regions)) > 1
+    samples = _samples_per_epoch(model_file, region.name, index_in_place=index_in_place)
     micro_batches = tuple(training.get("micro_batch_sizes") or [chain.batch_size])
     global_batch = training.get("global_batch_size") or max(micro_batches) * 8
     usable = [mu for mu in micro_batches if global_batch % mu == 0]
@@ -173,13 +176,23 @@ def run_length(model_file: ModelFile, samples: int | None, global_batch: int) ->
     return RunLength(iterations, f"{what} of {samples:,} samples at global batch {global_batch}")
 
 
-def _samples_per_epoch(model_file: ModelFile, region: str) -> int | None:
-    """The training split's size in this region, when the model file says where data lies."""
+def _samples_per_epoch(model_file: ModelFile, region: str, *, index_in_place: bool) -> int | None:
+    """The training split's size in this region, when the model file says where data lies. Shards where
+    they lie are counted by their index, read by the same code the controller reads it with (headers,
+    footers or a wids index; never a sample), only when the plan needs the count (`index_in_place`: an
+    epoch's length, or the data's share of several regions): a compile with TRAINING['iterations'] in
+    one region reads no storage."""
     if model_file.load_shard is None:
         return None
     shard = model_file.call("load_shard", region, "train")
-    if names_shards(shard):
-        return None  # shards where they lie: cloudless-run reads their index, the compiler does not
+    pattern = in_place_pattern(shard, model_file.path.resolve().parent)
+    if pattern is not None:
+        if not index_in_place:
+            return None
+        try:
+            return index_split(pattern).samples
+        except ValueError as exc:  # ShardError, ObjectError: a missing, unreadable or damaged shard
+            raise CompileError(f"{model_file.shown}: load_shard({region!r}, 'train'): {exc}") from None
     try:
         return len(shard)
     except TypeError:
@@ -245,6 +258,7 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         for name, (region, problem) in problems.items()
     }
     main = max(names, key=lambda name: (data[name], -names.index(name)))
+    in_place = frozenset(data_in_place(model_file, names))
     main_region, main_problem = problems[main]
     level1: Objective = "time" if options.objective.startswith("time") else "cost"
     found = baselines(main_problem, level1)
@@ -276,7 +290,7 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
                 put_usd=prices.storage_put_per_1000 / 1000,
                 get_usd=prices.storage_get_per_1000 / 1000,
                 local=Link(region.bandwidth_bps(max(region.tiers_mb)), region.request_latency_s),
-                may_move_to=None if region.data_may_move_to is None else frozenset(region.data_may_move_to),
+                may_move_to=_may_move_to(name, region.data_may_move_to, names, in_place),
                 max_functions=region.max_functions,
                 max_memory_mb=region.max_total_memory_mb,
             )
@@ -319,6 +333,18 @@ def plan_regions(chain: BlockChain, model_file: ModelFile, options: PlanOptions)
         GeoResult(geo_problem, solution, per_region, geo_baselines),
         run_length=length,
     )
+
+
+def _may_move_to(
+    name: str, residency: Sequence[str] | None, names: Sequence[str], in_place: frozenset[str]
+) -> frozenset[str] | None:
+    """Where a region's data may move: its residency, and never from or into a region whose data lies in
+    place (its functions read their own region's shards where they lie; a move would be a staged copy)."""
+    if name in in_place:
+        return frozenset()
+    if not in_place:
+        return None if residency is None else frozenset(residency)
+    return frozenset(residency if residency is not None else names) - in_place - {name}
 
 
 def region_baselines(problem: GeoProblem, solve_limited: typing.Callable[..., GeoSolution]) -> list[GeoBaseline]:

@@ -30,10 +30,17 @@ from ...ir.workflow import DataSource, Region, Workflow
 from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, WrittenSplit, read_meta, remove_split, write_split
 from ..function.in_place import flat_batch, seed_generators, user_module
 from ..function.initial_weights import package_weights
-from ..function.shards import IN_PLACE_FORMATS, ShardEntry, ShardError, ShardReader, index_split
 from ..function.worker import load_module
 from ..storage.channels import Channel
 from ..storage.objects import ObjectError
+from ..storage.shards import (
+    IN_PLACE_FORMATS,
+    ShardEntry,
+    ShardError,
+    ShardReader,
+    in_place_pattern,
+    index_split,
+)
 from ..storage.tensors import autocast, unpack
 from .staged_weights import stage_weights, staged_functions, state_names
 
@@ -99,17 +106,6 @@ def _load_shard(module: ModuleType, path: Path, region: str, split: str) -> Any:
         return module.load_shard(region, split)
     except Exception as exc:
         raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
-
-
-def in_place_pattern(given: Any, model_path: Path) -> str | list[str] | None:
-    """What load_shard gave, when it names shards where they lie (a pattern of locations, a list of them, a
-    wids index): locations relative to the model file's folder made absolute. None for a dataset."""
-    patterns = [given] if isinstance(given, str) else given
-    if not (isinstance(patterns, (list, tuple)) and patterns and all(isinstance(p, str) for p in patterns)):
-        return None
-    folder = model_path.resolve().parent
-    absolute = [p if p.startswith("s3://") or Path(p).is_absolute() else str(folder / p) for p in patterns]
-    return absolute[0] if isinstance(given, str) else absolute
 
 
 def _samples(
@@ -257,15 +253,19 @@ def stage_data(
     reasons: dict[str, str] = {}
     for split in ("train", "test"):
         where = name if name and split == "train" else region
-        sliced = split == "train" and bool(sources)  # slices of other regions' data (several regions)
+        moved = split == "train" and bool(sources)  # slices of regions' data (several regions)
+        # A region's own whole split is read as it is: shards where they lie never move (the planner moves no
+        # data from or into their region), so their one source is the region's own data.
+        own = moved and [s.region for s in sources] == [region] and sources[0].first == 0
         try:
-            given = None if sliced else _load_shard(module, model_path, region, split)
+            given = None if moved and not own else _load_shard(module, model_path, region, split)
+            pattern = None if given is None else in_place_pattern(given, model_path.resolve().parent)
+            sliced = moved and pattern is None
             if given is None and not sliced:
                 raise DataError(
                     f"{model_path}: load_shard({region!r}, {split!r}) gives None; expected a dataset, or shards "
                     "where they lie (docs/data.md)"
                 )
-            pattern = None if sliced else in_place_pattern(given, model_path)
             if deployed and pattern is not None:
                 first = pattern if isinstance(pattern, str) else pattern[0]
                 if not first.startswith("s3://"):

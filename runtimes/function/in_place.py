@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ...ir.protocol import USER_FOLDER
 from ...ir.sample_order import ShardLocation, ShardOrder, sample_seed
-from .shards import Sample, ShardEntry, ShardReader
+from ..storage.shards import Sample, ShardEntry, ShardReader
 
 _modules: dict[str, ModuleType] = {}
 

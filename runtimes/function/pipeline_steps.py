@@ -20,11 +20,11 @@ from torch.utils.data import default_collate
 from ...ir import protocol
 from ...ir.schedule import compute_order, local_micro_batches, sample_indices
 from ..storage.objects import ObjectError
+from ..storage.shards import IN_PLACE_FORMATS, ShardError
 from ..storage.tensors import autocast, pack, unpack, wire_dtype
 from .data import SplitReader, read_split_meta
 from .failures import AbortRecord, ModelFailed
 from .in_place import InPlaceBatches, batch_difference, example_leaves, flat_batch, user_module
-from .shards import IN_PLACE_FORMATS, ShardError
 from .stage_context import InvocationState, Span, StageContext
 
 

@@ -39,10 +39,11 @@ from collections.abc import Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ...ir.protocol import PARQUET_SUFFIX
-from ..storage.objects import ObjectError, ObjectReads, ObjectStore, store_for
+from .objects import ObjectError, ObjectReads, ObjectStore, store_for
 
 #: webdataset's `base_plus_ext`: a file name's key and its extensions
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
@@ -61,6 +62,16 @@ Sample = dict[str, Any]
 
 class ShardError(ValueError):
     """A shard cannot be read as the index says: damaged, changed, or not a tar of samples."""
+
+
+def in_place_pattern(given: Any, folder: Path) -> str | list[str] | None:
+    """What load_shard gave, when it names shards where they lie (a pattern of locations, a list of them, a
+    wids index), with locations relative to the model file's `folder` made absolute; None for a dataset."""
+    patterns = [given] if isinstance(given, str) else given
+    if not (isinstance(patterns, (list, tuple)) and patterns and all(isinstance(p, str) for p in patterns)):
+        return None
+    absolute = [p if p.startswith("s3://") or Path(p).is_absolute() else str(folder / p) for p in patterns]
+    return absolute[0] if isinstance(given, str) else absolute
 
 
 def shard_locations(pattern: str | Iterable[str]) -> list[str]:
