@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -351,6 +351,24 @@ def object_prefix(workflow: Workflow) -> str:
     return f"{prefix}/" if prefix else ""
 
 
+def data_object_arns(patterns: Iterable[str]) -> list[str]:
+    """The objects a region's data in place may be read from, as IAM resources (for Fn::Sub): a pattern's
+    key up to its first brace, then any key (`s3://b/train-{0..9}.tar` -> `b/train-*`); a wids index's
+    folder, where its shards lie; a file as it is. Folders of this machine need no grant."""
+    arns = []
+    for pattern in patterns:
+        if not pattern.startswith("s3://"):
+            continue
+        bucket, _, key = pattern.removeprefix("s3://").partition("/")
+        if key.endswith(".json"):
+            key = key.rpartition("/")[0] + "/*" if "/" in key else "*"
+        elif "{" in key:
+            key = key[: key.index("{")] + "*"
+        literal = f"{bucket}/{key}".replace("${", "${!")  # Fn::Sub's escape: a key's own `${` is no variable
+        arns.append(f"arn:${{AWS::Partition}}:s3:::{literal}")
+    return sorted(set(arns))
+
+
 def _render_template(workflow: Workflow, entry: Region, tags: Mapping[str, str]) -> str:
     prefix = object_prefix(workflow)
     machine = state_machine_name(workflow, entry.name)
@@ -392,6 +410,7 @@ def _render_template(workflow: Workflow, entry: Region, tags: Mapping[str, str])
         object_arn=f"${{{BUCKET_RESOURCE}.Arn}}/" + prefix + "*",
         storage_env=STORAGE_ENV,
         functions=_sam_functions(entry, tags),
+        data_arns=data_object_arns(entry.data_in_place),
         machine_name=machine,
         distributed=distributed(len(workers(workflow, entry.name))),
         machine_arn=f"{states_arn}:stateMachine:{machine}",

@@ -330,6 +330,9 @@ def lower(
     in_place = data_in_place(model_file, [region.name for region in workflow.regions])
     if not in_place:
         return Lowered(stages, loss, workflow)
+    # recorded in the workflow: what a deployed first stage's role may read (codegen/platforms.py)
+    regions = tuple(replace(region, data_in_place=tuple(in_place.get(region.name, ()))) for region in workflow.regions)
+    workflow = replace(workflow, regions=regions)
     # the first stage reads the shards through the model file's transform: the packages hold the file, its
     # neighbours, what they import, and Parquet's reader when the shards are Parquet files
     sources = user_sources(model_file.path)

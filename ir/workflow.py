@@ -211,6 +211,9 @@ class Region:
     weight: float | None = None
     #: what it trains on (several regions, or data moved to it); empty: its own load_shard
     data_sources: tuple[DataSource, ...] = ()
+    #: where its train split lies in place, as load_shard named it at compile time (shard patterns, `s3://…`
+    #: or a folder): what a deployed first stage's role may read; empty: staged data
+    data_in_place: tuple[str, ...] = ()
     #: its prices, for the measured cost of a run (None: not written)
     prices: RegionPrices | None = None
 
@@ -236,6 +239,8 @@ class Region:
                 document[key] = getattr(self, key)
         if self.data_sources:
             document["data_sources"] = [source.to_json() for source in self.data_sources]
+        if self.data_in_place:
+            document["data_in_place"] = list(self.data_in_place)
         if self.prices is not None:
             document["prices"] = self.prices.to_json()
         document["functions"] = [function.to_json() for function in self.functions]
@@ -253,6 +258,7 @@ class Region:
             iterations=data.get("iterations"),
             weight=data.get("weight"),
             data_sources=tuple(DataSource.from_json(s) for s in data.get("data_sources") or ()),
+            data_in_place=tuple(data.get("data_in_place") or ()),
             prices=RegionPrices.from_json(data["prices"]) if data.get("prices") else None,
         )
 

@@ -310,6 +310,43 @@ def test_a_deployed_run_refuses_shards_in_a_folder_of_this_machine(tmp_path: Pat
     assert stage_data(channel, "aws-us-east-1", model)["train"] == sum(COUNTS["train"])  # a local run reads them
 
 
+def test_a_deployed_first_stage_may_read_the_shards_the_build_was_compiled_for_and_no_others(tmp_path: Path) -> None:
+    from cloudless.runtimes.control.staging import DataError, stage_data
+    from cloudless.runtimes.storage.channels import DirectoryChannel
+
+    model = model_file(tmp_path, '"s3://my-data/digits/" + split + "-{000000..000004}.tar"')
+    build = tmp_path / "build"
+    assert compile_main([str(model), "-o", str(build), "--stages", "2", "--repeats", "1", "-q"]) == 0
+    workflow = yaml.safe_load((build / "workflow.yaml").read_text())
+    assert workflow["regions"][0]["data_in_place"] == ["s3://my-data/digits/train-{000000..000004}.tar"]
+    template = yaml.safe_load((build / "regions" / "aws-us-east-1" / "template.yaml").read_text())
+    grants = {}
+    for function in (r for r in template["Resources"].values() if r["Type"] == "AWS::Serverless::Function"):
+        statements = function["Properties"]["Policies"][0]["Statement"]
+        grants[function["Properties"]["FunctionName"]] = [s for s in statements if s.get("Sid") == "DataInPlace"]
+    first, second = (grants[name] for name in sorted(grants))
+    # the first stage reads the shards (GetObject only, under the pattern's fixed part); the second reads none
+    assert first == [
+        {
+            "Sid": "DataInPlace",
+            "Effect": "Allow",
+            "Action": "s3:GetObject",
+            "Resource": [{"Fn::Sub": "arn:${AWS::Partition}:s3:::my-data/digits/train-*"}],
+        }
+    ]
+    assert second == []
+    # load_shard naming other shards than the build grants: one line before any function starts
+    model.write_text(model.read_text().replace("s3://my-data/", "s3://other-data/"))
+    with pytest.raises(DataError, match=r"names s3://other-data/digits/train-.*, but the build was compiled for "):
+        stage_data(
+            DirectoryChannel(tmp_path / "storage"),
+            "aws-us-east-1",
+            model,
+            deployed=True,
+            granted=tuple(workflow["regions"][0]["data_in_place"]),
+        )
+
+
 @pytest.mark.slow
 def test_the_jpeg_sample_writes_its_shards_the_same_way_and_trains_on_them(tmp_path: Path) -> None:
     """samples/digits_jpeg.py as a user runs it: its shards (written by its first load_shard, byte for byte

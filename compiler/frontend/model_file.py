@@ -286,9 +286,9 @@ def data_in_place(model_file: ModelFile, regions: Iterable[str]) -> dict[str, li
     folder = model_file.path.resolve().parent
     found = {}
     for region in regions:
-        pattern = in_place_pattern(model_file.call("load_shard", region, "train"), folder)
-        if pattern is not None:
-            found[region] = [pattern] if isinstance(pattern, str) else pattern
+        given = model_file.call("load_shard", region, "train")
+        if in_place_pattern(given, folder) is not None:  # as given: a folder's path stays relative in the build
+            found[region] = [given] if isinstance(given, str) else list(given)
     return found
 
 

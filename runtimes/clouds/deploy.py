@@ -467,6 +467,7 @@ def drive(
                 sources=region.data_sources,
                 name=data_name(region),
                 deployed=not args.rehearse,  # a rehearsal's functions run here, and read this machine's folders
+                granted=region.data_in_place,
             )
             if not args.quiet:
                 print(f"{describe_staged(staged)} in s3://{stacks[region.name].bucket}", flush=True)

@@ -233,6 +233,7 @@ def stage_data(
     name: str | None = None,
     shard_samples: int = SHARD_SAMPLES,
     deployed: bool = False,
+    granted: Sequence[str] = (),
 ) -> StagedData:
     """Make storage hold the region's train split (required) and test split (if load_shard gives
     one) as load_shard gives them now: storage is shared by runs, and the model file may have changed
@@ -241,7 +242,8 @@ def stage_data(
     A stored test split that load_shard no longer gives is deleted, so no run is tested on it.
     `sources` (several regions, data moved) are the slices of other regions' train splits it trains
     on, kept under `name` (data.data_name). `deployed`: the functions run in a cloud, which reads shards
-    where they lie in S3 only."""
+    where they lie in S3 only, and only those the build's roles may read (`granted`: the train split's
+    locations as the compile saw them, workflow Region.data_in_place)."""
     module = load_model_module(model_path)
     # Recorded in meta as where the data came from; not part of the fingerprint: the data is shared
     # per region and split, and a model file whose load_shard gives the same samples (an edit of the
@@ -273,6 +275,13 @@ def stage_data(
                         f"{model_path}: load_shard({region!r}, {split!r}) gives shards in a folder of this machine "
                         f"({first}), which a deployed function cannot read; copy them to the region's S3 and give "
                         "s3://BUCKET/… locations"
+                    )
+                named = [given] if isinstance(given, str) else list(given)
+                if split == "train" and named != list(granted):
+                    raise DataError(
+                        f"{model_path}: load_shard({region!r}, 'train') names {', '.join(named)}, but the build was "
+                        f"compiled for {', '.join(granted) or 'staged data'}: its first stage's role may read only "
+                        "that; compile the model file again"
                     )
             indexed = (
                 None
