@@ -310,7 +310,49 @@ def test_a_deployed_run_refuses_shards_in_a_folder_of_this_machine(tmp_path: Pat
     assert stage_data(channel, "aws-us-east-1", model)["train"] == sum(COUNTS["train"])  # a local run reads them
 
 
-def test_a_deployed_first_stage_may_read_the_shards_the_build_was_compiled_for_and_no_others(tmp_path: Path) -> None:
+def check_the_grant_in_moto_with_iam_enforced(statement: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first stage's reads of a shard (GetObject at the indexed version) under that statement alone, in
+    moto with IAM enforced: a shard of the pattern is read, an object beside it is refused in one line."""
+    import boto3
+    from moto import mock_aws
+    from moto.core import set_initial_no_auth_action_count
+
+    from cloudless.runtimes.storage.objects import ObjectError, S3Objects
+
+    resources = [r["Fn::Sub"].replace("${AWS::Partition}", "aws") for r in statement["Resource"]]
+    policy = {"Version": "2012-10-17", "Statement": [{**statement, "Resource": resources}]}
+    for variable, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv(S3_ENDPOINT_ENV, raising=False)
+
+    @mock_aws
+    @set_initial_no_auth_action_count(5)  # the set-up's five requests; every later one is authorized
+    def run() -> None:
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="my-data")
+        shard = s3.put_object(Bucket="my-data", Key="digits/train-000003.tar", Body=b"a shard")["ETag"]
+        iam = boto3.client("iam")
+        iam.create_user(UserName="function")
+        iam.put_user_policy(UserName="function", PolicyName="data", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="function")["AccessKey"]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        boto3.setup_default_session()  # the function's credentials from now on
+        store = S3Objects(ride_out_s=1.0)
+        assert store.read("s3://my-data/digits/train-000003.tar", shard) == b"a shard"
+        with pytest.raises(ObjectError, match=r"^s3://my-data/digits/test-000000\.tar: access denied \(403\)"):
+            store.read("s3://my-data/digits/test-000000.tar", shard)
+
+    try:
+        run()
+    finally:
+        boto3.DEFAULT_SESSION = None  # later tests make their own
+
+
+def test_a_deployed_first_stage_may_read_the_shards_the_build_was_compiled_for_and_no_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from cloudless.runtimes.control.staging import DataError, stage_data
     from cloudless.runtimes.storage.channels import DirectoryChannel
 
@@ -335,6 +377,7 @@ def test_a_deployed_first_stage_may_read_the_shards_the_build_was_compiled_for_a
         }
     ]
     assert second == []
+    check_the_grant_in_moto_with_iam_enforced(first[0], monkeypatch)
     # load_shard naming other shards than the build grants: one line before any function starts
     model.write_text(model.read_text().replace("s3://my-data/", "s3://other-data/"))
     with pytest.raises(DataError, match=r"names s3://other-data/digits/train-.*, but the build was compiled for "):
