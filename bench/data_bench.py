@@ -8,8 +8,9 @@ each smaller size is its first shards. Then, medians of `--repeats`:
 1. **The controller** indexes each size as `cloudless-run` does (`stage_data` of a model file whose
    load_shard names the shards), in a fresh process: its peak RSS and the bytes it read, at 2, 5 and 10 GB.
    Target: the RSS flat as the data grows; bytes read a few KB per sample's files, never the samples.
-2. **A function's reads** of 1 GB of the shards (`ShardReader`: each shard read whole, its tar parsed
-   into samples) against a plain read of the same bytes (`Path.read_bytes`; in S3, boto3's `get_object`),
+2. **A function's reads** of 1 GB of the shards (`ShardReader`: each shard read whole, its files sliced by
+   the member table of the controller's header scan, or, for a wids-listed split, found by parsing the
+   tar's headers) against a plain read of the same bytes (`Path.read_bytes`; in S3, boto3's `get_object`),
    from a folder and from moto's S3 server over HTTP. Target: >= 80% of the plain read's throughput.
 3. **Prefetch** over 1 GB: micro-batches of 32 samples read through `InPlaceBatches` with a transform (the
    bytes as a tensor) and a compute per micro-batch (a matmul of about the read's time per micro-batch),
@@ -43,7 +44,7 @@ from cloudless.ir.protocol import S3_ENDPOINT_ENV
 from cloudless.ir.sample_order import SHUFFLE_SHARDS
 from cloudless.runtimes.function.in_place import InPlaceBatches
 from cloudless.runtimes.storage.objects import S3Objects
-from cloudless.runtimes.storage.shards import ShardReader, index_split
+from cloudless.runtimes.storage.shards import Members, ShardReader, index_split
 
 SAMPLE_BYTES = 100_000
 SAMPLES_PER_SHARD = 1_000
@@ -111,9 +112,12 @@ def throughput(read: object, locations: list[str]) -> float:
     return total / (time.perf_counter() - began) / 1e6
 
 
-def ours(entries: list) -> float:
-    """MB/s of a function's ShardReader reading every shard (the sample's bytes counted)."""
-    reader = ShardReader(entries, 1)
+def ours(entries: list, tables: dict[str, Members] | None = None) -> float:
+    """MB/s of a function's ShardReader reading every shard (the sample's bytes counted): with the member
+    tables of the controller's header scan (by shard file name: they are the bytes' own), as the functions
+    read an indexed split, or (None) parsing each tar's headers, as they read a wids-listed split."""
+    members = None if tables is None else (lambda entry: tables[Path(entry.location).name])
+    reader = ShardReader(entries, 1, members)
     began = time.perf_counter()
     for shard in range(len(entries)):
         reader.sample(shard, 0)
@@ -121,7 +125,7 @@ def ours(entries: list) -> float:
     return sum(entry.size for entry in entries) / (time.perf_counter() - began) / 1e6
 
 
-def prefetch_hidden(entries: list) -> tuple[float, float]:
+def prefetch_hidden(entries: list, tables: dict[str, Members]) -> tuple[float, float]:
     """(share of the reading hidden behind compute, read seconds) over the shards' micro-batches."""
     meta = {
         "fingerprint": "bench",
@@ -135,6 +139,7 @@ def prefetch_hidden(entries: list) -> tuple[float, float]:
         seed=0,
         micro_batch=MICRO_BATCH,
         global_batch=MICRO_BATCH,
+        members=lambda entry: tables[Path(entry.location).name],
     )
     weight = torch.randn(768, 768)
     # a compute of about the read's time per micro-batch: the shard's read time / its micro-batches
@@ -182,27 +187,33 @@ def main() -> int:
         print(f"{size:>6.1f}GB {runs[0]['samples']:>9,} {rss:>8.0f}MB {runs[0]['read']:>40}")
 
     subset = min(max(counts), 10)  # 1 GB, or all of the largest size
-    entries = index_split(pattern(args.folder, subset)).entries
+    index = index_split(pattern(args.folder, subset))
+    entries = index.entries
+    tables = {Path(location).name: members for location, members in index.members.items()}
     locations = [entry.location for entry in entries]
     print(f"\n2. a function's reads of {subset} shards ({subset * SHARD_BYTES / 1e9:.1f} GB; MB/s, medians)")
-    folder_ours = statistics.median(ours(entries) for _ in range(args.repeats))
+    print("        (indexed: sliced by the member tables of the header scan; wids-listed: each tar's headers parsed)")
     folder_plain = statistics.median(
         throughput(lambda location: len(Path(location).read_bytes()), locations) for _ in range(args.repeats)
     )
-    ratio = folder_ours / folder_plain
-    print(f"folder  ShardReader {folder_ours:8.0f}  plain read {folder_plain:8.0f}  ratio {ratio:.2f}")
-    s3_ratio = s3_reads(args.folder, entries, args.repeats)
+    ratios = {}
+    for kind, given in (("indexed", tables), ("wids-listed", None)):
+        folder_ours = statistics.median(ours(entries, given) for _ in range(args.repeats))
+        ratio = ratios[f"folder {kind}"] = folder_ours / folder_plain
+        print(f"folder  {kind:<12} {folder_ours:8.0f}  plain read {folder_plain:8.0f}  ratio {ratio:.2f}")
+    ratios.update(s3_reads(args.folder, entries, tables, args.repeats))
 
     print(f"\n3. prefetch over {subset} shards, micro-batches of {MICRO_BATCH}, compute ~ the read per micro-batch")
-    hidden = [prefetch_hidden(entries) for _ in range(args.repeats)]
+    hidden = [prefetch_hidden(entries, tables) for _ in range(args.repeats)]
     print(f"hidden behind compute: {statistics.median(h for h, _ in hidden):.0%} of "
           f"{statistics.median(r for _, r in hidden):.1f} s of reading")  # fmt: skip
-    print(f"\nratios: folder {ratio:.2f}, S3 {s3_ratio:.2f} (target >= 0.80)")
+    print("\nratios: " + ", ".join(f"{kind} {ratio:.2f}" for kind, ratio in ratios.items()) + " (target >= 0.80)")
     return 0
 
 
-def s3_reads(folder: Path, entries: list, repeats: int) -> float:
-    """The same shards in moto's S3 over HTTP: ShardReader against boto3's get_object, MB/s."""
+def s3_reads(folder: Path, entries: list, tables: dict[str, Members], repeats: int) -> dict[str, float]:
+    """The same shards in moto's S3 over HTTP: ShardReader (with the tables, and parsing) against boto3's
+    get_object, MB/s."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -228,7 +239,10 @@ def s3_reads(folder: Path, entries: list, repeats: int) -> float:
         shards.store_for = lambda location: store  # type: ignore[assignment]  # one client, as a function has
         try:
             indexed = index_split(remote).entries
-            mine = statistics.median(ours(indexed) for _ in range(repeats))
+            mine = {
+                kind: statistics.median(ours(indexed, given) for _ in range(repeats))
+                for kind, given in (("indexed", tables), ("wids-listed", None))
+            }
         finally:
             shards.store_for = folder_store
         names = [Path(entry.location).name for entry in entries]
@@ -236,8 +250,9 @@ def s3_reads(folder: Path, entries: list, repeats: int) -> float:
             throughput(lambda key: len(s3.get_object(Bucket="data-bench", Key=key)["Body"].read()), names)
             for _ in range(repeats)
         )
-        print(f"S3      ShardReader {mine:8.0f}  boto3 get  {plain:8.0f}  ratio {mine / plain:.2f}")
-        return mine / plain
+        for kind, speed in mine.items():
+            print(f"S3      {kind:<12} {speed:8.0f}  boto3 get  {plain:8.0f}  ratio {speed / plain:.2f}")
+        return {f"S3 {kind}": speed / plain for kind, speed in mine.items()}
     finally:
         server.stop()
 

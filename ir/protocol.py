@@ -32,6 +32,7 @@ Lifetimes. Each key has one owner, the function (replica) that writes it:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -617,6 +618,15 @@ def data_key(name: str, split: str, part: str) -> str:
     return f"data/{name}/{split}/{part}"
 
 
+def members_key(name: str, split: str, location: str, version: str) -> str:
+    """A tar shard's member table where it lies (JSON `[[file name, data offset, size], ...]`, written when
+    the controller indexed it from its headers): a function then slices the shard's files from its bytes
+    instead of parsing its headers again. Named by the shard's location and version: a shard written again
+    has none until indexed again."""
+    digest = hashlib.sha256(f"{location}\0{version}".encode()).hexdigest()[:32]
+    return data_key(name, split, f"{MEMBERS_FOLDER}/{digest}")
+
+
 def weights_key(ns: str, function: str) -> str:
     """A staged build's weights of one stage function (safetensors bytes): what `cloudless-run` staged
     from the model file's build_model() for the run, read by the function at iteration 0."""
@@ -630,6 +640,8 @@ def shard_name(index: int) -> str:
 
 #: the JSON beside a split's shards: samples, shard size, input and target leaf counts
 DATA_META = "meta"
+#: the folder of a split's member tables (`members_key`)
+MEMBERS_FOLDER = "members"
 
 
 # -- what a checkpoint (`state_key`) holds -------------------------------------------------------

@@ -582,7 +582,9 @@ def test_the_data_bench_runs_and_the_controller_reads_headers_only(tmp_path: Pat
     indexed = re.findall(r"(\d+) shard\(s\), (\d+) request\(s\), ([\d,]+) bytes read", finished.stdout)
     assert [int(shards) for shards, _, _ in indexed] == [1, 2], finished.stdout
     assert all(int(read.replace(",", "")) < int(shards) * 2_000_000 for shards, _, read in indexed)  # of 100 MB each
-    assert re.search(r"ratios: folder \d\.\d\d, S3 \d\.\d\d", finished.stdout), finished.stdout
+    found = re.search(r"ratios: folder indexed (\d\.\d\d), folder wids-listed \d\.\d\d, S3 indexed (\d\.\d\d), "
+                      r"S3 wids-listed \d\.\d\d", finished.stdout)  # fmt: skip
+    assert found is not None, finished.stdout
 
 
 #: several regions, each reading its own bucket: the train shards of write_digit_shards, split between them
@@ -653,7 +655,14 @@ def test_regions_each_train_on_their_own_buckets_shards_and_no_sample_passes_the
     build, out, storage = tmp_path / "build", tmp_path / "out", tmp_path / "storage"
     regions = ",".join(REGION_SHARDS)
     options = ["--regions", regions, "--sync", "model-average", "--repeats", "1", "-q"]
-    assert compile_main([str(model), "-o", str(build), *options]) == 0
+    # data that stays where it lies must be trained there at least once a round: 6 iterations, 3 rounds
+    capsys.readouterr()
+    assert compile_main([str(model), "-o", str(build), *options, "--sync-every", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"aws-eu-west-1's data stays in it .* its share of the training is 1\.86 iterations, fewer than "
+                     r"the 3 rounds", err), err  # fmt: skip
+    model.write_text(model.read_text().replace(f'"iterations": {ITERATIONS}', '"iterations": 12'))
+    assert compile_main([str(model), "-o", str(build), *options, "--sync-every", "4"]) == 0
     workflow = yaml.safe_load((build / "workflow.yaml").read_text())
     # the plan counted each region's shards from their headers, and moved none: each trains what it holds
     held = {r["name"]: r["samples"] for r in workflow["regions"]}
@@ -672,7 +681,11 @@ def test_regions_each_train_on_their_own_buckets_shards_and_no_sample_passes_the
     for region, numbers in REGION_SHARDS.items():
         data = storage / region / "data"
         held_files = sorted(p.relative_to(data) for p in data.rglob("*") if p.is_file())
-        assert len(held_files) == 1 and held_files[0].parts[1:] == ("train", "meta"), held_files
+        # the index and, per shard, its member table (names, offsets and sizes: a few bytes per file)
+        assert [f.parts[1:] for f in held_files][-1] == ("train", "meta"), held_files
+        tables = [data / f for f in held_files if f.parts[1:3] == ("train", "members")]
+        assert len(tables) == len(numbers) == len(held_files) - 1, held_files
+        assert sum(t.stat().st_size for t in tables) < 100 * sum(COUNTS["train"][n] for n in numbers)
         meta = read_meta(DirectoryChannel(storage / region), held_files[0].parts[0], "train")
         assert meta is not None
         assert [e["location"] for e in meta["shards"]] == [

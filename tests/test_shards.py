@@ -55,6 +55,23 @@ def test_a_folder_of_shards_is_indexed_and_read_as_webdataset_reads_it(tmp_path:
     theirs = list(webdataset.WebDataset(pattern, shardshuffle=False, empty_check=False))
     assert [s["__key__"] for s in ours] == [s["__key__"] for s in theirs]
     assert all(a["bin"] == b["bin"] and a["cls"] == b["cls"] for a, b in zip(ours, theirs, strict=True))
+    # the member tables of the header scan slice the same files from the shards' bytes, without parsing them
+    assert sorted(index.members) == [e.location for e in entries]
+    sliced = [s for e in entries for s in read_shard(store_for(e.location), e, index.members[e.location])]
+    assert sliced == ours
+    reader = ShardReader(entries, 1, members=lambda entry: index.members[entry.location])
+    assert reader.sample(2, 4) == ours[sum(COUNTS[:2]) + 4]
+    # a table that does not fit the shard (a file cut short) names the file
+    cut = [
+        (name, at, size + 10**6) if n == 3 else (name, at, size)
+        for n, (name, at, size) in enumerate(index.members[entries[1].location])
+    ]
+    with pytest.raises(
+        ShardError, match=r"train-000001\.tar: s1/0001\.cls: \d+ of its \d+ bytes in the tar \(cut short\)"
+    ):
+        read_shard(store_for(entries[1].location), entries[1], cut)
+    # reused entries are not scanned again: no tables
+    assert index_split(pattern, entries).members == {}
     # written again: the fingerprint changes, and a reader at the old version refuses it
     first = entries[0].location
     data = Path(first).read_bytes()
@@ -78,12 +95,17 @@ def test_s3_shards_are_indexed_from_their_headers_and_the_index_reused(
     import cloudless.runtimes.storage.shards as shards
 
     monkeypatch.setattr(shards, "store_for", lambda location: store)
-    entries = index_split(pattern).entries
+    index = index_split(pattern)
+    entries = index.entries
     assert [e.samples for e in entries] == list(COUNTS)
+    # one GET a shard, its files read from the stream by the member table, as tarfile finds them
+    for entry in entries:
+        assert read_shard(store, entry, index.members[entry.location]) == read_shard(store, entry)
     sample_bytes = sum(path.stat().st_size for path in (tmp_path / "data").iterdir())
     # headers only: per file a PAX header, its data and the file's header (512 bytes each) and one byte of
     # the file before (tarfile's check that it is whole); the end's two blocks
-    assert store.reads.bytes <= (3 * 512 + 1) * 2 * sum(COUNTS) + 1024 * len(COUNTS) < sample_bytes / 5, store.reads
+    headers = store.reads.bytes - 2 * sample_bytes  # the shards read twice above
+    assert headers <= (3 * 512 + 1) * 2 * sum(COUNTS) + 1024 * len(COUNTS) < sample_bytes / 5, store.reads
     before = store.reads.requests
     assert index_split(pattern, entries).entries == entries
     assert store.reads.requests - before == len(COUNTS)  # a HEAD per shard, nothing read

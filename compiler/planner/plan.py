@@ -478,8 +478,19 @@ def _diagnose_regions(problem: GeoProblem, options: PlanOptions) -> str:
                 f"(limits.max_functions {site.max_functions}, limits.max_total_memory_mb {site.max_memory_mb}): "
                 "raise them or let its data move"
             )
-    fastest = solve_geo(problem, "time", time_limit=options.time_limit)
-    cheapest = solve_geo(problem, "cost", time_limit=options.time_limit)
+        # each round a training region runs at least one iteration: data that stays is trained where it is
+        share = problem.total_samples * site.data / problem.total_data / problem.global_batch
+        if stuck and problem.sync != "sync" and share < problem.rounds:
+            return (
+                f"{site.name}'s data stays in it (data in place, or the catalog's data_may_move_to), and its share "
+                f"of the training is {share:.3g} iterations, fewer than the {problem.rounds} rounds the regions meet "
+                f"in (every {problem.sync_every} iterations): raise TRAINING's iterations or --sync-every"
+            )
+    try:
+        fastest = solve_geo(problem, "time", time_limit=options.time_limit)
+        cheapest = solve_geo(problem, "cost", time_limit=options.time_limit)
+    except GeoInfeasible:
+        return f"no schedule of {names} trains every region's data (its moves, capacity and rounds)"
     if options.deadline is not None and fastest.evaluation.training_s > options.deadline:
         return (
             f"no schedule of {names} meets the deadline: the fastest takes {fastest.evaluation.training_s:.1f} s, "

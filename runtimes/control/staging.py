@@ -276,7 +276,7 @@ def stage_data(
                         f"({first}), which a deployed function cannot read; copy them to the region's S3 and give "
                         "s3://BUCKET/… locations"
                     )
-                named = [given] if isinstance(given, str) else list(given)
+                named = [given] if isinstance(given, str) else list(given or ())  # as given, not made absolute
                 if split == "train" and named != list(granted):
                     raise DataError(
                         f"{model_path}: load_shard({region!r}, 'train') names {', '.join(named)}, but the build was "
@@ -361,6 +361,11 @@ def index_in_place(
         return WrittenSplit(index.samples, fingerprint, "reused", read=read)
     if previous and not in_place:  # staged shards of earlier data: not read any more
         remove_split(channel, name, split)
+    # the member tables of the shards scanned, before the meta that names them (a function reads it first)
+    versions = {entry.location: entry.version for entry in index.entries}
+    for location, members in index.members.items():
+        table = json.dumps(members, separators=(",", ":")).encode()
+        channel.put(protocol.members_key(name, split, location, versions[location]), table)
     channel.put(data_key(name, split, DATA_META), json.dumps(meta, sort_keys=True).encode())
     return WrittenSplit(index.samples, fingerprint, "indexed", read=read)
 

@@ -15,6 +15,7 @@ that it imports), once per process; what it raises names the sample.
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import sys
 from collections.abc import Callable
@@ -25,9 +26,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ...ir.protocol import USER_FOLDER
+from ...ir.protocol import USER_FOLDER, members_key
 from ...ir.sample_order import ShardLocation, ShardOrder, sample_seed
-from ..storage.shards import Sample, ShardEntry, ShardReader
+from ..storage.channels import Channel
+from ..storage.shards import Members, MemberTables, Sample, ShardEntry, ShardError, ShardReader
 
 _modules: dict[str, ModuleType] = {}
 
@@ -63,6 +65,24 @@ def seed_generators(seed: int) -> None:
         numpy.random.seed(seed)
 
 
+def stored_member_tables(channel: Channel, name: str, split: str) -> MemberTables:
+    """A reader's way to a split's member tables in the run's storage (`protocol.members_key`); a shard
+    without one (listed by a wids index, or indexed by an older version) is parsed instead."""
+
+    def table(entry: ShardEntry) -> Members | None:
+        stored = channel.try_get(members_key(name, split, entry.location, entry.version))
+        if stored is None:
+            return None
+        members = json.loads(stored)
+        if not isinstance(members, list):
+            raise ShardError(
+                f"{channel.describe(members_key(name, split, entry.location, entry.version))}: not a table"
+            )
+        return [(str(n), int(at), int(size)) for n, at, size in members]
+
+    return table
+
+
 def entries_of(meta: dict[str, Any]) -> list[ShardEntry]:
     return [ShardEntry.from_json(shard) for shard in meta["shards"]]
 
@@ -80,12 +100,13 @@ class InPlaceBatches:
         micro_batch: int,
         global_batch: int,
         examples: tuple[list[Any] | None, list[Any] | None] = (None, None),
+        members: MemberTables | None = None,
     ) -> None:
         entries = entries_of(meta)
         self.fingerprint = str(meta["fingerprint"])
         self.order = ShardOrder(tuple(e.samples for e in entries), seed, int(meta["shuffle_shards"]))
         # a group's shards, and the next group's first while a micro-batch straddles the two
-        self.reader = ShardReader(entries, self.order.shuffle_shards + 1)
+        self.reader = ShardReader(entries, self.order.shuffle_shards + 1, members)
         self.transform, self.collate = transform, collate
         self.seed, self.micro_batch, self.global_batch = seed, micro_batch, global_batch
         #: the leaves of example_inputs' and example_targets' batch of a micro-batch (None: not given)

@@ -24,7 +24,14 @@ from ..storage.shards import IN_PLACE_FORMATS, ShardError
 from ..storage.tensors import autocast, pack, unpack, wire_dtype
 from .data import SplitReader, read_split_meta
 from .failures import AbortRecord, ModelFailed
-from .in_place import InPlaceBatches, batch_difference, example_leaves, flat_batch, user_module
+from .in_place import (
+    InPlaceBatches,
+    batch_difference,
+    example_leaves,
+    flat_batch,
+    stored_member_tables,
+    user_module,
+)
 from .stage_context import InvocationState, Span, StageContext
 
 
@@ -141,6 +148,7 @@ class PipelineSteps:
                     micro_batch=run.micro_batch,
                     global_batch=run.global_batch,
                     examples=example_leaves(module, run.micro_batch),
+                    members=stored_member_tables(channel, self.data_name, "train"),
                 )
             self._opened_for = namespace
         return "staged" if self._reader is not None else "in place"

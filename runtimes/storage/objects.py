@@ -65,6 +65,12 @@ class ObjectStore(ABC):
     def read(self, location: str, version: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes start .. end - 1 (end None: to the end) of the object, which must still be `version`."""
 
+    def read_parts(self, location: str, version: str, parts: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes (offset, size) of the object, for each part in order of offset, from one read of it at
+        `version`; each part is its own bytes, made once (a part shorter than its size: the object ends)."""
+        data = self.read(location, version)
+        return [data[offset : offset + size] for offset, size in parts]
+
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """The locations of the objects whose location starts with `prefix`, in sorted order."""
@@ -84,18 +90,29 @@ class FolderObjects(ObjectStore):
             raise ObjectError(f"{location}: not a file")
         return ObjectStat(found.st_size, f"{found.st_size}-{found.st_mtime_ns}")
 
-    def read(self, location: str, version: str, start: int = 0, end: int | None = None) -> bytes:
+    def _open(self, location: str, version: str) -> Any:
         try:
-            with open(location, "rb") as file:
-                now = os.fstat(file.fileno())
-                if f"{now.st_size}-{now.st_mtime_ns}" != version:
-                    raise ObjectError(f"{location}: changed since it was indexed (written again while the run read it)")
-                file.seek(start)
-                data = file.read() if end is None else file.read(end - start)
+            file = open(location, "rb")
         except FileNotFoundError:
             raise ObjectError(f"{location}: no such file (deleted while the run read it)") from None
+        now = os.fstat(file.fileno())
+        if f"{now.st_size}-{now.st_mtime_ns}" != version:
+            file.close()
+            raise ObjectError(f"{location}: changed since it was indexed (written again while the run read it)")
+        return file
+
+    def read(self, location: str, version: str, start: int = 0, end: int | None = None) -> bytes:
+        with self._open(location, version) as file:
+            file.seek(start)
+            data = file.read() if end is None else file.read(end - start)
         self.reads.count(len(data))
         return data
+
+    def read_parts(self, location: str, version: str, parts: list[tuple[int, int]]) -> list[bytes]:
+        with self._open(location, version) as file:
+            read = [os.pread(file.fileno(), size, offset) for offset, size in parts]
+        self.reads.count(sum(len(part) for part in read))
+        return read
 
     def list(self, prefix: str) -> list[str]:
         folder, _, head = prefix.rpartition("/")
@@ -167,6 +184,28 @@ class S3Objects(ObjectStore):
         data = self._call(location, get)
         self.reads.count(len(data))
         return data
+
+    def read_parts(self, location: str, version: str, parts: list[tuple[int, int]]) -> list[bytes]:
+        """One GET at `version`, its body read as it streams: the gaps between parts skipped (a tar's
+        headers), each part read into its own bytes."""
+        bucket, key = self._split(location)
+
+        def get() -> tuple[list[bytes], int]:  # a body cut short raises while it is read: ridden out with it
+            body = self.client.get_object(Bucket=bucket, Key=key, IfMatch=version)["Body"]
+            read, position = [], 0
+            for offset, size in parts:
+                while position < offset:  # skipped in pieces: a gap is a few header blocks
+                    skipped = len(body.read(min(offset - position, 1 << 20)))
+                    if not skipped:
+                        break
+                    position += skipped
+                read.append(body.read(size))
+                position += len(read[-1])
+            return read, position + len(body.read())  # to the end: the connection is kept for the next GET
+
+        read, total = self._call(location, get)
+        self.reads.count(total)
+        return read
 
     def list(self, prefix: str) -> list[str]:
         bucket, key = self._split(prefix)
