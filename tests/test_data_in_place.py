@@ -231,9 +231,11 @@ def test_shards_that_cannot_be_read_are_one_line_before_any_function_starts(
 ) -> None:
     monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
     write_digit_shards(tmp_path / "data")
-    model = model_file(tmp_path, location)
+    # compiled while the shards could be read (the compile reads their index too), run when they cannot
+    model = model_file(tmp_path, '"data/train-{000000..000004}.tar"')
     build, out = tmp_path / "build", tmp_path / "out"
     assert compile_main([str(model), "-o", str(build), "--stages", "2", "--repeats", "1", "-q"]) == 0
+    model = model_file(tmp_path, location)
     model.write_text(model.read_text() + extra)
     capsys.readouterr()
     assert run_main([str(build), "--out", str(out), "--model", str(model), "-q", "--no-verify-build"]) == 2
@@ -310,7 +312,9 @@ def test_a_deployed_run_refuses_shards_in_a_folder_of_this_machine(tmp_path: Pat
     assert stage_data(channel, "aws-us-east-1", model)["train"] == sum(COUNTS["train"])  # a local run reads them
 
 
-def check_the_grant_in_moto_with_iam_enforced(statement: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def check_the_grant_in_moto_with_iam_enforced(
+    statement: dict[str, Any], bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first stage's reads of a shard (GetObject at the indexed version) under that statement alone, in
     moto with IAM enforced: a shard of the pattern is read, an object beside it is refused in one line."""
     import boto3
@@ -330,8 +334,8 @@ def check_the_grant_in_moto_with_iam_enforced(statement: dict[str, Any], monkeyp
     @set_initial_no_auth_action_count(5)  # the set-up's five requests; every later one is authorized
     def run() -> None:
         s3 = boto3.client("s3")
-        s3.create_bucket(Bucket="my-data")
-        shard = s3.put_object(Bucket="my-data", Key="digits/train-000003.tar", Body=b"a shard")["ETag"]
+        s3.create_bucket(Bucket=bucket)
+        shard = s3.put_object(Bucket=bucket, Key="digits/train-000003.tar", Body=b"a shard")["ETag"]
         iam = boto3.client("iam")
         iam.create_user(UserName="function")
         iam.put_user_policy(UserName="function", PolicyName="data", PolicyDocument=json.dumps(policy))
@@ -340,9 +344,9 @@ def check_the_grant_in_moto_with_iam_enforced(statement: dict[str, Any], monkeyp
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
         boto3.setup_default_session()  # the function's credentials from now on
         store = S3Objects(ride_out_s=1.0)
-        assert store.read("s3://my-data/digits/train-000003.tar", shard) == b"a shard"
-        with pytest.raises(ObjectError, match=r"^s3://my-data/digits/test-000000\.tar: access denied \(403\)"):
-            store.read("s3://my-data/digits/test-000000.tar", shard)
+        assert store.read(f"s3://{bucket}/digits/train-000003.tar", shard) == b"a shard"
+        with pytest.raises(ObjectError, match=rf"^s3://{bucket}/digits/test-000000\.tar: access denied \(403\)"):
+            store.read(f"s3://{bucket}/digits/test-000000.tar", shard)
 
     try:
         run()
@@ -351,16 +355,22 @@ def check_the_grant_in_moto_with_iam_enforced(statement: dict[str, Any], monkeyp
 
 
 def test_a_deployed_first_stage_may_read_the_shards_the_build_was_compiled_for_and_no_others(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, s3_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import boto3
+
     from cloudless.runtimes.control.staging import DataError, stage_data
     from cloudless.runtimes.storage.channels import DirectoryChannel
 
-    model = model_file(tmp_path, '"s3://my-data/digits/" + split + "-{000000..000004}.tar"')
+    monkeypatch.setenv(S3_ENDPOINT_ENV, moto_endpoint)
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    for location in write_digit_shards(tmp_path / "data")["train"]:  # the compile reads their sizes
+        s3.upload_file(location, s3_bucket, f"digits/{Path(location).name}")
+    model = model_file(tmp_path, f'"s3://{s3_bucket}/digits/" + split + "-{{000000..000004}}.tar"')
     build = tmp_path / "build"
     assert compile_main([str(model), "-o", str(build), "--stages", "2", "--repeats", "1", "-q"]) == 0
     workflow = yaml.safe_load((build / "workflow.yaml").read_text())
-    assert workflow["regions"][0]["data_in_place"] == ["s3://my-data/digits/train-{000000..000004}.tar"]
+    assert workflow["regions"][0]["data_in_place"] == [f"s3://{s3_bucket}/digits/train-{{000000..000004}}.tar"]
     template = yaml.safe_load((build / "regions" / "aws-us-east-1" / "template.yaml").read_text())
     grants = {}
     for function in (r for r in template["Resources"].values() if r["Type"] == "AWS::Serverless::Function"):
@@ -373,13 +383,13 @@ def test_a_deployed_first_stage_may_read_the_shards_the_build_was_compiled_for_a
             "Sid": "DataInPlace",
             "Effect": "Allow",
             "Action": "s3:GetObject",
-            "Resource": [{"Fn::Sub": "arn:${AWS::Partition}:s3:::my-data/digits/train-*"}],
+            "Resource": [{"Fn::Sub": f"arn:${{AWS::Partition}}:s3:::{s3_bucket}/digits/train-*"}],
         }
     ]
     assert second == []
-    check_the_grant_in_moto_with_iam_enforced(first[0], monkeypatch)
+    check_the_grant_in_moto_with_iam_enforced(first[0], s3_bucket, monkeypatch)
     # load_shard naming other shards than the build grants: one line before any function starts
-    model.write_text(model.read_text().replace("s3://my-data/", "s3://other-data/"))
+    model.write_text(model.read_text().replace(f"s3://{s3_bucket}/", "s3://other-data/"))
     with pytest.raises(DataError, match=r"names s3://other-data/digits/train-.*, but the build was compiled for "):
         stage_data(
             DirectoryChannel(tmp_path / "storage"),

@@ -11,7 +11,13 @@ import pytest
 from cloudless.compiler.planner import pipeline_milp as planner
 from cloudless.compiler.planner import pipeline_program as program
 from cloudless.compiler.planner.baselines import baselines, ratio, ratio_text
-from cloudless.compiler.planner.cost_model import CostModel, OutOfRange, check_range, problem_from_chain
+from cloudless.compiler.planner.cost_model import (
+    CostModel,
+    DataInPlace,
+    OutOfRange,
+    check_range,
+    problem_from_chain,
+)
 from cloudless.compiler.planner.exhaustive import exhaustive
 from cloudless.compiler.planner.pipeline_milp import solve
 from cloudless.compiler.planner.pipeline_program import Infeasible
@@ -240,6 +246,34 @@ def test_model_state_is_one_formula() -> None:
         held = problem.global_batch // mu if problem.schedule == "gpipe" else 1
         expected = model.model_state_bytes(0, n - 1) + activations * held + 2 * inputs
         assert (terms.memory_mb - problem.region.runtime_overhead_mb) * 2**20 == pytest.approx(expected, rel=1e-12)
+
+
+def test_data_in_place_is_held_and_read_by_the_first_stage_alone() -> None:
+    """The shards a first stage's cache holds are its memory, and the stored bytes of a micro-batch's samples
+    (a shard's GET shared by its samples) its download; a later stage holds and reads none of them. With no
+    counts (sizes alone), the micro-batch's tensors stand in for the bytes read."""
+    checked = 0
+    for seed in range(10):
+        problem = random_problem(seed)
+        held = 300 * 2**20
+        data = CostModel(dataclasses.replace(problem, data=DataInPlace(held, 5_000.0, 100.0)))
+        sized = CostModel(dataclasses.replace(problem, data=DataInPlace(held)))
+        staged = CostModel(problem)
+        n, mu = len(problem.blocks), min(problem.micro_batch_counts())
+        if n < 2:
+            continue
+        checked += 1
+        tier = max(problem.region.tiers_mb)
+        for index, choice in ((0, program.StageChoice(0, 0, tier, 1)), (1, program.StageChoice(1, n - 1, tier, 1))):
+            ours, theirs = data.stage_terms(choice, index, 2, mu), staged.stage_terms(choice, index, 2, mu)
+            assert ours.memory_mb - theirs.memory_mb == pytest.approx(300.0 if index == 0 else 0.0)
+            if index == 0:
+                bandwidth = data._tier_rates(tier)[1]
+                assert ours.forward_download_s == pytest.approx(mu * (5_000 / bandwidth + data.latency / 100))
+                assert sized.stage_terms(choice, 0, 2, mu).forward_download_s == theirs.forward_download_s
+            else:
+                assert ours.forward_download_s == theirs.forward_download_s
+    assert checked >= 5
 
 
 # --- figures at the edges: zero prices, extreme catalogs ---------------------------------------------

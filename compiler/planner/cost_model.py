@@ -58,6 +58,18 @@ def checkpoint_interval(iterations: int) -> int:
 
 
 @dataclass(frozen=True)
+class DataInPlace:
+    """What a first stage reading training data where it lies holds and reads (from the split's index)."""
+
+    #: bytes of shards its cache holds at once: the shuffle group's and one more, of the largest
+    held_bytes: int
+    #: stored bytes per sample, and samples per shard (a GET each); None: not counted (TRAINING['iterations']
+    #: in one region reads the shards' sizes only), the micro-batch's tensor bytes then stand in
+    bytes_per_sample: float | None = None
+    samples_per_shard: float | None = None
+
+
+@dataclass(frozen=True)
 class Problem:
     """Everything a plan is chosen from, in one region."""
 
@@ -80,6 +92,8 @@ class Problem:
     optimizer_state: int = 0
     iterations: int = 1
     samples_per_epoch: int | None = None
+    #: the training data where it lies (None: staged data, read from Cloudless's own shards)
+    data: DataInPlace | None = None
     #: the limits of the deployment platforms built for the region (problem_from_chain applies their replica
     #: and stage limits to `replicas` and `max_stages`; `function_limit` includes their worker limit)
     platform: PlatformLimits = field(default_factory=PlatformLimits)
@@ -341,6 +355,8 @@ class CostModel:
         activations = scale * self._total("saved_bytes", choice.first, choice.last)
         held = self.in_flight(p.schedule, per_replica, stages_from_here)
         memory = self.region.runtime_overhead_mb + (state + activations * held + 2 * (inputs + outputs)) / MB
+        if first and p.data is not None:  # the shards its cache holds
+            memory += p.data.held_bytes / MB
         r = choice.replicas
         pieces = sync_pieces(params, r)
         # Besides tensors (counts over the stage's r replicas): each last-stage replica reports its
@@ -362,10 +378,7 @@ class CostModel:
         return StageTerms(
             forward_compute_s=kappa * scale * self._total("forward_s", choice.first, choice.last),
             backward_compute_s=kappa * scale * self._total("backward_s", choice.first, choice.last),
-            # A first stage's data comes from a shard it read once (one request per SHARD_SAMPLES).
-            forward_download_s=(
-                inputs / bandwidth + self.latency * micro_batch / SHARD_SAMPLES if first else transfer(inputs)
-            ),
+            forward_download_s=self._first_stage_reads(micro_batch, inputs, bandwidth) if first else transfer(inputs),
             forward_upload_s=transfer(outputs),
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),
@@ -376,6 +389,15 @@ class CostModel:
             puts=puts,
             gets=gets,
         )
+
+    def _first_stage_reads(self, micro_batch: int, inputs: float, bandwidth: float) -> float:
+        """A micro-batch's share of the shards a first stage reads: each shard read once, whole (a request per
+        shard). Staged shards hold the micro-batch's tensors (SHARD_SAMPLES a shard); shards where they lie
+        hold the samples as stored (a JPEG, a Parquet row), their bytes and counts from the index."""
+        data = self.problem.data
+        if data is None or data.bytes_per_sample is None or not data.samples_per_shard:
+            return inputs / bandwidth + self.latency * micro_batch / SHARD_SAMPLES
+        return micro_batch * (data.bytes_per_sample / bandwidth + self.latency / data.samples_per_shard)
 
     def request_usd(self, choice: StageChoice) -> float:
         """Per iteration, what a stage's invocations cost as deployed: one invocation of each replica runs
@@ -537,6 +559,7 @@ def problem_from_chain(
     iterations: int = 1,
     samples_per_epoch: int | None = None,
     platform: PlatformLimits | None = None,
+    data: DataInPlace | None = None,
 ) -> Problem:
     """The planning problem for a profiled block chain in one region, within the `platform` limits of the
     deployment files built for it (replica counts above their replica limit are left out: CompileError when
@@ -585,6 +608,7 @@ def problem_from_chain(
         optimizer_state=optimizer_state,
         iterations=iterations,
         samples_per_epoch=samples_per_epoch,
+        data=data,
         platform=platform,
     )
     check_replicas(problem)

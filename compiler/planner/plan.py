@@ -5,6 +5,7 @@ When nothing fits, one error names the tightest bound and what would make the re
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from ...ir import BlockChain
 from ...ir.catalog import Catalog, Link, Region, load_catalog, platform_limits
+from ...ir.sample_order import SHUFFLE_SHARDS
 from ...ir.schema import SchemaError
 from ...runtimes.storage.shards import in_place_pattern, index_split
 from ..errors import CompileError
@@ -23,6 +25,7 @@ from .baselines import Baseline, baselines
 from .cost_model import (
     MB,
     CostModel,
+    DataInPlace,
     Objective,
     Plan,
     Problem,
@@ -110,8 +113,8 @@ def build_problem(
     except SchemaError as exc:
         raise CompileError(str(exc)) from exc
     training = model_file.training
-    index_in_place = "iterations" not in model_file.training or len(set(options.regions)) > 1
-    samples = _samples_per_epoch(model_file, region.name, index_in_place=index_in_place)
+    count = "iterations" not in model_file.training or len(set(options.regions)) > 1
+    samples, data = _training_data(model_file, region.name, count=count)
     micro_batches = tuple(training.get("micro_batch_sizes") or [chain.batch_size])
     global_batch = training.get("global_batch_size") or max(micro_batches) * 8
     usable = [mu for mu in micro_batches if global_batch % mu == 0]
@@ -132,6 +135,7 @@ def build_problem(
         max_functions=options.max_functions,
         iterations=1,
         samples_per_epoch=samples,
+        data=data,
         platform=platform_limits(region, options.targets),
     )
     if options.stages is not None and problem.max_stages < options.stages:
@@ -176,27 +180,35 @@ def run_length(model_file: ModelFile, samples: int | None, global_batch: int) ->
     return RunLength(iterations, f"{what} of {samples:,} samples at global batch {global_batch}")
 
 
-def _samples_per_epoch(model_file: ModelFile, region: str, *, index_in_place: bool) -> int | None:
-    """The training split's size in this region, when the model file says where data lies. Shards where
-    they lie are counted by their index, read by the same code the controller reads it with (headers,
-    footers or a wids index; never a sample), only when the plan needs the count (`index_in_place`: an
-    epoch's length, or the data's share of several regions): a compile with TRAINING['iterations'] in
-    one region reads no storage."""
+def _training_data(model_file: ModelFile, region: str, *, count: bool) -> tuple[int | None, DataInPlace | None]:
+    """The training split's size in this region, when the model file says where data lies, and what a first
+    stage reading it in place holds and reads. Shards where they lie are indexed by the same code the
+    controller indexes them with (`runtimes/storage/shards.py`: headers, footers or a wids index; never a
+    sample): always their sizes (a HEAD each: the cache the first stage's memory holds), and their counts
+    when the plan needs them (`count`: an epoch's length, or the data's share of several regions; a tar
+    shard's count is a scan of its headers)."""
     if model_file.load_shard is None:
-        return None
+        return None, None
     shard = model_file.call("load_shard", region, "train")
     pattern = in_place_pattern(shard, model_file.path.resolve().parent)
-    if pattern is not None:
-        if not index_in_place:
-            return None
+    if pattern is None:
         try:
-            return index_split(pattern).samples
-        except ValueError as exc:  # ShardError, ObjectError: a missing, unreadable or damaged shard
-            raise CompileError(f"{model_file.shown}: load_shard({region!r}, 'train'): {exc}") from None
+            return len(shard), None
+        except TypeError:
+            return None, None
     try:
-        return len(shard)
-    except TypeError:
-        return None
+        index = index_split(pattern, count=count)
+    except ValueError as exc:  # ShardError, ObjectError: a missing, unreadable or damaged shard
+        raise CompileError(f"{model_file.shown}: load_shard({region!r}, 'train'): {exc}") from None
+    groups = collections.Counter(entry.location for entry in index.entries)  # a Parquet file's row groups
+    largest = max(entry.size / groups[entry.location] for entry in index.entries)
+    data = DataInPlace(held_bytes=math.ceil((SHUFFLE_SHARDS + 1) * largest))
+    if index.samples:
+        total = sum(entry.size / groups[entry.location] for entry in index.entries)
+        data = dataclasses.replace(
+            data, bytes_per_sample=total / index.samples, samples_per_shard=index.samples / len(index.entries)
+        )
+    return (index.samples or None), data
 
 
 def plan_training(chain: BlockChain, model_file: ModelFile, options: PlanOptions) -> PlanResult:

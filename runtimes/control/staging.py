@@ -28,13 +28,14 @@ from ...ir.sample_order import SHUFFLE_SHARDS, sample_seed
 from ...ir.schedule import SHARD_SAMPLES
 from ...ir.workflow import DataSource, Region, Workflow
 from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, WrittenSplit, read_meta, remove_split, write_split
-from ..function.in_place import flat_batch, seed_generators, user_module
+from ..function.in_place import flat_batch, seed_generators, stored_member_tables, user_module
 from ..function.initial_weights import package_weights
 from ..function.worker import load_module
 from ..storage.channels import Channel
 from ..storage.objects import ObjectError
 from ..storage.shards import (
     IN_PLACE_FORMATS,
+    Members,
     ShardEntry,
     ShardError,
     ShardReader,
@@ -343,8 +344,17 @@ def index_in_place(
     previous = read_meta(channel, name, split) or {}
     in_place = previous.get("format") in IN_PLACE_FORMATS
     known = [ShardEntry.from_json(e) for e in previous.get("shards", [])] if in_place else []
+
+    if previous and not in_place:  # staged shards of earlier data: not read any more
+        remove_split(channel, name, split)
+
+    def write_members(entry: ShardEntry, members: Members) -> None:
+        # before the meta that names the shard (a function reads the meta first)
+        table = json.dumps(members, separators=(",", ":")).encode()
+        channel.put(protocol.members_key(name, split, entry.location, entry.version), table)
+
     try:
-        index = index_split(pattern, known)
+        index = index_split(pattern, known, scanned=write_members)
     except (ShardError, ObjectError) as exc:
         raise DataError(f"{model_path}: the {split} split: {exc}") from None
     fingerprint = index.fingerprint
@@ -359,13 +369,6 @@ def index_in_place(
     read = f"{len(index.entries)} shard(s), {index.reads.requests} request(s), {index.reads.bytes:,} bytes read"
     if previous.get("fingerprint") == fingerprint and previous.get("shuffle_shards") == SHUFFLE_SHARDS:
         return WrittenSplit(index.samples, fingerprint, "reused", read=read)
-    if previous and not in_place:  # staged shards of earlier data: not read any more
-        remove_split(channel, name, split)
-    # the member tables of the shards scanned, before the meta that names them (a function reads it first)
-    versions = {entry.location: entry.version for entry in index.entries}
-    for location, members in index.members.items():
-        table = json.dumps(members, separators=(",", ":")).encode()
-        channel.put(protocol.members_key(name, split, location, versions[location]), table)
     channel.put(data_key(name, split, DATA_META), json.dumps(meta, sort_keys=True).encode())
     return WrittenSplit(index.samples, fingerprint, "indexed", read=read)
 
@@ -496,7 +499,7 @@ def _test_batches(
     module = user_module(build / workflow.region(region).functions[0].package, workflow.data.model_file)
     collate = getattr(module, "collate_fn", None) or default_collate
     entries = [ShardEntry.from_json(shard) for shard in meta["shards"]]
-    shards = ShardReader(entries, 1)
+    shards = ShardReader(entries, 1, stored_member_tables(channel, region, "test"))
     pending: list[Any] = []
     index = 0
     for shard, entry in enumerate(entries):

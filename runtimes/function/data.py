@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from ...ir.protocol import DATA_META, CorruptBlob, data_key, shard_name
+from ...ir.protocol import DATA_META, MEMBERS_FOLDER, CorruptBlob, data_key, shard_name
 from ...ir.schedule import SHARD_SAMPLES
 from ...ir.workflow import Region
 from ..storage.channels import Channel
@@ -131,9 +131,11 @@ def delete_shards(channel: Channel, region: str, split: str, first: int = 0) -> 
 
 
 def remove_split(channel: Channel, region: str, split: str) -> None:
-    """Delete a split: `meta` first (readers then see no split, never one without its shards)."""
+    """Delete a split: `meta` first (readers then see no split, never one without its shards), then its
+    staged shards, or the member tables of its shards where they lie."""
     channel.delete(data_key(region, split, DATA_META))
     delete_shards(channel, region, split)
+    channel.delete_prefix(data_key(region, split, MEMBERS_FOLDER + "/"))
 
 
 def write_split(

@@ -257,10 +257,19 @@ class SplitIndex:
         return sum(entry.samples for entry in self.entries)
 
 
-def index_split(pattern: str | Iterable[str], known: Iterable[ShardEntry] = ()) -> SplitIndex:
+def index_split(
+    pattern: str | Iterable[str],
+    known: Iterable[ShardEntry] = (),
+    *,
+    count: bool = True,
+    scanned: Callable[[ShardEntry, Members], None] | None = None,
+) -> SplitIndex:
     """Each shard of the pattern (or of a wids index) with its sample count, and the index's fingerprint. A
     file of `known` (an earlier index) whose size and version are unchanged keeps its shards and counts
-    without reading the file."""
+    without reading the file. `count=False`: tar shards not listed by a wids index are not scanned, their
+    sizes read alone (a HEAD each) and their counts 0 (the planner's memory terms need no more). Each tar
+    scanned gives its member table to `scanned`, as the scans finish, in order (the index then holds none:
+    a large split's tables are not all in memory at once); without it the index keeps them."""
     listed: dict[str, int] = {}
     if isinstance(pattern, str) and pattern.endswith(".json"):
         store = store_for(pattern)
@@ -279,26 +288,31 @@ def index_split(pattern: str | Iterable[str], known: Iterable[ShardEntry] = ()) 
             raise ShardError(f"{location}: every shard of a split lies in one kind of storage, as {locations[0]}")
     kind = split_format(locations)
 
-    scanned: dict[str, Members] = {}
-
-    def entries_of(location: str) -> list[ShardEntry]:
+    def entries_of(location: str) -> tuple[list[ShardEntry], Members | None]:
         stat = store.stat(location)
         before = previous.get(location)
         if before and all((e.size, e.version) == (stat.size, stat.version) for e in before):
-            return before
+            return before, None
         if kind == PARQUET:
-            return row_group_entries(store, location, stat.size, stat.version)
-        if listed:
-            return [ShardEntry(location, listed[location], stat.size, stat.version)]
-        members = scanned[location] = scan_members(store, location, stat.size, stat.version)
-        return [ShardEntry(location, count_samples(location, members), stat.size, stat.version)]
+            return row_group_entries(store, location, stat.size, stat.version), None
+        if listed or not count:
+            return [ShardEntry(location, listed.get(location, 0), stat.size, stat.version)], None
+        members = scan_members(store, location, stat.size, stat.version)
+        return [ShardEntry(location, count_samples(location, members), stat.size, stat.version)], members
 
+    entries: list[ShardEntry] = []
+    tables: dict[str, Members] = {}
     # files at once: a header scan waits a request's latency per file, S3's tens of milliseconds
     with ThreadPoolExecutor(max_workers=INDEX_THREADS, thread_name_prefix="index") as pool:
-        entries = [entry for of_file in pool.map(entries_of, locations) for entry in of_file]
-    if sum(entry.samples for entry in entries) == 0:
+        for of_file, members in pool.map(entries_of, locations):
+            entries += of_file
+            if members is not None and scanned is not None:
+                scanned(of_file[0], members)
+            elif members is not None:
+                tables[of_file[0].location] = members
+    if sum(entry.samples for entry in entries) == 0 and (count or listed or kind == PARQUET):
         raise ShardError(f"{locations[0]}{' …' if len(locations) > 1 else ''}: the shards hold no samples")
-    return SplitIndex(entries, fingerprint(entries), store.reads, kind, dict(sorted(scanned.items())))
+    return SplitIndex(entries, fingerprint(entries), store.reads, kind, tables)
 
 
 def fingerprint(entries: Iterable[ShardEntry]) -> str:
