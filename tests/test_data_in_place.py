@@ -197,8 +197,18 @@ def test_an_epoch_of_shards_in_place_is_counted_at_compile_time_from_their_heade
     # two passes over the 416 samples of the five shards at the global batch of 32
     assert workflow["run"]["iterations"] == -(-2 * sum(COUNTS["train"]) // 32) == 26
     assert workflow["regions"][0]["samples"] == sum(COUNTS["train"])
+    # run on other data than the compile counted: it says so (the run's length came from the count); the
+    # model file is written again, the build's record of it is not
+    fewer = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (3 if split == "train" else 0)')
+    capsys.readouterr()
+    options = ["--out", str(tmp_path / "out"), "--model", str(fewer), "--iterations", "1", "-q", "--no-verify-build"]
+    assert run_main([str(build), *options]) == 0
+    expected = (
+        f"warning: aws-us-east-1's train split holds 328 samples, where the compile counted {sum(COUNTS['train'])}"
+    )
+    assert expected in capsys.readouterr().err
     # a shard that is not there: one line at compile time, naming the model file and the shard; no build
-    model.write_text(model.read_text().replace("{000000..%06d}", "{000000..%06d}-gone"))
+    model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}-gone.tar" % (4 if split == "train" else 0)')
     capsys.readouterr()
     assert compile_main([str(model), "-o", str(tmp_path / "other"), "--stages", "2", "--repeats", "1", "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

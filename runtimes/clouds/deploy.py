@@ -53,6 +53,7 @@ from ..control.run_state import Progress, RegionGone, RegionRun, RunDiverged, Ru
 from ..control.staged_weights import save_trained_model
 from ..control.staging import (
     DataError,
+    changed_since_compile,
     describe_staged,
     evaluate,
     model_file_state,
@@ -471,6 +472,9 @@ def drive(
             )
             if not args.quiet:
                 print(f"{describe_staged(staged)} in s3://{stacks[region.name].bucket}", flush=True)
+            changed = changed_since_compile(region, staged)
+            if changed:
+                print(f"cloudless-run: {changed}", file=sys.stderr, flush=True)
         weights = stage_run_weights(model, workflow.regions, channels, run_id)  # a staged build's parameters
         if weights is not None and not args.quiet:
             print(weights, flush=True)

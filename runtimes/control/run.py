@@ -43,6 +43,7 @@ from .run_state import Progress, RegionRun, RunError, RunMetrics, RunSettings
 from .staged_weights import save_trained_model
 from .staging import (
     DataError,
+    changed_since_compile,
     describe_staged,
     evaluate,
     frozen_weights,
@@ -307,6 +308,10 @@ def train(
             )
         for name, data in staged.items():
             print(f"{describe_staged(data)}{f' in {name}' if len(regions) > 1 else ''}", flush=True)
+    for entry in regions:  # quiet or not
+        changed = changed_since_compile(entry, staged[entry.name])
+        if changed:
+            print(f"cloudless-run: {changed}", file=sys.stderr, flush=True)
     failure: RunError | StorageError | None = None
     counted = {name: dict(counter.counts) for name, counter in counters.items()}
     interrupted: KeyboardInterrupt | None = None

@@ -388,6 +388,17 @@ def stage_run_weights(
     )
 
 
+def changed_since_compile(region: Region, staged: StagedData) -> str | None:
+    """A line saying the training data is not what the compile sized (the run's iterations and, with several
+    regions, each region's share and weight came from the count then), or None."""
+    if region.samples is None or staged["train"] == region.samples:
+        return None
+    return (
+        f"warning: {region.name}'s train split holds {staged['train']:,} samples, where the compile counted "
+        f"{region.samples:,}: the run trains the iterations planned for those; compile again to plan for these"
+    )
+
+
 def describe_staged(staged: StagedData) -> str:
     """One line for the run's banner: per split its samples, short fingerprint and what was done, so
     that a user sees when the data changed or was damaged (re-staged, and why) or which data a run
