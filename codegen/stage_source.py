@@ -21,7 +21,9 @@ from __future__ import annotations
 import builtins
 import importlib
 import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,6 +31,7 @@ from torch import fx
 from torch._ops import HigherOrderOperator
 from torch.utils import _pytree as pytree
 
+from ..ir.protocol import user_attribute
 from .libraries import import_lines
 from .library_objects import REBUILD_SOURCE, LibraryObjects
 
@@ -75,6 +78,17 @@ class StageHeader:
     title: str = ""
     #: small constant tensors written into the source (a module without a weights file: the loss)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the model file (its path): a function of it, or of a module beside it, the code calls is found where
+    #: the stage runs (protocol.user_attribute; the package ships them in its user/ folder)
+    model_file: str | None = None
+
+
+_FX_WRAP = re.compile(r'^\s*torch\.fx\._symbolic_trace\.wrap\("[^"]*"\)\s*$')
+
+
+def calls_user_code(source: str) -> bool:
+    """Whether generated code calls the user's own functions (the package then ships the model file)."""
+    return f"{user_attribute.__name__}(" in source
 
 
 def higher_order_op(node: fx.Node) -> str | None:
@@ -110,7 +124,7 @@ def unsupported_higher_order_ops(
 def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
     """The stage's module. A graph with sub-graph modules must be owned by its GraphModule (they are
     read from there); ValueError if the graph reads what the file would not hold."""
-    renderer = _Renderer()
+    renderer = _Renderer(header.model_file)
     # a call_module node left in the stage is a library module, run as the library's own code
     library = LibraryObjects()
     owner = graph.owning_module
@@ -120,7 +134,7 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         if n.op == "call_module" and owner is not None
     }
     body, children = renderer.forward(graph, owner, tensors={*header.tensors, *header.constants}, modules=set(rebuilt))
-    preamble = _preamble(renderer.text(body), renderer.globals)
+    preamble = _preamble(renderer.text(body), renderer.globals, header.model_file)
     forward = _indent(body)
     tensors = "\n".join(
         f"    {name!r}: ({tuple(shape)!r}, {dtype!r}, {kind!r}),"
@@ -189,10 +203,11 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
 class _Renderer:
     """Renders a graph's forward and, as classes, the sub-graph modules it calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_file: str | None = None) -> None:
         #: each sub-graph class's lines (a class before those that use it)
         self.classes: list[list[str]] = []
         self.globals: dict[str, Any] = {}
+        self.model_file = model_file
         self._bodies: list[str] = []
         self._class_names: set[str] = set(_RESERVED_CLASSES)
 
@@ -214,11 +229,29 @@ class _Renderer:
             graph, children = self._rewrite(graph, owner, (tensors or set()) | (modules or set()))
         _check_attributes(graph, tensors or set(), {attr for attr, _ in children} | (modules or set()))
         code = graph.python_code(root_module="self")
+        # fx marks the wrapped functions it calls for a re-trace (`torch.fx._symbolic_trace.wrap("name")`, legal
+        # only at a module's top level); stage code is run, never traced again
+        source = "\n".join(line for line in code.src.splitlines() if not _FX_WRAP.match(line))
         for name, value in code.globals.items():
-            if name in self.globals and self.globals[name] is not value:
-                raise ValueError(f"internal: two sub-graphs' code name different values {name}")
-            self.globals[name] = value
-        return code.src.strip("\n"), children
+            stable = self._stable_name(name, value)
+            if stable != name:
+                source = re.sub(rf"\b{re.escape(name)}\b", stable, source)
+            if stable in self.globals and self.globals[stable] is not value:
+                raise ValueError(f"internal: two sub-graphs' code name different values {stable}")
+            self.globals[stable] = value
+        return source.strip("\n"), children
+
+    def _stable_name(self, name: str, value: Any) -> str:
+        """fx names a function of the user's after its module, which the compiler imports the model file
+        under a name of its path's hash: `user_<function>` instead (a build is the same on every machine)."""
+        module = getattr(value, "__module__", None) or ""
+        if _user_module(module, self.model_file) is None:
+            return name
+        stable = taken = "user_" + _identifier(getattr(value, "__qualname__", name))
+        suffix = 1
+        while stable in self.globals and self.globals[stable] is not value:
+            stable, suffix = f"{taken}_{suffix}", suffix + 1
+        return stable
 
     def _rewrite(
         self, graph: fx.Graph, owner: torch.nn.Module, tensors: set[str]
@@ -363,7 +396,21 @@ def _indent(code: str) -> str:
     return "\n".join(("    " + line) if line.strip() else "" for line in code.splitlines())
 
 
-def _preamble(body: str, globals_: dict[str, Any]) -> list[str]:
+def _user_module(module: str, model_file: str | None) -> str | None:
+    """How stage code names `module` if it is the user's: "" for the model file itself, its name for a module
+    beside it (its file in the model file's folder, or below); None for any other."""
+    if model_file is None:
+        return None
+    found = getattr(sys.modules.get(module), "__file__", None)
+    if found is None:
+        return None
+    path, model = Path(found).resolve(), Path(model_file).resolve()
+    if path == model:
+        return ""
+    return module if model.parent in path.parents else None
+
+
+def _preamble(body: str, globals_: dict[str, Any], model_file: str | None = None) -> list[str]:
     used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", body))
     lines: set[str] = set()
     for name, value in globals_.items():
@@ -374,6 +421,14 @@ def _preamble(body: str, globals_: dict[str, Any]) -> list[str]:
             continue
         module = getattr(value, "__module__", None) or ""
         qualname = getattr(value, "__qualname__", "")
+        user = _user_module(module, model_file)
+        if user is not None and _resolve(module, qualname) is value:
+            # the user's own function, shipped in the package's user/ folder and found where the stage runs
+            assert model_file is not None
+            lines.add(f"from cloudless.ir.protocol import {user_attribute.__name__}")
+            where = f", module={user!r}" if user else ""
+            lines.add(f"{name} = {user_attribute.__name__}({Path(model_file).name!r}, {qualname!r}{where})")
+            continue
         top = module.split(".")[0]
         if top != "torch" and module not in STANDARD_MODULES:
             raise ValueError(

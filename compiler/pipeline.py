@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from ..codegen.libraries import UserImportError, third_party_imports
 from ..codegen.platforms import TARGETS
-from ..codegen.stage_source import StageHeader, TensorKind, render_stage_source
+from ..codegen.stage_source import StageHeader, TensorKind, calls_user_code, render_stage_source
 from ..codegen.validate import check_build
 from ..ir.blocks import BlockChain
 from ..ir.graph import OpGraph
@@ -174,7 +174,7 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
     stages: tuple[StageCode, ...] = ()
     if ranges:
         with timed("split"):
-            stages = generate_stages(runs_at.program, runs_at.graph, front.chain, ranges)
+            stages = generate_stages(runs_at.program, runs_at.graph, front.chain, ranges, front.model_file.path)
     verify = None
     # stand-ins hold no weights to compare the stages on (a staged build, or --plan-only)
     if options.verify_stages > 0 and not holds_stand_ins(front.model):
@@ -304,7 +304,7 @@ def lower(
     module and the workflow."""
     ranges = [(s.first, s.last) for s in trainings[0].plan.stages]
     if [(s.first_block, s.last_block) for s in stages] != ranges:
-        stages = generate_stages(front.program, front.graph, front.chain, ranges)
+        stages = generate_stages(front.program, front.graph, front.chain, ranges, front.model_file.path)
     model_file, program = front.model_file, front.program
     flat_outputs = list(front.flat_outputs)
     if not flat_outputs:  # a front end made without annotation's outputs
@@ -328,13 +328,14 @@ def lower(
         adapter=adapter_format(front.model),
     )
     in_place = data_in_place(model_file, [region.name for region in workflow.regions])
-    if not in_place:
+    if not in_place and not any(calls_user_code(stage.source) for stage in stages):
         return Lowered(stages, loss, workflow)
     # recorded in the workflow: what a deployed first stage's role may read (codegen/platforms.py)
     regions = tuple(replace(region, data_in_place=tuple(in_place.get(region.name, ()))) for region in workflow.regions)
     workflow = replace(workflow, regions=regions)
-    # the first stage reads the shards through the model file's transform: the packages hold the file, its
-    # neighbours, what they import, and Parquet's reader when the shards are Parquet files
+    # the first stage reads the shards through the model file's transform, and stage code may call its own
+    # functions: the packages hold the file, its neighbours, what they import, and Parquet's reader when the
+    # shards are Parquet files
     sources = user_sources(model_file.path)
     try:
         imports = set(third_party_imports(sources, model_file.path.name))
@@ -385,9 +386,14 @@ def region_trainings(planned: PlanResult) -> tuple[list[RegionTraining], InterRe
 
 
 def generate_stages(
-    program: TracedProgram, graph: OpGraph, chain: BlockChain, ranges: list[tuple[int, int]]
+    program: TracedProgram,
+    graph: OpGraph,
+    chain: BlockChain,
+    ranges: list[tuple[int, int]],
+    model_file: Path | None = None,
 ) -> tuple[StageCode, ...]:
-    """Split at the block ranges and generate each stage's torch-only source and weights."""
+    """Split at the block ranges and generate each stage's source and weights: torch's and the standard
+    library's calls, and those of the `model_file`'s own functions the trace kept (fx.wrap helpers)."""
     parts = partition(program, graph, block_cuts(chain, ranges))
     stages = []
     for part, (first, last) in zip(parts, ranges, strict=True):
@@ -410,6 +416,7 @@ def generate_stages(
             inputs=tuple(part.inputs),
             outputs=tuple(part.outputs),
             tensors=tensors,
+            model_file=None if model_file is None else str(model_file),
         )
         try:
             source = render_stage_source(inlined.module.graph, header)

@@ -33,6 +33,7 @@ Lifetimes. Each key has one owner, the function (replica) that writes it:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -417,6 +418,29 @@ def activation_key(ns: str, iteration: int, stage: int, micro_batch: int) -> str
 #: the folder of a function package that holds the model file and the modules beside it that it imports
 #: (codegen writes it; a function imports the model file from it for the user's own code a run calls)
 USER_FOLDER = "user"
+
+
+def user_module_name(model_file: str) -> str:
+    """The name the model file is imported under where stage code runs (the compiler's process, a
+    function's), for `user_attribute` to find it."""
+    stem = os.path.splitext(os.path.basename(model_file))[0]
+    return "cloudless_user_file_" + "".join(c if c.isalnum() else "_" for c in stem)
+
+
+def user_attribute(model_file: str, qualname: str, module: str | None = None) -> Any:
+    """What generated stage code calls of the user's own code (a helper the tracer keeps as a call, such as
+    a `torch.fx.wrap` function): of the model file itself, as the function or the compiler imported it (by
+    `user_module_name`), or of `module`, one beside it (importable once the model file is)."""
+    imported = sys.modules.get(user_module_name(model_file))
+    if imported is None:
+        raise ImportError(
+            f"stage code calls {qualname} of {model_file}, which is not imported here: a function imports it "
+            f"from its package's {USER_FOLDER}/ folder before its stage"
+        )
+    value: Any = imported if module is None else importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def target_key(ns: str, iteration: int, micro_batch: int) -> str:

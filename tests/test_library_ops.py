@@ -5,6 +5,8 @@ library; what passes the compile and --check runs in a fresh interpreter."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -418,3 +420,109 @@ def test_the_third_party_modules_the_users_code_imports_in_the_function_are_foun
     # an import this machine cannot resolve, outside a try: its file and line
     with pytest.raises(UserImportError, match=r"^model\.py:3: imports no_such_module_here, which no package"):
         third_party_imports({"model.py": b"import torch\n\nimport no_such_module_here\n"}, "model.py")
+
+
+WRAPPED_MODEL = """
+import torch
+import torch.fx
+from torch import nn
+
+from helpers import gate
+
+TRAINING = {"global_batch_size": 16, "micro_batch_sizes": [4], "iterations": 4, "learning_rate": 0.1}
+
+
+def scale_shift(x, s):
+    return x * s + 0.1
+
+
+# torchvision's way: functions the tracer keeps as calls, whose code stays the user's
+torch.fx.wrap("scale_shift")
+torch.fx.wrap("gate")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = scale_shift(torch.relu(self.a(x)), 0.5)
+        return self.c(gate(torch.relu(self.b(x))))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16),)
+
+
+def example_targets(batch_size):
+    return torch.zeros(batch_size, dtype=torch.int64)
+
+
+def load_shard(region, split):
+    generator = torch.Generator().manual_seed(1 if split == "train" else 2)
+    inputs, targets = torch.randn(64, 16, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+    return [((x,), y) for x, y in zip(inputs, targets)]
+"""
+HELPERS = """
+import torch
+
+
+def gate(x):
+    return x * torch.sigmoid(x)
+"""
+
+
+def test_stage_code_calls_the_model_files_wrapped_helpers_from_its_package_and_trains_as_plain_pytorch(
+    compile_cli, tmp_path: Path
+) -> None:
+    """A torch.fx.wrap helper of the model file and one of a module beside it stay calls in the stage code,
+    found in the package's user/ folder where the stage runs; 2 stages x 2 replicas train as plain PyTorch,
+    and the build is the same from another folder."""
+    import yaml
+
+    from cloudless.compiler.frontend.model_file import load_model_file
+    from cloudless.ir.workflow import Workflow
+    from tests.reference import plain_training
+
+    builds = []
+    for where in ("one", "two"):
+        folder = tmp_path / where
+        folder.mkdir()
+        (folder / "model.py").write_text(textwrap.dedent(WRAPPED_MODEL))
+        (folder / "helpers.py").write_text(textwrap.dedent(HELPERS))
+        build = folder / "build"
+        # the second from the first's profile (the same plan whatever the machine's noise), in a process of its
+        # own, as a user's (this one holds the first folder's `helpers` module)
+        profile = ("--profile", str(builds[0] / "ir" / "blocks.json")) if builds else ("--repeats", "1")
+        options = (str(folder / "model.py"), "-o", str(build), "--stages", "2", "--replicas", "2", *profile)
+        if not builds:
+            code, _, stderr = compile_cli(*options)
+        else:
+            cli = "import sys; from cloudless.compiler.cli import main; sys.exit(main(sys.argv[1:]))"
+            done = subprocess.run([sys.executable, "-c", cli, *options], capture_output=True, text=True, check=False)
+            code, stderr = done.returncode, done.stderr
+        assert code == 0, stderr
+        builds.append(build)
+    stages = {p.parent.name: p.read_text() for p in builds[0].glob("regions/*/functions/*/stage.py")}
+    calls = "\n".join(stages.values())
+    assert "user_scale_shift = user_attribute('model.py', 'scale_shift')" in calls
+    assert "user_gate = user_attribute('model.py', 'gate', module='helpers')" in calls
+    for package in builds[0].glob("regions/*/functions/*/"):
+        assert (package / "user" / "model.py").is_file() and (package / "user" / "helpers.py").is_file()
+    again = {p.parent.name: p.read_text() for p in builds[1].glob("regions/*/functions/*/stage.py")}
+    assert again == stages  # no path or process hash in the code
+    out = tmp_path / "out"
+    model = tmp_path / "one" / "model.py"
+    assert run_main([str(builds[0]), "--out", str(out), "--model", str(model), "-q"]) == 0
+    workflow = Workflow.from_json(yaml.safe_load((builds[0] / "workflow.yaml").read_text()))
+    assert [f.replicas for f in workflow.regions[0].functions] == [2, 2]
+    expected = plain_training(load_model_file(model), workflow, workflow.regions[0].name)
+    trained = load_file(out / "model.safetensors")
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)

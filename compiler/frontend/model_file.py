@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...ir.checkpoint_loading import checked_checkpoint_loads
+from ...ir.protocol import user_module_name
 from ...ir.workflow import PRECISIONS, ParameterGroup
 from ...runtimes.storage.shards import in_place_pattern
 from ..errors import ModelFileError, describe, display_path, frame_location, name_as_typed, user_frame
@@ -227,8 +228,9 @@ def load_model_file(path: Path) -> ModelFile:
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    # Registered, as an import would: torch.cond/map and pickling look a function's module up by name.
-    sys.modules[module_name] = module
+    # Registered, as an import would: torch.cond/map and pickling look a function's module up by name; and by
+    # the name generated stage code finds the model file's helpers under (protocol.user_attribute).
+    sys.modules[module_name] = sys.modules[user_module_name(path.name)] = module
     # Nothing is left in the user's folder: no __pycache__ beside the model file or the modules it imports.
     writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:

@@ -30,7 +30,7 @@ from ...ir.workflow import DataSource, Region, Workflow
 from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, WrittenSplit, read_meta, remove_split, write_split
 from ..function.in_place import flat_batch, seed_generators, stored_member_tables, user_module
 from ..function.initial_weights import package_weights
-from ..function.worker import load_module
+from ..function.worker import load_module, load_stage_module
 from ..storage.channels import Channel
 from ..storage.objects import ObjectError
 from ..storage.shards import (
@@ -419,7 +419,8 @@ def describe_staged(staged: StagedData) -> str:
 def load_stages(build: Path, workflow: Workflow, region: str) -> tuple[list[Any], torch.nn.Module]:
     """The region's stage modules, in order, and its loss module (as the packages hold them)."""
     functions = workflow.region(region).functions  # in stage order
-    stages = [load_module(build / f.package / "stage.py", f"cloudless_eval_{f.stage}") for f in functions]
+    model_file = workflow.data.model_file
+    stages = [load_stage_module(build / f.package, f"cloudless_eval_{f.stage}", model_file) for f in functions]
     loss = load_module(build / functions[-1].package / f"{workflow.data.loss}.py", "cloudless_eval_loss")
     return stages, loss.Stage()
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ...ir.protocol import USER_FOLDER, members_key
+from ...ir.protocol import USER_FOLDER, members_key, user_module_name
 from ...ir.sample_order import ShardLocation, ShardOrder, sample_seed
 from ..storage.channels import Channel
 from ..storage.shards import Members, MemberTables, Sample, ShardEntry, ShardError, ShardReader
@@ -42,7 +42,8 @@ def user_module(package: Path, model_file: str) -> ModuleType:
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path}: the package holds no model file: it was compiled while load_shard gave a dataset, not "
-                "shards where they lie; compile the model file again"
+                "shards where they lie, and its stage code calls none of the model file's functions; compile the "
+                "model file again"
             )
         folder = str(path.parent)
         if folder not in sys.path:
@@ -53,6 +54,8 @@ def user_module(package: Path, model_file: str) -> ModuleType:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         _modules[key] = module
+    # the model file the stage code of this package calls (protocol.user_attribute), once it is loaded
+    sys.modules[user_module_name(model_file)] = _modules[key]
     return _modules[key]
 
 

@@ -80,6 +80,7 @@ from .checkpoints import Checkpoints
 from .data import data_name
 from .failures import Abandoned, Aborted, Diverged, ModelFailed, RegionLeft, StorageWriteFailed
 from .function_channel import FunctionChannel
+from .in_place import user_module
 from .pipeline_steps import PipelineSteps
 from .region_sync import RegionSync
 from .replica_sync import ReplicaSync
@@ -87,6 +88,15 @@ from .stage_context import Background, InvocationState, Span, StageContext, trai
 
 #: the span of synchronous cross-region SGD's reduce (not "sync": that is the scatter-reduce's)
 CROSS_REGION_SPAN = "cross-region-reduce"
+
+
+def load_stage_module(package: Path, name: str, model_file: str) -> ModuleType:
+    """A package's stage module; when its code calls the model file's own functions (`user_attribute`), the
+    model file is imported first, from the package's user/ folder."""
+    path = package / "stage.py"
+    if protocol.user_attribute.__name__ + "(" in path.read_text():
+        user_module(package, model_file)
+    return load_module(path, name)
 
 
 def load_module(path: Path, name: str) -> ModuleType:
@@ -144,7 +154,7 @@ class StageWorker:
         stage = function.stage
         first, last = stage == 0, stage == region.stages - 1
         frozen = frozenset(function.frozen_parameters)
-        stage_module = load_module(package / "stage.py", f"cloudless_stage_{stage}")
+        stage_module = load_stage_module(package, f"cloudless_stage_{stage}", workflow.data.model_file)
         module = stage_module.Stage()
         loss = None
         if last:
