@@ -433,7 +433,7 @@ def _preamble(body: str, globals_: dict[str, Any], model_file: str | None = None
         if top != "torch" and module not in STANDARD_MODULES:
             raise ValueError(
                 f"stage code calls {qualname or value!r} from {module or 'an unknown module'}, which is not "
-                "torch or the standard library"
+                "torch, the standard library or the model's own code; --tracer export traces through it"
             )
         importable = "operator" if module == "_operator" else module
         if _resolve(importable, qualname) is not value:
