@@ -27,6 +27,7 @@ from cloudless.runtimes.cli import main as run_main
 from cloudless.runtimes.function.data import read_meta
 from cloudless.runtimes.storage.channels import DirectoryChannel
 from tests.data_cases import DIGITS_MLP
+from tests.iam import act_as_a_user_holding
 
 MODEL = (
     DIGITS_MLP
@@ -346,13 +347,7 @@ def check_the_grant_in_moto_with_iam_enforced(
         s3 = boto3.client("s3")
         s3.create_bucket(Bucket=bucket)
         shard = s3.put_object(Bucket=bucket, Key="digits/train-000003.tar", Body=b"a shard")["ETag"]
-        iam = boto3.client("iam")
-        iam.create_user(UserName="function")
-        iam.put_user_policy(UserName="function", PolicyName="data", PolicyDocument=json.dumps(policy))
-        key = iam.create_access_key(UserName="function")["AccessKey"]
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-        boto3.setup_default_session()  # the function's credentials from now on
+        act_as_a_user_holding(policy, monkeypatch)  # the function's credentials from now on
         store = S3Objects(ride_out_s=1.0)
         assert store.read(f"s3://{bucket}/digits/train-000003.tar", shard) == b"a shard"
         with pytest.raises(ObjectError, match=rf"^s3://{bucket}/digits/test-000000\.tar: access denied \(403\)"):

@@ -59,6 +59,7 @@ from cloudless.ir.workflow import (
     SyncSettings,
     Workflow,
 )
+from tests.iam import act_as_a_user_holding
 
 EAST, WEST = "aws-us-east-1", "aws-eu-west-1"
 RUN = "mlp-digits"
@@ -945,13 +946,7 @@ def test_the_function_policy_allows_what_the_runtime_does_in_moto(monkeypatch: p
     def run() -> None:
         boto3.client("s3").create_bucket(Bucket="run-bucket")
         boto3.client("s3").create_bucket(Bucket="peer-bucket")
-        iam = boto3.client("iam")
-        iam.create_user(UserName="function")
-        iam.put_user_policy(UserName="function", PolicyName="run", PolicyDocument=json.dumps(policy))
-        key = iam.create_access_key(UserName="function")["AccessKey"]
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-        boto3.setup_default_session()  # the function's credentials from now on
+        act_as_a_user_holding(policy, monkeypatch)  # the function's credentials from now on
         channel = S3Channel("run-bucket", RUN)
         channel.put("run/aws-us-east-1/it0/act/s0/mb0", b"activations")
         assert channel.try_get("run/aws-us-east-1/it0/act/s0/mb0") == b"activations"
