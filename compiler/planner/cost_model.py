@@ -378,7 +378,7 @@ class CostModel:
         return StageTerms(
             forward_compute_s=kappa * scale * self._total("forward_s", choice.first, choice.last),
             backward_compute_s=kappa * scale * self._total("backward_s", choice.first, choice.last),
-            forward_download_s=self._first_stage_reads(micro_batch, inputs, bandwidth) if first else transfer(inputs),
+            forward_download_s=self.first_stage_read_s(micro_batch, inputs, bandwidth) if first else transfer(inputs),
             forward_upload_s=transfer(outputs),
             backward_download_s=transfer(outputs),
             backward_upload_s=transfer(grad_in),
@@ -390,7 +390,7 @@ class CostModel:
             gets=gets,
         )
 
-    def _first_stage_reads(self, micro_batch: int, inputs: float, bandwidth: float) -> float:
+    def first_stage_read_s(self, micro_batch: int, inputs: float, bandwidth: float) -> float:
         """A micro-batch's share of the shards a first stage reads: each shard read once, whole (a request per
         shard). Staged shards hold the micro-batch's tensors (SHARD_SAMPLES a shard); shards where they lie
         hold the samples as stored (a JPEG, a Parquet row), their bytes and counts from the index."""

@@ -20,7 +20,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ...ir.schedule import (
-    SHARD_SAMPLES,
     SYNC_IN_FLIGHT,
     SYNC_MAX_POLL_S,
     compute_order,
@@ -167,9 +166,10 @@ def simulate(problem: Problem, plan: Plan) -> Timeline:
             # Downlink: receives in the order compute needs them.
             for kind, m in order:
                 if kind == "forward":
-                    duration = transfer_s(info["in_bytes"], info["bandwidth"])
-                    if first:  # data from a shard read once: one request per SHARD_SAMPLES samples
-                        duration += model.latency * (plan.micro_batch / SHARD_SAMPLES - 1)
+                    if first:  # the micro-batch's share of the data's shards, as the cost model reads them
+                        duration = model.first_stage_read_s(plan.micro_batch, info["in_bytes"], info["bandwidth"])
+                    else:
+                        duration = transfer_s(info["in_bytes"], info["bandwidth"])
                     task = sim.add(s, j, "download", "recv-activation", duration, [], m)
                     if not first:
                         forward_receives.append((task, s, m))
