@@ -399,7 +399,7 @@ def _indent(code: str) -> str:
 def _user_module(module: str, model_file: str | None) -> str | None:
     """How stage code names `module` if it is the user's: "" for the model file itself, its name for a module
     beside it (its file in the model file's folder, or below); None for any other."""
-    if model_file is None:
+    if model_file is None or module.split(".")[0] == "torch" or module in STANDARD_MODULES:
         return None
     found = getattr(sys.modules.get(module), "__file__", None)
     if found is None:
@@ -407,7 +407,9 @@ def _user_module(module: str, model_file: str | None) -> str | None:
     path, model = Path(found).resolve(), Path(model_file).resolve()
     if path == model:
         return ""
-    return module if model.parent in path.parents else None
+    # beside the model file, and not an installed package (a virtual environment in the model's folder)
+    installed = {"site-packages", "dist-packages"} & set(path.parts)
+    return module if model.parent in path.parents and not installed else None
 
 
 def _preamble(body: str, globals_: dict[str, Any], model_file: str | None = None) -> list[str]:

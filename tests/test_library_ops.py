@@ -526,3 +526,29 @@ def test_stage_code_calls_the_model_files_wrapped_helpers_from_its_package_and_t
     trained = load_file(out / "model.safetensors")
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_only_the_model_files_folder_is_the_users_code_not_torch_nor_a_package_installed_below_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model file at a project's root, its virtual environment below it: torch and the installed packages
+    stay what they are (imported by the image), and only the modules of the folder are shipped as the user's."""
+    import importlib
+
+    from cloudless.codegen.stage_source import _user_module
+
+    installed = tmp_path / ".venv" / "lib" / "python3.11" / "site-packages"
+    installed.mkdir(parents=True)
+    (installed / "fakelib_for_test.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "helper_for_test.py").write_text("def g():\n    return 2\n")
+    (tmp_path / "model.py").write_text("")
+    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("fakelib_for_test", "helper_for_test"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        importlib.import_module(name)
+    model = str(tmp_path / "model.py")
+    assert _user_module("helper_for_test", model) == "helper_for_test"
+    assert _user_module("fakelib_for_test", model) is None
+    assert _user_module("torch.nn.functional", model) is None and _user_module("math", model) is None
+    assert _user_module("helper_for_test", None) is None
