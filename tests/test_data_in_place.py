@@ -149,6 +149,9 @@ def test_shards_in_a_folder_train_as_a_plain_loop_over_them(tmp_path: Path) -> N
     retrained, expected = load_file(again / "model.safetensors"), plain_loop(model, shards["train"], build)
     for name, value in expected.items():
         torch.testing.assert_close(retrained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    # the member tables are the new shards' alone: those of the shards written over are deleted
+    tables = list((tmp_path / "storage" / "data" / "aws-us-east-1" / "train" / "members").iterdir())
+    assert len(tables) == len(COUNTS["train"]), tables
 
 
 @pytest.mark.slow  # a header scan of 416 samples' files over HTTP, two runs

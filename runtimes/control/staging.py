@@ -370,6 +370,10 @@ def index_in_place(
     if previous.get("fingerprint") == fingerprint and previous.get("shuffle_shards") == SHUFFLE_SHARDS:
         return WrittenSplit(index.samples, fingerprint, "reused", read=read)
     channel.put(data_key(name, split, DATA_META), json.dumps(meta, sort_keys=True).encode())
+    # the member tables of shards no longer indexed (written again, or gone), after the meta that no longer names them
+    kept = {(entry.location, entry.version) for entry in index.entries}
+    for entry in sorted({(e.location, e.version) for e in known} - kept):
+        channel.delete(protocol.members_key(name, split, *entry))
     return WrittenSplit(index.samples, fingerprint, "indexed", read=read)
 
 
