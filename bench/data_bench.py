@@ -12,10 +12,15 @@ each smaller size is its first shards. Then, medians of `--repeats`:
    the member table of the controller's header scan, or, for a wids-listed split, found by parsing the
    tar's headers) against a plain read of the same bytes (`Path.read_bytes`; in S3, boto3's `get_object`),
    from a folder and from moto's S3 server over HTTP. Target: >= 80% of the plain read's throughput.
-3. **Prefetch** over 1 GB: micro-batches of 32 samples read through `InPlaceBatches` with a transform (the
+3. **Prefetch** over 1 GB: micro-batches of 32 samples read through `ShardBatches` with a transform (the
    bytes as a tensor) and a compute per micro-batch (a matmul of about the read's time per micro-batch),
    prefetching the next micro-batch as the first stage does; the share of the reading thread's time the
    compute hid (1 - waited / read).
+4. **Staged data**: a map-style dataset `load_shard` gives (samples of 100 KB of float32 made per index, as
+   large as the smallest size asked for) staged by `stage_data` in a fresh process, then read by a first
+   stage's reader in another (`open_batches`, 100 micro-batches of 32 in the run's order): each one's peak
+   RSS over its imports' (the baseline). Targets: staging within 1 GB however large the data; the reader
+   near what the planner counts (`HELD_SHARDS` shards of about 16 MB), not the split.
 
     python bench/data_bench.py [--sizes 2,5,10] [--repeats 3] [--folder DIR] [--quick]
 
@@ -42,7 +47,7 @@ import torch
 
 from cloudless.ir.protocol import S3_ENDPOINT_ENV
 from cloudless.ir.sample_order import SHUFFLE_SHARDS
-from cloudless.runtimes.function.in_place import InPlaceBatches
+from cloudless.runtimes.function.batches import ShardBatches
 from cloudless.runtimes.storage.objects import S3Objects
 from cloudless.runtimes.storage.shards import Members, ShardReader, index_split
 
@@ -61,6 +66,76 @@ from cloudless.runtimes.storage.channels import DirectoryChannel
 staged = stage_data(DirectoryChannel(Path(sys.argv[2])), "aws-us-east-1", Path(sys.argv[1]))
 print(json.dumps({"samples": staged["train"], "read": staged["reason"].get("train", ""),
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+_PEAK = """
+def memory_mb(field):
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak():
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from now on
+"""
+#: a fresh process staging a map-style dataset of `samples` (argv 1, 2: model file, storage)
+STAGER = (
+    """
+import json, sys, time
+from pathlib import Path
+import cloudless.runtimes.control.staging as staging
+from cloudless.runtimes.storage.channels import DirectoryChannel
+"""
+    + _PEAK
+    + """
+reset_peak()
+base = memory_mb("VmRSS")
+began = time.perf_counter()
+staged = staging.stage_data(DirectoryChannel(Path(sys.argv[2])), "aws-us-east-1", Path(sys.argv[1]))
+print(json.dumps({"samples": staged["train"], "seconds": time.perf_counter() - began, "base_mb": base,
+                  "rss_mb": memory_mb("VmHWM")}))
+"""
+)
+#: a fresh process reading micro-batches of the staged split as a first stage does (argv 1: storage)
+STAGED_READER = (
+    """
+import json, sys
+from pathlib import Path
+from cloudless.runtimes.function.batches import open_batches
+from cloudless.runtimes.function.data import read_meta
+from cloudless.runtimes.storage.channels import DirectoryChannel
+channel = DirectoryChannel(Path(sys.argv[1]))
+meta = read_meta(channel, "aws-us-east-1", "train")
+batches = open_batches(channel, meta, "aws-us-east-1", "train", None, seed=0, micro_batch=32, global_batch=32,
+                       timeout=60.0)
+"""
+    + _PEAK
+    + """
+reset_peak()
+base = memory_mb("VmRSS")
+for iteration in range(100):
+    rows = [batches.transformed(at, batches.read(at)) for at in batches.positions(iteration, 0)]
+    inputs, targets = batches.collate(rows)
+    batches.prefetch(iteration + 1, 0)
+print(json.dumps({"base_mb": base, "rss_mb": memory_mb("VmHWM"),
+                  "held": batches.reader.capacity, "shard_samples": meta["shard_samples"], "samples": meta["samples"]}))
+"""
+)
+STAGED_MODEL = """
+import torch
+
+SAMPLES = {samples}
+
+
+class Synthetic(torch.utils.data.Dataset):
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(index)
+        return (torch.rand(25_000, generator=generator),), index % 10
+
+
+def load_shard(region, split):
+    return Synthetic() if split == "train" else None
 """
 MODEL = """
 def load_shard(region, split):
@@ -132,8 +207,9 @@ def prefetch_hidden(entries: list, tables: dict[str, Members]) -> tuple[float, f
         "shuffle_shards": SHUFFLE_SHARDS,
         "shards": [entry.to_json() for entry in entries],
     }
-    data = InPlaceBatches(
+    data = ShardBatches(
         meta,
+        entries,
         lambda sample, *, epoch, index: (torch.frombuffer(bytearray(sample["bin"][:4096]), dtype=torch.uint8),),
         lambda samples: samples,
         seed=0,
@@ -208,7 +284,32 @@ def main() -> int:
     print(f"hidden behind compute: {statistics.median(h for h, _ in hidden):.0%} of "
           f"{statistics.median(r for _, r in hidden):.1f} s of reading")  # fmt: skip
     print("\nratios: " + ", ".join(f"{kind} {ratio:.2f}" for kind, ratio in ratios.items()) + " (target >= 0.80)")
+
+    samples = round(sizes[0] * 1e9 / SAMPLE_BYTES)
+    print(f"\n4. staged data: a map-style dataset of {samples:,} samples of 100 KB ({sizes[0]:.1f} GB)")
+    staged = [staged_data(samples, work) for _ in range(args.repeats)]
+    stage_rss = statistics.median(run["stage"]["rss_mb"] - run["stage"]["base_mb"] for run in staged)
+    read_rss = statistics.median(run["read"]["rss_mb"] - run["read"]["base_mb"] for run in staged)
+    seconds = statistics.median(run["stage"]["seconds"] for run in staged)
+    read = staged[0]["read"]
+    bound = read["held"] * read["shard_samples"] * SAMPLE_BYTES / 2**20
+    print(f"staging: {seconds:.0f} s, peak RSS {stage_rss:.0f} MB over its imports (target < 1024 MB)")
+    print(f"a first stage's reads of 100 micro-batches: peak RSS {read_rss:.0f} MB over its imports; its cache "
+          f"holds {read['held']} shards of {read['shard_samples']:,} samples (<= {bound:.0f} MB), "
+          f"the split is {read['samples'] * SAMPLE_BYTES / 2**20:,.0f} MB")  # fmt: skip
     return 0
+
+
+def staged_data(samples: int, work: Path) -> dict[str, dict]:
+    """Stage a map-style dataset of `samples` in a fresh process, then read it as a first stage in another."""
+    model = work / f"staged_{samples}.py"
+    model.write_text(textwrap.dedent(STAGED_MODEL.format(samples=samples)))
+    storage = Path(tempfile.mkdtemp(dir=work))
+    runs = {}
+    for name, code, argv in (("stage", STAGER, [str(model), str(storage)]), ("read", STAGED_READER, [str(storage)])):
+        done = subprocess.run([sys.executable, "-c", code, *argv], check=True, capture_output=True, text=True)
+        runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return runs
 
 
 def s3_reads(folder: Path, entries: list, tables: dict[str, Members], repeats: int) -> dict[str, float]:

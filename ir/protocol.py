@@ -444,8 +444,8 @@ def user_attribute(model_file: str, qualname: str, module: str | None = None) ->
 
 
 def target_key(ns: str, iteration: int, micro_batch: int) -> str:
-    """A micro-batch's targets, written by the first stage (which collated them with its inputs from data
-    that lies in place) for the last stage's loss."""
+    """A micro-batch's targets, written by the first stage (which read and collated them with its inputs)
+    for the last stage's loss."""
     return f"{ns}/it{iteration}/target/mb{micro_batch}"
 
 

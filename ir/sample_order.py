@@ -1,9 +1,9 @@
-"""The order a run reads sharded training data in: a function of (seed, epoch, global position) alone.
+"""The order a run reads its training data in: a function of (seed, epoch, global position) alone.
 
-Data in shards (WebDataset tars, Parquet files) is read a shard at a time, so a run cannot draw its samples
-from one permutation of the whole split as it does from data it staged itself (`schedule.sample_indices`):
-every micro-batch would touch another shard. The order here is MosaicML Streaming's kind, shuffled at two
-levels, so that reading stays local and the order stays a pure function:
+Training data lies in shards (WebDataset tars, Parquet files, or Cloudless's own staged shards), read a shard
+at a time, so a run cannot draw its samples from one permutation of the whole split: every micro-batch would
+touch another shard, and a function would hold them all. The order here is MosaicML Streaming's kind,
+shuffled at two levels, so that reading stays local and the order stays a pure function:
 
 1. each epoch permutes the shards (a seeded `torch.randperm` of the shard count);
 2. the permuted shards are taken in groups of `shuffle_shards` (the last group may be smaller), and the
@@ -15,6 +15,14 @@ read by whichever function reads it: the order does not depend on the replicas, 
 read it (a re-plan mid-run keeps it), a resumed run continues it from any position, and a plain PyTorch
 loop calling `ShardOrder.at` reads the same samples. A function reading a group's positions holds at most
 that group's shards (`shuffle_shards`), the bound its shard cache is sized by.
+
+Shards shuffled locally want samples that are not sorted (a folder of images by class, IMDB's reviews by
+label), so a dataset `cloudless-run` stages from `load_shard` is written in a shuffled order, as Streaming
+advises for its shards: row r of a staged train split holds the dataset's sample `staging_order(N)[r]`, a
+permutation seeded by the sample count alone (the same dataset stages the same shards, whatever the run's
+seed). A stream (an IterableDataset) is staged in the order it comes in. Staged shards hold `SHARD_SAMPLES`
+samples, or fewer where a sample is large: about `STAGED_SHARD_BYTES` a shard, so that a function's cache
+of `shuffle_shards + 1` of them stays small (`staged_shard_samples`).
 """
 
 from __future__ import annotations
@@ -27,6 +35,14 @@ import torch
 
 #: shards whose samples each epoch shuffles together, by default (each function's shard cache holds as many)
 SHUFFLE_SHARDS = 4
+#: shards a first stage holds at most: its cache's (a shuffle group's and one more), and the one being read
+#: twice more while it is read (its bytes as read and as unsealed or decoded: bench/data_bench.py, 4.)
+HELD_SHARDS = SHUFFLE_SHARDS + 3
+#: a staged shard holds at most this many samples, and no more than about STAGED_SHARD_BYTES of them
+SHARD_SAMPLES = 4096
+STAGED_SHARD_BYTES = 16 * 2**20
+#: what a staged train split's permutation is seeded by, with its sample count (`staging_order`)
+STAGING_SEED = 0
 
 
 def _generator(*parts: int) -> torch.Generator:
@@ -129,3 +145,19 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     `index` (its place in the split) runs in epoch `epoch` of a run seeded `seed`: its augmentation is the
     same whichever function reads it, and a plain loop seeding them so draws the same."""
     return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % 2**32
+
+
+def staged_shard_samples(sample_bytes: int) -> int:
+    """Samples a staged shard holds, for samples of `sample_bytes` (their tensors' bytes)."""
+    return max(1, min(SHARD_SAMPLES, STAGED_SHARD_BYTES // max(1, sample_bytes)))
+
+
+def shard_counts(samples: int, shard_samples: int) -> tuple[int, ...]:
+    """The sample count of each of a staged split's shards: `shard_samples` each, the last the rest."""
+    full, rest = divmod(samples, shard_samples)
+    return (shard_samples,) * full + ((rest,) if rest else ())
+
+
+def staging_order(samples: int) -> torch.Tensor:
+    """The dataset's sample at each row of a staged train split of `samples` (a map-style dataset's)."""
+    return torch.randperm(samples, generator=_generator(STAGING_SEED, samples))

@@ -1,7 +1,6 @@
 """The schedule of one iteration, shared by the simulator (compiler) and the stage worker (runtime).
 
-Sample order: iteration i reads global positions i*G .. i*G+G-1 (G the global batch); position g
-falls in epoch g // N (N samples) and is sample perm_e[g % N] of that epoch's seeded permutation.
+The order samples are read in is `sample_order.py`'s.
 
 Micro-batch m runs on replica m mod r of each stage. A replica runs its micro-batches in the order
 `compute_order` gives; its stage's gradient is then reduced among the replicas by a pipelined
@@ -11,9 +10,6 @@ scatter-reduce in which replica i owns chunk i, and each chunk moves in `sync_pi
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-
-import torch
 
 from .workflow import Schedule
 
@@ -21,9 +17,6 @@ from .workflow import Schedule
 # MAX_SYNC_PIECES), so a replica's uplink and downlink stay busy together.
 SYNC_PIECE_BYTES = 4 * 2**20
 MAX_SYNC_PIECES = 16
-# Training data is stored in shards of this many samples; a first stage reads a shard once and
-# keeps it, so reading a micro-batch of data costs a request only once per shard.
-SHARD_SAMPLES = 4096
 # Requests each direction of a replica keeps going at once in the scatter-reduce, so that a request's
 # latency overlaps the transfers before it.
 SYNC_IN_FLIGHT = 3
@@ -78,22 +71,3 @@ def scatter_order(replica: int, replicas: int) -> list[int]:
 def gather_sources(replica: int, replicas: int) -> list[int]:
     """The replicas whose pieces of its own chunk a replica receives, in arrival order."""
     return [(replica - d) % replicas for d in range(1, replicas)]
-
-
-@lru_cache(maxsize=64)
-def epoch_permutation(samples: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-
-
-def sample_indices(
-    iteration: int, micro_batch: int, size: int, global_batch: int, samples: int, seed: int
-) -> list[int]:
-    """The dataset indices of micro-batch `micro_batch` (of `size` samples) of `iteration`."""
-    first = iteration * global_batch + micro_batch * size
-    positions = torch.arange(first, first + size)
-    epochs = positions // samples
-    chosen = torch.empty(size, dtype=torch.int64)
-    for epoch in torch.unique(epochs).tolist():
-        here = epochs == epoch
-        chosen[here] = epoch_permutation(samples, seed, epoch)[positions[here] % samples]
-    return chosen.tolist()

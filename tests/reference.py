@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from cloudless.compiler.frontend.model_file import ModelFile, make_model_optimizer
-from cloudless.ir.schedule import sample_indices
+from cloudless.ir.sample_order import ShardOrder, shard_counts, staged_shard_samples, staging_order
 from cloudless.ir.workflow import DataSource, OptimizerSpec, Region, RunSettings, Workflow, round_ends
 
 
@@ -20,8 +20,17 @@ class PlainTrainer:
     learning rate the workflow's schedule gives iteration i of a region training `iterations`."""
 
     def __init__(
-        self, model_file: ModelFile, run: RunSettings, items: list[Any], optimizer: OptimizerSpec, iterations: int
+        self,
+        model_file: ModelFile,
+        run: RunSettings,
+        items: list[Any],
+        optimizer: OptimizerSpec,
+        iterations: int,
+        shard_samples: int | None = None,
+        streamed: bool = False,
     ) -> None:
+        """`items`: the dataset's (a region's data sources' slices, in order); `shard_samples`: as staged, if
+        not by default; `streamed`: the items came from a stream, staged as they came."""
         self.model_file, self.run = model_file, run
         self.model = model_file.build_model()
         # as a plain loop builds it: the model file's make_optimizer over the model (SGD without one)
@@ -30,6 +39,17 @@ class PlainTrainer:
         self.inputs = [torch.stack([item[0][j] for item in items]) for j in range(len(items[0][0]))]
         self.targets = torch.stack([torch.as_tensor(item[1]) for item in items])
         self.samples = len(items)
+        # as the run reads them: the items as staged (in staging_order, so many a shard), in the shards' order
+        sample_bytes = sum(x[0].nbytes for x in self.inputs) + self.targets[0].nbytes
+        counts = shard_counts(self.samples, shard_samples or staged_shard_samples(sample_bytes))
+        self.order = ShardOrder(counts, run.seed)
+        self.staged = torch.arange(self.samples) if streamed else staging_order(self.samples)
+
+    def indices(self, iteration: int, micro_batch: int) -> list[int]:
+        """The items of micro-batch `micro_batch` of `iteration`, in order."""
+        run = self.run
+        first = iteration * run.global_batch + micro_batch * run.micro_batch
+        return [int(self.staged[located.index]) for located in self.order.span(first, run.micro_batch)]
 
     def step(self, iteration: int) -> None:
         self.backward(iteration)
@@ -50,7 +70,7 @@ class PlainTrainer:
         (default: this trainer's own)."""
         run, model = self.run, model or self.model
         for m in range(run.micro_batches):
-            idx = sample_indices(iteration, m, run.micro_batch, run.global_batch, self.samples, run.seed)
+            idx = self.indices(iteration, m)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.precision == "bf16-mixed"):
                 output = model(*[x[idx] for x in self.inputs])
                 loss = self.model_file.loss_fn(output, self.targets[idx]) / run.micro_batches
@@ -62,13 +82,20 @@ class PlainTrainer:
 
 def region_items(model_file: ModelFile, region: Region) -> list[Any]:
     """A workflow region's training samples: its data sources' slices, else its whole own shard."""
+    return region_data(model_file, region)[0]
+
+
+def region_data(model_file: ModelFile, region: Region) -> tuple[list[Any], bool]:
+    """`region_items`, and whether they came from a stream (an iterable dataset: staged as it came)."""
     items: list[Any] = []
     if not region.data_sources:
         dataset = model_file.load_shard(region.name, "train")
-        return [dataset[i] for i in range(len(dataset))]
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+            return list(dataset), True
+        return [dataset[i] for i in range(len(dataset))], False
     for source in region.data_sources:
         items.extend(_slice(model_file, source))
-    return items
+    return items, False
 
 
 def _slice(model_file: ModelFile, source: DataSource) -> list[Any]:
@@ -86,8 +113,8 @@ def plain_training(
     """Train `iterations` (default: the workflow's) with the region's data in memory; returns the
     parameters and buffers. `on_iteration(i, seconds)` hears each iteration's duration."""
     count = workflow.run.iterations if iterations is None else iterations
-    items = region_items(model_file, workflow.region(region))
-    trainer = PlainTrainer(model_file, workflow.run, items, workflow.optimizer, count)
+    items, streamed = region_data(model_file, workflow.region(region))
+    trainer = PlainTrainer(model_file, workflow.run, items, workflow.optimizer, count, streamed=streamed)
     for iteration in range(count):
         began = time.perf_counter()
         trainer.step(iteration)

@@ -12,32 +12,49 @@ import pytest
 import torch
 
 from cloudless.ir.protocol import DATA_META, data_key, shard_name
-from cloudless.ir.schedule import epoch_permutation, sample_indices
+from cloudless.ir.sample_order import STAGED_SHARD_BYTES, ShardOrder, staged_shard_samples, staging_order
 from cloudless.runtimes.control.staging import DataError, StagedData, describe_staged, stage_data
-from cloudless.runtimes.function.data import SplitChangedError, SplitReader, write_split
+from cloudless.runtimes.function.batches import open_batches
+from cloudless.runtimes.function.data import SplitChangedError, read_meta, staged_entries, staged_shards, write_split
 from cloudless.runtimes.storage.channels import DirectoryChannel
 
 
-def test_gather_across_shards_returns_samples_in_order(tmp_path: Path) -> None:
+def _no_user_code() -> None:
+    raise AssertionError("staged data needs no model file")
+
+
+def test_staged_shards_are_read_in_the_shard_order_as_micro_batches(tmp_path: Path) -> None:
     images = torch.arange(13 * 3, dtype=torch.float32).reshape(13, 3)
     labels = torch.arange(13) * 10
     channel = DirectoryChannel(tmp_path)
     samples = (([images[i]], [labels[i]]) for i in range(13))
     assert write_split(channel, "r", "train", samples, shard_samples=5).samples == 13
-    reader = SplitReader(channel, "r")
-    for indices in ([12, 0, 7, 3, 11, 5], [2, 4], [10, 12]):
-        (inputs,) = reader.gather(indices, "input")
-        (targets,) = reader.gather(indices, "target")
-        assert torch.equal(inputs, images[indices]) and torch.equal(targets, labels[indices])
+    meta = read_meta(channel, "r", "train")
+    assert meta is not None and meta["format"] == "staged"
+    batches = open_batches(
+        channel, meta, "r", "train", _no_user_code, seed=3, micro_batch=4, global_batch=8, timeout=5.0
+    )
+    order = ShardOrder((5, 5, 3), 3)
+    for iteration, m in ((0, 0), (0, 1), (1, 0), (3, 1)):  # iteration 3 wraps into epoch 2
+        rows = [order.at(iteration * 8 + m * 4 + k).index for k in range(4)]
+        staged = [batches.transformed(located, batches.read(located)) for located in batches.positions(iteration, m)]
+        inputs, targets = batches.collate(staged)
+        assert torch.equal(inputs[0], images[rows]) and torch.equal(targets[0], labels[rows])
+    assert batches.reader.held <= batches.order.shuffle_shards + 1  # a group's shards and one more, not all
 
 
-def test_sample_order_is_a_seeded_permutation_per_epoch() -> None:
-    n, batch = 37, 16
-    # Iterations 0..4 read 80 positions: each epoch's 37 samples exactly once, then the next epoch.
-    read = [i for it in range(5) for m in range(2) for i in sample_indices(it, m, 8, batch, n, seed=3)]
-    assert sorted(read[:37]) == list(range(37)) and sorted(read[37:74]) == list(range(37))
-    assert read[:37] == epoch_permutation(n, 3, 0).tolist() and read[37:74] == epoch_permutation(n, 3, 1).tolist()
-    assert read[:37] != epoch_permutation(n, 4, 0).tolist()  # the seed matters
+def test_a_map_style_train_split_is_staged_in_a_permutation_of_its_count_alone() -> None:
+    order = staging_order(37).tolist()
+    assert sorted(order) == list(range(37)) and order != list(range(37))
+    assert staging_order(37).tolist() == order  # no run seed: the same dataset stages the same shards
+    assert staging_order(38).tolist()[:5] != order[:5]
+
+
+def test_a_staged_shard_holds_about_16_mb_of_large_samples() -> None:
+    assert staged_shard_samples(256) == 4096  # small samples: SHARD_SAMPLES
+    image = 3 * 224 * 224 * 4  # a float image of 600 kB
+    assert staged_shard_samples(image) == STAGED_SHARD_BYTES // image == 27
+    assert staged_shard_samples(10**9) == 1
 
 
 # --- staging: the data in storage is what load_shard gives now -----------------------------------------
@@ -107,9 +124,15 @@ def stage(root: Path, model: Path) -> tuple[RecordingChannel, StagedData]:
 
 
 def read_all(channel: DirectoryChannel, split: str = "train") -> torch.Tensor:
-    reader = SplitReader(channel, "r", split)
-    (inputs,) = reader.gather(list(range(reader.samples)), "input")
-    return inputs
+    """The split's inputs as its shards hold them, row after row."""
+    meta = meta_of(channel, split)
+    read = staged_shards(channel, meta, 5.0)
+    return torch.stack([row["inputs"][0] for entry in staged_entries(meta, "r", split) for row in read(entry)])
+
+
+def as_staged(x: torch.Tensor, split: str = "train") -> torch.Tensor:
+    """A dataset's samples in the rows a staging writes them in (a train split's in `staging_order`)."""
+    return x[staging_order(len(x))] if split == "train" else x
 
 
 def meta_of(channel: DirectoryChannel, split: str = "train") -> dict:
@@ -129,7 +152,7 @@ def test_the_same_data_is_reused_without_a_write(tmp_path: Path, versions: Calla
     assert channel.writes == []
     assert again["action"] == {"train": "reused", "test": "reused"} and again["fingerprint"] == first["fingerprint"]
     assert meta_of(channel)["staged_from"] == staged_from  # who staged it; not compared
-    assert torch.equal(read_all(channel), expected(13))
+    assert torch.equal(read_all(channel), as_staged(expected(13)))
 
 
 def test_changed_values_are_restaged_meta_first_out_and_last_in(tmp_path: Path, versions: Callable[..., Path]) -> None:
@@ -137,7 +160,7 @@ def test_changed_values_are_restaged_meta_first_out_and_last_in(tmp_path: Path, 
     channel, again = stage(tmp_path, versions(scale=2.0))
     assert again["train"] == 13 and again["action"] == {"train": "restaged", "test": "restaged"}
     assert again["fingerprint"]["train"] != first["fingerprint"]["train"]
-    assert torch.equal(read_all(channel), expected(13, 2.0))
+    assert torch.equal(read_all(channel), as_staged(expected(13, 2.0)))
     assert torch.equal(read_all(channel, "test"), expected(6, 2.0))
     for split, shards in (("train", 3), ("test", 2)):
         writes = [w for w in channel.writes if w[1].startswith(f"data/r/{split}/")]
@@ -149,11 +172,13 @@ def test_changed_values_are_restaged_meta_first_out_and_last_in(tmp_path: Path, 
 
 def test_only_the_shards_from_the_first_change_on_are_written(tmp_path: Path, versions: Callable[..., Path]) -> None:
     stage(tmp_path, versions())
-    channel, again = stage(tmp_path, versions(bump=11))  # sample 11 lies in shard 2 of 3
+    # a sample staged in shard 2 (of 3), not one of the test split's 6
+    bumped = next(int(i) for i in staging_order(13)[2 * SHARD :] if i >= 6)
+    channel, again = stage(tmp_path, versions(bump=bumped))
     assert again["action"] == {"train": "restaged", "test": "reused"}
     train = data_key("r", "train", DATA_META)
     assert channel.writes == [("delete", train), ("put", data_key("r", "train", shard_name(2))), ("put", train)]
-    assert torch.equal(read_all(channel), expected(13, bump=11))
+    assert torch.equal(read_all(channel), as_staged(expected(13, bump=bumped)))
 
 
 @pytest.mark.parametrize(("before", "after"), [(13, 7), (13, 10), (7, 13), (5, 13)])
@@ -163,25 +188,25 @@ def test_a_changed_count_is_restaged_and_never_reads_a_stale_sample(
     stage(tmp_path, versions(train=before))
     channel, again = stage(tmp_path, versions(train=after, scale=-1.0))
     assert again["train"] == after and again["action"]["train"] == "restaged"
-    reader = SplitReader(channel, "r")
-    assert reader.samples == after and reader.fingerprint == again["fingerprint"]["train"]
-    assert torch.equal(read_all(channel), expected(after, -1.0))
+    meta = meta_of(channel)
+    assert meta["samples"] == after and meta["fingerprint"] == again["fingerprint"]["train"]
+    assert torch.equal(read_all(channel), as_staged(expected(after, -1.0)))
     shards = -(-after // SHARD)
-    # The surplus shards of the larger staging are gone, and the reader will not go past its count.
+    # The surplus shards of the larger staging are gone, and the reader's index ends at its count.
     assert channel.try_get(data_key("r", "train", shard_name(shards - 1))) is not None
     assert channel.try_get(data_key("r", "train", shard_name(shards))) is None
-    for beyond in [i for i in (after, before - 1, after + SHARD, -1) if not 0 <= i < after]:
-        with pytest.raises(IndexError):
-            reader.gather([0, beyond], "input")
+    entries = staged_entries(meta, "r", "train")
+    assert len(entries) == shards and sum(e.samples for e in entries) == after
 
 
 def test_a_reader_of_the_old_staging_fails_rather_than_mixing(tmp_path: Path, versions: Callable[..., Path]) -> None:
     channel, _ = stage(tmp_path, versions())
-    old = SplitReader(channel, "r")
-    assert torch.equal(old.gather([0, 1], "input")[0], expected(13)[[0, 1]])  # shard 0 cached
+    meta = meta_of(channel)
+    read, entries = staged_shards(channel, meta, 5.0), staged_entries(meta, "r", "train")
+    assert torch.equal(read(entries[0])[1]["inputs"][0], as_staged(expected(13))[1])
     stage(tmp_path, versions(scale=3.0))
     with pytest.raises(SplitChangedError, match="staged again"):
-        old.gather([12], "input")
+        read(entries[2])
 
 
 def test_a_split_staged_without_a_fingerprint_is_restaged(tmp_path: Path, versions: Callable[..., Path]) -> None:
@@ -195,7 +220,7 @@ def test_a_split_staged_without_a_fingerprint_is_restaged(tmp_path: Path, versio
     assert again["action"] == {"train": "restaged", "test": "reused"}
     assert again["fingerprint"] == first["fingerprint"]
     assert meta_of(channel)["fingerprint"] == first["fingerprint"]["train"]
-    assert torch.equal(read_all(channel), expected(13))
+    assert torch.equal(read_all(channel), as_staged(expected(13)))
 
 
 def test_the_fingerprint_is_of_the_content_not_of_its_sharding(tmp_path: Path) -> None:
@@ -261,7 +286,8 @@ def test_staged_samples_are_checked_against_the_examples(tmp_path: Path, version
         channel = RecordingChannel(tmp_path / f"{features}-{dtype}")
         with pytest.raises(DataError) as caught:
             stage_data(channel, "r", model, shard_samples=SHARD)
-        assert str(caught.value) == f"{model}: load_shard('r', 'train')[0]: {message}"
+        first = int(staging_order(13)[0])  # the first sample staged (a train split's order)
+        assert str(caught.value) == f"{model}: load_shard('r', 'train')[{first}]: {message}"
         assert channel.writes == []
 
 

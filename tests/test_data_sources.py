@@ -1,6 +1,7 @@
 """What load_shard may give besides a map-style dataset: an IterableDataset (or any iterable) and a Hugging
-Face `datasets.Dataset` of dict rows (DATA_COLUMNS). Each is staged as the same samples in a map-style
-dataset are: the same fingerprint (a second kind of source reuses the first's staging), the same model."""
+Face `datasets.Dataset` of dict rows (DATA_COLUMNS). A `datasets.Dataset` is staged as the same samples in a
+map-style dataset are: the same fingerprint (it reuses the other's staging), the same model. A stream is
+staged in the order it comes (a map-style dataset's in `staging_order`), and trains as a plain loop over it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 from safetensors.torch import load_file
 
 from cloudless.compiler.cli import main as compile_main
+from cloudless.compiler.frontend.model_file import load_model_file
+from cloudless.ir.sample_order import staging_order
+from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.cli import main as run_main
 from tests.data_cases import DIGITS_MLP
+from tests.reference import plain_training
 
 MODEL = (
     DIGITS_MLP
@@ -66,30 +73,38 @@ def digits_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     build = folder / "build"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DIGITS_SOURCE", "map")
-        assert compile_main([str(model), "-o", str(build), "--stages", "2", "--repeats", "1", "-q"]) == 0
+        options = ["--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]
+        assert compile_main([str(model), "-o", str(build), *options]) == 0
     return model, build
 
 
 @pytest.mark.slow  # three runs
-def test_an_iterable_and_a_hugging_face_dataset_stage_the_map_style_datasets_samples(
+def test_an_iterable_and_a_hugging_face_dataset_train_as_plain_loops_over_them(
     digits_build: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     model, build = digits_build
     storage = ["--storage", str(tmp_path / "storage")]
+    workflow = Workflow.from_json(yaml.safe_load((build / "workflow.yaml").read_text()))
+    assert [f.replicas for f in workflow.regions[0].functions] == [2, 2]
     models = {}
-    for kind in ("map", "iterable", "hf"):
+    for kind, staged in (("map", "staged"), ("hf", "reused"), ("iterable", "restaged")):
         monkeypatch.setenv("DIGITS_SOURCE", kind)
         capsys.readouterr()
         assert run_main([str(build), "--out", str(tmp_path / kind), "--model", str(model), *storage]) == 0
         banner = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data: "))
         action = re.search(r"train 300 samples \(sha256:[0-9a-f]+, (\w+)", banner)
         assert action is not None, banner
-        assert action.group(1) == ("staged" if kind == "map" else "reused"), (kind, banner)  # the same content
+        assert action.group(1) == staged, (kind, banner)  # a datasets.Dataset is the map-style dataset's content
         assert "test 64 samples" in banner, banner
         models[kind] = load_file(tmp_path / kind / "model.safetensors")
-    for kind in ("iterable", "hf"):
-        assert models[kind].keys() == models["map"].keys()
-        assert all((models[kind][name] == models["map"][name]).all() for name in models["map"]), kind
+    assert models["hf"].keys() == models["map"].keys()
+    assert all((models["hf"][name] == models["map"][name]).all() for name in models["map"])
+    for kind in ("map", "iterable"):
+        monkeypatch.setenv("DIGITS_SOURCE", kind)
+        expected = plain_training(load_model_file(model), workflow, workflow.regions[0].name)
+        for name, value in expected.items():
+            torch.testing.assert_close(models[kind][name], value, rtol=1e-5, atol=1e-6, msg=f"{kind}: {name}")
+    assert any((models["iterable"][name] != models["map"][name]).any() for name in models["map"])  # its own order
 
 
 @pytest.mark.slow  # the module's compile
@@ -105,5 +120,6 @@ def test_dict_rows_without_data_columns_are_one_line(
         run_main([str(build), "--out", str(tmp_path / "out"), "--model", str(changed), "-q", "--no-verify-build"]) == 2
     )
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "load_shard('aws-us-east-1', 'train')[0] is a row of columns 'pixels', 'label'" in line, line
+    first = int(staging_order(300)[0])  # the first row staged
+    assert f"load_shard('aws-us-east-1', 'train')[{first}] is a row of columns 'pixels', 'label'" in line, line
     assert 'DATA_COLUMNS = {"inputs": ["input_ids", ...], "target": "labels"}' in line, line

@@ -23,6 +23,7 @@ from cloudless.compiler.planner.pipeline_milp import solve
 from cloudless.compiler.planner.pipeline_program import Infeasible
 from cloudless.compiler.planner.solver import Program, solve_program
 from cloudless.ir.catalog import load_catalog
+from cloudless.ir.sample_order import HELD_SHARDS, STAGED_SHARD_BYTES, staged_shard_samples
 
 from .planning_cases import random_problem
 
@@ -244,8 +245,26 @@ def test_model_state_is_one_formula() -> None:
         activations = mu / problem.profile_batch * sum(b.saved_bytes for b in problem.blocks)
         inputs = mu / problem.profile_batch * problem.blocks[0].input_bytes
         held = problem.global_batch // mu if problem.schedule == "gpipe" else 1
-        expected = model.model_state_bytes(0, n - 1) + activations * held + 2 * inputs
+        expected = model.model_state_bytes(0, n - 1) + activations * held + 2 * inputs + model.first_stage_held_bytes()
         assert (terms.memory_mb - problem.region.runtime_overhead_mb) * 2**20 == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_first_stage_holds_a_group_of_staged_shards_and_one_more_or_the_whole_split() -> None:
+    """Staged data is read as data in place is: its cache holds SHUFFLE_SHARDS + 1 shards of the sample's
+    bytes and reads one (HELD_SHARDS in all), about 16 MB a shard at most, or the whole split when it is
+    smaller; each shard a request."""
+    problem = random_problem(0)
+    sample = problem.blocks[0].input_bytes / problem.profile_batch
+    shard = staged_shard_samples(math.ceil(sample))
+    unsized = CostModel(dataclasses.replace(problem, samples_per_epoch=None))
+    assert unsized.first_stage_held_bytes() == pytest.approx(HELD_SHARDS * shard * sample)
+    small = CostModel(dataclasses.replace(problem, samples_per_epoch=3))  # fewer samples than a shard holds
+    assert shard > 3 and small.first_stage_held_bytes() == pytest.approx(3 * sample)
+    assert unsized.first_stage_held_bytes() <= HELD_SHARDS * max(STAGED_SHARD_BYTES, sample) + 1
+    mu, bandwidth = 8, 50e6
+    assert unsized.first_stage_read_s(mu, mu * sample, bandwidth) == pytest.approx(
+        mu * sample / bandwidth + unsized.latency * mu / shard
+    )
 
 
 def test_data_in_place_is_held_and_read_by_the_first_stage_alone() -> None:
@@ -266,7 +285,8 @@ def test_data_in_place_is_held_and_read_by_the_first_stage_alone() -> None:
         tier = max(problem.region.tiers_mb)
         for index, choice in ((0, program.StageChoice(0, 0, tier, 1)), (1, program.StageChoice(1, n - 1, tier, 1))):
             ours, theirs = data.stage_terms(choice, index, 2, mu), staged.stage_terms(choice, index, 2, mu)
-            assert ours.memory_mb - theirs.memory_mb == pytest.approx(300.0 if index == 0 else 0.0)
+            staged_held = staged.first_stage_held_bytes() / 2**20  # staged shards: a cache of its own
+            assert ours.memory_mb - theirs.memory_mb == pytest.approx(300.0 - staged_held if index == 0 else 0.0)
             if index == 0:
                 bandwidth = data._tier_rates(tier)[1]
                 assert ours.forward_download_s == pytest.approx(mu * (5_000 / bandwidth + data.latency / 100))

@@ -309,6 +309,7 @@ def key_shapes() -> dict[str, re.Pattern[str]]:
     shapes: dict[str, str] = {
         "activation_key": protocol.activation_key(ns, n, n, n),
         "gradient_key": protocol.gradient_key(ns, n, n, n),
+        "target_key": protocol.target_key(ns, n, n),
         "scatter_piece_key": protocol.scatter_piece_key(sync, n, n, n),
         "reduced_piece_key": protocol.reduced_piece_key(sync, n, n),
         "shared_gradient_key": protocol.shared_gradient_key(ns, n, n),

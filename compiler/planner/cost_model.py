@@ -18,7 +18,8 @@ from typing import Literal
 
 from ...ir import BlockChain
 from ...ir.catalog import PlatformLimits, Region
-from ...ir.schedule import SHARD_SAMPLES, SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
+from ...ir.sample_order import HELD_SHARDS, staged_shard_samples
+from ...ir.schedule import SYNC_IN_FLIGHT, SYNC_MAX_POLL_S, Schedule, sync_pieces
 from ..errors import CompileError
 
 Objective = Literal["cost", "time", "cost-under-deadline", "time-under-budget"]
@@ -61,7 +62,7 @@ def checkpoint_interval(iterations: int) -> int:
 class DataInPlace:
     """What a first stage reading training data where it lies holds and reads (from the split's index)."""
 
-    #: bytes of shards its cache holds at once: the shuffle group's and one more, of the largest
+    #: bytes of shards it holds at once: `sample_order.HELD_SHARDS` of the largest
     held_bytes: int
     #: stored bytes per sample, and samples per shard (a GET each); None: not counted (TRAINING['iterations']
     #: in one region reads the shards' sizes only), the micro-batch's tensor bytes then stand in
@@ -355,8 +356,8 @@ class CostModel:
         activations = scale * self._total("saved_bytes", choice.first, choice.last)
         held = self.in_flight(p.schedule, per_replica, stages_from_here)
         memory = self.region.runtime_overhead_mb + (state + activations * held + 2 * (inputs + outputs)) / MB
-        if first and p.data is not None:  # the shards its cache holds
-            memory += p.data.held_bytes / MB
+        if first:  # the shards its cache holds
+            memory += self.first_stage_held_bytes() / MB
         r = choice.replicas
         pieces = sync_pieces(params, r)
         # Besides tensors (counts over the stage's r replicas): each last-stage replica reports its
@@ -390,13 +391,30 @@ class CostModel:
             gets=gets,
         )
 
+    def _staged_sample(self) -> tuple[float, int]:
+        """Staged data's bytes per sample (the model's inputs), and samples per staged shard."""
+        p = self.problem
+        sample = p.blocks[0].input_bytes / p.profile_batch
+        return sample, staged_shard_samples(math.ceil(sample))
+
+    def first_stage_held_bytes(self) -> float:
+        """What a first stage's shards take at most: `HELD_SHARDS` (of the largest shard where data lies;
+        staged shards of the sample's bytes, no more than the split when it is counted)."""
+        p = self.problem
+        if p.data is not None:
+            return p.data.held_bytes
+        sample, shard = self._staged_sample()
+        held = HELD_SHARDS * shard
+        return sample * (min(held, p.samples_per_epoch) if p.samples_per_epoch else held)
+
     def first_stage_read_s(self, micro_batch: int, inputs: float, bandwidth: float) -> float:
         """A micro-batch's share of the shards a first stage reads: each shard read once, whole (a request per
-        shard). Staged shards hold the micro-batch's tensors (SHARD_SAMPLES a shard); shards where they lie
-        hold the samples as stored (a JPEG, a Parquet row), their bytes and counts from the index."""
+        shard). Staged shards hold the micro-batch's tensors (`sample_order.staged_shard_samples` a shard);
+        shards where they lie hold the samples as stored (a JPEG, a Parquet row), their bytes and counts from
+        the index."""
         data = self.problem.data
         if data is None or data.bytes_per_sample is None or not data.samples_per_shard:
-            return inputs / bandwidth + self.latency * micro_batch / SHARD_SAMPLES
+            return inputs / bandwidth + self.latency * micro_batch / self._staged_sample()[1]
         return micro_batch * (data.bytes_per_sample / bandwidth + self.latency / data.samples_per_shard)
 
     def request_usd(self, choice: StageChoice) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ...ir import BlockChain
 from ...ir.catalog import Catalog, Link, Region, load_catalog, platform_limits
-from ...ir.sample_order import SHUFFLE_SHARDS
+from ...ir.sample_order import HELD_SHARDS
 from ...ir.schema import SchemaError
 from ...runtimes.storage.shards import in_place_pattern, index_split
 from ..errors import CompileError
@@ -202,7 +202,7 @@ def _training_data(model_file: ModelFile, region: str, *, count: bool) -> tuple[
         raise CompileError(f"{model_file.shown}: load_shard({region!r}, 'train'): {exc}") from None
     groups = collections.Counter(entry.location for entry in index.entries)  # a Parquet file's row groups
     largest = max(entry.size / groups[entry.location] for entry in index.entries)
-    data = DataInPlace(held_bytes=math.ceil((SHUFFLE_SHARDS + 1) * largest))
+    data = DataInPlace(held_bytes=math.ceil(HELD_SHARDS * largest))
     if index.samples:
         total = sum(entry.size / groups[entry.location] for entry in index.entries)
         data = dataclasses.replace(

@@ -8,6 +8,7 @@ fingerprints what load_shard gives and re-stages a split whose stored content di
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import importlib.util
 import itertools
@@ -20,15 +21,13 @@ from typing import Any, TypedDict
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.data import default_collate
 
 from ...ir import protocol
 from ...ir.protocol import DATA_META, data_key
-from ...ir.sample_order import SHUFFLE_SHARDS, sample_seed
-from ...ir.schedule import SHARD_SAMPLES
+from ...ir.sample_order import SHUFFLE_SHARDS, staging_order
 from ...ir.workflow import DataSource, Region, Workflow
-from ..function.data import FINGERPRINT_PREFIX, SplitReader, Staging, WrittenSplit, read_meta, remove_split, write_split
-from ..function.in_place import flat_batch, seed_generators, stored_member_tables, user_module
+from ..function.batches import open_batches, user_module
+from ..function.data import FINGERPRINT_PREFIX, Staging, WrittenSplit, read_meta, remove_split, write_split
 from ..function.initial_weights import package_weights
 from ..function.worker import load_module, load_stage_module
 from ..storage.channels import Channel
@@ -38,7 +37,6 @@ from ..storage.shards import (
     Members,
     ShardEntry,
     ShardError,
-    ShardReader,
     in_place_pattern,
     index_split,
 )
@@ -112,56 +110,107 @@ def _load_shard(module: ModuleType, path: Path, region: str, split: str) -> Any:
 def _samples(
     module: ModuleType,
     path: Path,
-    region: str,
     split: str,
-    first: int = 0,
-    count: int | None = None,
+    parts: Sequence[tuple[str, int, int | None]],
     dataset: Any = None,
 ) -> Any:
-    """load_shard(region, split)'s samples first..first+count-1 as (flat inputs, flat targets), each
-    checked against what example_inputs and example_targets give (one sample of the batch): data that
-    does not fit the compiled stages is an error here, naming the sample, not at a function's first step."""
+    """The samples of `parts`, each (region, first, count): load_shard(region, split)'s samples
+    first..first+count-1 (count None: to its end), as (flat inputs, flat targets), each checked against what
+    example_inputs and example_targets give (one sample of the batch): data that does not fit the compiled
+    stages is an error here, naming the sample, not at a function's first step. A train split of map-style
+    datasets comes in `sample_order.staging_order` over the parts' samples together (what its shards hold);
+    a stream as it comes, read once. `dataset`: load_shard's for the one part, when the caller has it."""
+    shuffled = split == "train"
     try:
-        if dataset is None:
-            dataset = module.load_shard(region, split)
-        # a stream (an IterableDataset, a generator) is read as it comes, once: bounded memory whatever its size
-        streamed = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__")
-        if streamed:
-            items: Any = itertools.islice(iter(dataset), first, None if count is None else first + count)
-            stop = None
-        else:
-            stop = len(dataset) if count is None else first + count
-            if stop > len(dataset):
-                raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(dataset)}")
-            items = (dataset[i] for i in range(first, stop))
+        opened: list[tuple[str, Any, int, int | None]] = []
+        any_streamed = False
+        for region, first, count in parts:
+            given = dataset if dataset is not None and len(parts) == 1 else module.load_shard(region, split)
+            # a stream (an IterableDataset, a generator) is read as it comes, once: bounded memory whatever its size
+            streamed = isinstance(given, torch.utils.data.IterableDataset) or not hasattr(given, "__getitem__")
+            stop = None if count is None else first + count
+            if not streamed:
+                stop = len(given) if stop is None else stop
+                if stop > len(given):
+                    raise ValueError(f"samples {first}..{stop - 1} were planned, but it has {len(given)}")
+            opened.append((region, given, first, stop))
+            any_streamed = any_streamed or streamed
         make_inputs, make_targets = getattr(module, "example_inputs", None), getattr(module, "example_targets", None)
         expected_inputs = _leaf_specs(make_inputs(1)) if make_inputs is not None else None
         expected_targets = _leaf_specs(make_targets(1)) if make_targets is not None else None
     except Exception as exc:
+        region = parts[len(opened)][0] if len(opened) < len(parts) else parts[0][0]
         raise DataError(f"{path}: load_shard({region!r}, {split!r}) failed: {type(exc).__name__}: {exc}") from exc
-    i = first
+    if any_streamed:
+        items: Iterator[tuple[str, int, Any]] = _streamed(path, split, opened)
+    else:
+        items = _indexed(opened, shuffled)
     while True:
         try:
-            item = next(items)
+            region, i, item = next(items)
         except StopIteration:
             break
-        except Exception as exc:
-            what = f"load_shard({region!r}, {split!r})[{i}] failed: {type(exc).__name__}: {exc}"
-            raise DataError(f"{path}: {what}") from exc
-        inputs, target = _inputs_and_target(module, path, f"load_shard({region!r}, {split!r})[{i}]", item)
+        except _ItemFailed as failed:
+            what = f"load_shard({failed.region!r}, {split!r})[{failed.index}] failed: {failed.error}"
+            raise DataError(f"{path}: {what}") from failed.__cause__
+        where = f"load_shard({region!r}, {split!r})[{i}]"
+        inputs, target = _inputs_and_target(module, path, where, item)
         sample = pytree.tree_leaves(inputs), pytree.tree_leaves(target)
         wrong = _mismatch("input", sample[0], expected_inputs) if expected_inputs is not None else None
         if wrong is None and expected_targets is not None:
             wrong = _mismatch("target", sample[1], expected_targets)
         if wrong is not None:
-            raise DataError(f"{path}: load_shard({region!r}, {split!r})[{i}]: {wrong}")
+            raise DataError(f"{path}: {where}: {wrong}")
         yield sample
-        i += 1
-    if count is not None and i < first + count:
-        raise DataError(
-            f"{path}: load_shard({region!r}, {split!r}): samples {first}..{first + count - 1} were planned, "
-            f"but it gave {i}"
-        )
+
+
+class _ItemFailed(Exception):
+    """A dataset's item raised: which region's, which index, and what."""
+
+    def __init__(self, region: str, index: int, exc: Exception) -> None:
+        super().__init__(region, index)
+        self.region, self.index, self.error = region, index, f"{type(exc).__name__}: {exc}"
+
+
+def _streamed(path: Path, split: str, opened: list[tuple[str, Any, int, int | None]]) -> Iterator[tuple[str, int, Any]]:
+    """The parts' items as they come (a stream is read once), each with its region and index."""
+    for region, given, first, stop in opened:
+        i = first
+        try:
+            if isinstance(given, torch.utils.data.IterableDataset) or not hasattr(given, "__getitem__"):
+                stream: Iterator[Any] = itertools.islice(iter(given), first, stop)
+            else:
+                stream = (given[j] for j in range(first, int(stop or 0)))
+            while True:
+                try:
+                    item = next(stream)
+                except StopIteration:
+                    break
+                yield region, i, item
+                i += 1
+        except Exception as exc:
+            raise _ItemFailed(region, i, exc) from exc
+        if stop is not None and i < stop:
+            raise DataError(
+                f"{path}: load_shard({region!r}, {split!r}): samples {first}..{stop - 1} were planned, but it gave {i}"
+            )
+
+
+def _indexed(opened: list[tuple[str, Any, int, int | None]], shuffled: bool) -> Iterator[tuple[str, int, Any]]:
+    """The parts' items of map-style datasets, in `staging_order` over all of them when `shuffled`."""
+    starts = list(itertools.accumulate((int(stop or 0) - first for _, _, first, stop in opened), initial=0))
+    total = starts[-1]
+    rows = staging_order(total) if shuffled else torch.arange(total)
+    for row in range(total):
+        position = int(rows[row])
+        part = bisect.bisect_right(starts, position) - 1
+        region, given, first, _ = opened[part]
+        i = first + position - starts[part]
+        try:
+            item = given[i]
+        except Exception as exc:
+            raise _ItemFailed(region, i, exc) from exc
+        yield region, i, item
 
 
 #: the model file's mapping of a dict row (a Hugging Face `datasets.Dataset`'s) to inputs and target
@@ -232,7 +281,7 @@ def stage_data(
     force: bool = False,
     sources: Sequence[DataSource] = (),
     name: str | None = None,
-    shard_samples: int = SHARD_SAMPLES,
+    shard_samples: int | None = None,
     deployed: bool = False,
     granted: Sequence[str] = (),
 ) -> StagedData:
@@ -300,10 +349,9 @@ def stage_data(
             reasons[split] = indexed.read
             continue
         if split == "train" and sources:
-            slices = [_samples(module, model_path, s.region, split, s.first, s.count) for s in sources]
-            samples: Any = (sample for part in slices for sample in part)
+            samples = _samples(module, model_path, split, [(s.region, s.first, s.count) for s in sources])
         else:
-            samples = _samples(module, model_path, region, split, dataset=given)
+            samples = _samples(module, model_path, split, [(region, 0, None)], dataset=given)
         try:
             written = write_split(channel, where, split, samples, shard_samples, force=force, provenance=provenance)
         except (DataError, ValueError) as exc:
@@ -503,29 +551,22 @@ def _test_batches(
     build: Path, workflow: Workflow, region: str, channel: Channel, size: int
 ) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """The test split in whole micro-batches of `size`, in its order, as (flat inputs, flat targets): staged
-    shards by index, or shards where they lie through the model file's transform and collate_fn, as the
+    shards as they are, or shards where they lie through the model file's transform and collate_fn, as the
     package holds it (epoch 0, the generators seeded per sample as in training)."""
     meta = read_meta(channel, region, "test") or {}
-    if meta.get("format") not in IN_PLACE_FORMATS:
-        reader = SplitReader(channel, region, "test", meta=meta)
-        for first in range(0, reader.samples - size + 1, size):
-            indices = list(range(first, first + size))
-            yield reader.gather(indices, "input"), reader.gather(indices, "target")
-        return
-    module = user_module(build / workflow.region(region).functions[0].package, workflow.data.model_file)
-    collate = getattr(module, "collate_fn", None) or default_collate
-    entries = [ShardEntry.from_json(shard) for shard in meta["shards"]]
-    shards = ShardReader(entries, 1, stored_member_tables(channel, region, "test"))
-    pending: list[Any] = []
-    index = 0
-    for shard, entry in enumerate(entries):
-        for row in range(entry.samples):
-            seed_generators(sample_seed(workflow.run.seed, 0, index))
-            pending.append(module.transform(shards.sample(shard, row), epoch=0, index=index))
-            index += 1
-            if len(pending) == size:
-                yield flat_batch(collate(pending))
-                pending = []
+    package = build / workflow.region(region).functions[0].package
+    batches = open_batches(
+        channel,
+        meta,
+        region,
+        "test",
+        lambda: user_module(package, workflow.data.model_file),
+        seed=workflow.run.seed,
+        micro_batch=size,
+        global_batch=size,
+        timeout=60.0,
+    )
+    yield from batches.in_order(size)
 
 
 @torch.no_grad()

@@ -1,12 +1,11 @@
-"""Training data in storage, and the order a run reads it in.
+"""Training data staged in the run's storage, as Cloudless's own shards.
 
 A region's split is written as safetensors shards (`protocol.data_key(name, split,
 shard_name(n))`: each flat input and target leaf stacked over the shard's samples) with a JSON
-`DATA_META` beside them. Sample
-order: iteration i reads global positions i*G .. i*G+G-1 (G the global batch); position g falls in
-epoch g // N (N samples) and is sample perm_e[g % N] of that epoch's seeded permutation. The first
-stage reads a micro-batch's inputs, the last its targets, and a plain PyTorch loop (the reference in
-the tests) the same samples in the same order.
+`DATA_META` beside them (`format` "staged"). A train split's rows are the dataset's samples in
+`sample_order.staging_order`, a stream's as they come. The functions read them as they read shards where
+they lie (`batches.py`: the same order, cache and prefetch), a staged shard's rows its samples
+(`staged_shards`), and a plain PyTorch loop (the reference in the tests) the same samples in the same order.
 
 The data is shared by every run on the same storage, and the model file that gives it can change
 between runs, so a split is fingerprinted: `meta` holds a sha256 of the samples' content (every
@@ -20,16 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ...ir.protocol import DATA_META, MEMBERS_FOLDER, CorruptBlob, data_key, shard_name
-from ...ir.schedule import SHARD_SAMPLES
+from ...ir.sample_order import SHUFFLE_SHARDS, shard_counts, staged_shard_samples
 from ...ir.workflow import Region
 from ..storage.channels import Channel
+from ..storage.shards import Sample as ShardSample
+from ..storage.shards import ShardEntry, ShardError
 from ..storage.tensors import pack, unpack
 
 #: the hash a fingerprint was made with leads it, so that a change of hash reads as changed data
@@ -43,11 +44,13 @@ SHARD_DIGEST = "shard_digest"
 Staging = Literal["staged", "restaged", "reused", "indexed"]
 #: the fields of `meta` that say which data the shards hold (the rest is provenance)
 _CONTENT_FIELDS = ("samples", "shard_samples", "inputs", "targets", "fingerprint", "shard_digests")
+#: a staged split's `meta` format (those of shards where they lie are `shards.IN_PLACE_FORMATS`)
+STAGED = "staged"
 
 Sample = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
-class SplitChangedError(RuntimeError):
+class SplitChangedError(ShardError):
     """A shard is not of the staging the reader's `meta` describes: the split was re-staged while it
     was being read (another run on the same storage, with other data)."""
 
@@ -143,7 +146,7 @@ def write_split(
     region: str,
     split: str,
     samples: Iterable[Sample],
-    shard_samples: int = SHARD_SAMPLES,
+    shard_samples: int | None = None,
     *,
     force: bool = False,
     provenance: Mapping[str, Any] | None = None,
@@ -156,12 +159,12 @@ def write_split(
     reuse is read back: the reason is returned). Before that first write `meta` is deleted, and the new one
     is written last, after any surplus shards of a larger earlier staging are deleted: a reader opens
     `meta` first, so it waits for the staging, or reads one staging, never a mix. Same content: no
-    writes at all. `provenance` (say, the model file's digest) is recorded but never compared."""
+    writes at all. `provenance` (say, the model file's digest) is recorded but never compared. A shard
+    holds `shard_samples`, by default as many as `sample_order.staged_shard_samples` gives for the first
+    sample's bytes."""
     meta_key = data_key(region, split, DATA_META)
     previous, damage = _meta(channel, region, split)
-    stored = None if force or previous is None else previous.get("shard_digests")
-    if not (previous and previous.get("shard_samples") == shard_samples and isinstance(stored, list)):
-        stored = []  # nothing comparable: every shard is written
+    stored: list[str] = []  # the stored shards' digests, when they are comparable (set by the first sample)
     whole, part = hashlib.sha256(), hashlib.sha256()
     digests: list[str] = []
     shard: list[Sample] = []
@@ -195,7 +198,7 @@ def write_split(
         for column, tensors in columns.items():
             shapes = sorted({tuple(t.shape) for t in tensors})
             if len(shapes) > 1:  # torch.stack's own error names neither the split nor the samples
-                first = index * shard_samples
+                first = index * int(shard_samples or 0)
                 raise ValueError(
                     f"the {split} split of {region}: {column.replace('_', ' ')} of samples {first}.."
                     f"{first + len(tensors) - 1} has shapes {', '.join(map(str, shapes[:3]))}; every sample's "
@@ -210,6 +213,11 @@ def write_split(
         inputs, targets = [torch.as_tensor(t) for t in raw_inputs], [torch.as_tensor(t) for t in raw_targets]
         if leaves is None:
             leaves = (len(inputs), len(targets))
+            if shard_samples is None:
+                shard_samples = staged_shard_samples(sum(t.nbytes for t in (*inputs, *targets)))
+            digests_before = None if force or previous is None else previous.get("shard_digests")
+            if previous and previous.get("shard_samples") == shard_samples and isinstance(digests_before, list):
+                stored = digests_before
         elif (len(inputs), len(targets)) != leaves:
             raise ValueError(
                 f"sample {count} of the {split} split of {region} has {len(inputs)} input and {len(targets)} "
@@ -229,6 +237,8 @@ def write_split(
         raise ValueError(f"the {split} split of {region} has no samples")
     whole.update(f"samples={count}".encode())
     meta: dict[str, Any] = {
+        "format": STAGED,
+        "shuffle_shards": SHUFFLE_SHARDS,
         "samples": count,
         "shard_samples": shard_samples,
         "inputs": leaves[0],
@@ -254,71 +264,51 @@ def read_split_meta(channel: Channel, region: str, split: str, timeout: float) -
     return meta
 
 
-class SplitReader:
-    """Reads micro-batches of a split from its shards, caching the shards it has read. It reads
-    `meta` once and by it only: the samples it counts, and shards of the staging it describes."""
+def staged_entries(meta: dict[str, Any], name: str, split: str) -> list[ShardEntry]:
+    """A staged split's shards as the reader's index: each shard's key, sample count and digest (its version)."""
+    counts = shard_counts(int(meta["samples"]), int(meta["shard_samples"]))
+    digests = meta.get("shard_digests")
+    versions = [str(d) for d in digests] if isinstance(digests, list) else [""] * len(counts)
+    return [
+        ShardEntry(
+            data_key(name, split, shard_name(index)), count, 0, versions[index] if index < len(versions) else "?"
+        )
+        for index, count in enumerate(counts)
+    ]
 
-    def __init__(
-        self,
-        channel: Channel,
-        region: str,
-        split: str = "train",
-        timeout: float = 600.0,
-        meta: dict[str, Any] | None = None,
-    ) -> None:
-        """`timeout`: how long to wait for the split to be staged (the invocation's key timeout); `meta`: the
-        split's, when the caller read it (`read_split_meta`)."""
-        self.channel, self.region, self.split, self.timeout = channel, region, split, timeout
-        self.meta: dict[str, Any] = meta if meta is not None else read_split_meta(channel, region, split, timeout)
-        self._shards: dict[int, dict[str, torch.Tensor]] = {}
 
-    @property
-    def samples(self) -> int:
-        return int(self.meta["samples"])
+def staged_shards(channel: Channel, meta: dict[str, Any], timeout: float) -> Callable[[ShardEntry], list[ShardSample]]:
+    """How a reader reads a staged shard (waiting up to `timeout` for it): its rows as samples,
+    `{"inputs": [tensor, ...], "targets": [tensor, ...]}`, checked to be of the staging `meta` describes."""
+    n_inputs, n_targets = int(meta["inputs"]), int(meta["targets"])
 
-    @property
-    def fingerprint(self) -> str | None:
-        """The content's fingerprint (None for a split staged before there were fingerprints)."""
-        fingerprint = self.meta.get("fingerprint")
-        return fingerprint if isinstance(fingerprint, str) else None
+    def read(entry: ShardEntry) -> list[ShardSample]:
+        values = unpack(channel.get(entry.location, timeout))
+        digest = values.pop(SHARD_DIGEST, None)
+        rows = {v.shape[0] for v in values.values() if isinstance(v, torch.Tensor)}
+        if (entry.version and digest != entry.version) or rows - {entry.samples}:
+            raise SplitChangedError(
+                f"{channel.describe(entry.location)} is not of the staging this run read (fingerprint "
+                f"{meta.get('fingerprint')}): the split was staged again, with other data, while the run read it"
+            )
+        inputs = [values[f"input_{j}"].unbind(0) for j in range(n_inputs)]
+        targets = [values[f"target_{j}"].unbind(0) for j in range(n_targets)]
+        return [
+            {"inputs": [leaf[row] for leaf in inputs], "targets": [leaf[row] for leaf in targets]}
+            for row in range(entry.samples)
+        ]
 
-    def _shard(self, index: int) -> dict[str, torch.Tensor]:
-        if index not in self._shards:
-            size = int(self.meta["shard_samples"])
-            values = unpack(self.channel.get(data_key(self.region, self.split, shard_name(index)), self.timeout))
-            digest = values.pop(SHARD_DIGEST, None)
-            expected = self.meta.get("shard_digests")
-            rows = {v.shape[0] for v in values.values() if isinstance(v, torch.Tensor)}
-            wanted = min(size, self.samples - index * size)
-            other = isinstance(expected, list) and (index >= len(expected) or digest != expected[index])
-            if other or rows - {wanted}:
-                raise SplitChangedError(
-                    f"{self.channel.describe(data_key(self.region, self.split, shard_name(index)))} is not of the "
-                    f"staging this run read (fingerprint {self.fingerprint}): the {self.split} split of "
-                    f"{self.region} was staged again, with other data, while the run read it"
-                )
-            self._shards[index] = values
-        return self._shards[index]
+    return read
 
-    def gather(self, indices: list[int], kind: str) -> list[torch.Tensor]:
-        """The flat `kind` ("input" or "target") tensors of these samples, stacked in order."""
-        if indices and not 0 <= min(indices) <= max(indices) < self.samples:
-            bad = next(i for i in indices if not 0 <= i < self.samples)
-            raise IndexError(f"sample {bad} of the {self.split} split of {self.region}: it has {self.samples}")
-        size = int(self.meta["shard_samples"])
-        count = int(self.meta["inputs" if kind == "input" else "targets"])
-        shards = sorted({i // size for i in indices})
-        if len(shards) == 1:  # the usual case: one indexing op per tensor
-            rows = torch.tensor([i - shards[0] * size for i in indices])
-            return [self._shard(shards[0])[f"{kind}_{j}"][rows] for j in range(count)]
-        wanted = torch.tensor(indices)
-        of_shard = wanted // size
-        gathered: list[torch.Tensor] = []
-        for j in range(count):
-            first = self._shard(shards[0])[f"{kind}_{j}"]
-            out = torch.empty((len(indices), *first.shape[1:]), dtype=first.dtype)
-            for shard in shards:
-                here = of_shard == shard
-                out[here] = self._shard(shard)[f"{kind}_{j}"][wanted[here] % size]
-            gathered.append(out)
-        return gathered
+
+def staged_sample(sample: ShardSample) -> Sample:
+    """A staged row as a dataset's item is: (inputs, target), as flat leaves."""
+    return sample["inputs"], sample["targets"]
+
+
+def stack_staged(
+    samples: list[tuple[list[torch.Tensor], list[torch.Tensor]]],
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Staged rows collated: each input and target leaf stacked over the micro-batch."""
+    inputs = tuple(torch.stack([s[0][j] for s in samples]) for j in range(len(samples[0][0])))
+    return inputs, tuple(torch.stack([s[1][j] for s in samples]) for j in range(len(samples[0][1])))

@@ -3,8 +3,8 @@ the data, the last computes the loss) and backwards in schedule order, activatio
 through storage on the function's uplink and downlink threads.
 
 `PipelineSteps` owns what only they use: the stage module's input and output names, the loss module
-(last stage), the training data's reader and the iteration's samples (first and last stages), and the
-two link threads.
+(last stage), the training data's reader (first stage: it reads each micro-batch and sends its targets
+on to the last), and the two link threads.
 """
 
 from __future__ import annotations
@@ -15,23 +15,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
 from ...ir import protocol
-from ...ir.schedule import compute_order, local_micro_batches, sample_indices
+from ...ir.schedule import compute_order, local_micro_batches
 from ..storage.objects import ObjectError
-from ..storage.shards import IN_PLACE_FORMATS, ShardError
+from ..storage.shards import ShardError
 from ..storage.tensors import autocast, pack, unpack, wire_dtype
-from .data import SplitReader, read_split_meta
+from .batches import ShardBatches, batch_difference, flat_batch, open_batches, user_module
+from .data import read_split_meta
 from .failures import AbortRecord, ModelFailed
-from .in_place import (
-    InPlaceBatches,
-    batch_difference,
-    example_leaves,
-    flat_batch,
-    stored_member_tables,
-    user_module,
-)
 from .stage_context import InvocationState, Span, StageContext
 
 
@@ -66,13 +58,10 @@ class PipelineSteps:
         self.inputs, self.outputs = inputs, outputs  # the stage module's, in its call's order
         self.loss = loss  # the last stage's loss module
         self.data_name = data_name  # the region's training data in storage
-        # the data, opened at the first read (a middle stage reads none): staged shards, read by index, or
-        # data that lies in place, which the first stage reads, transforms and collates (and sends the
-        # targets on to the last)
-        self._reader: SplitReader | None = None
-        self._in_place: InPlaceBatches | None = None
+        # the data, opened by the first stage at its first read: it reads, transforms and collates each
+        # micro-batch, and sends the targets on to the last stage
+        self._data: ShardBatches | None = None
         self._opened_for: str | None = None  # the run (namespace) the data was opened for
-        self._batch: tuple[int, list[int]] = (-1, [])  # (iteration, its samples in order)
         self._link_threads: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
 
     def compute(self, iteration: int, replica: int, timeout: float, spans: list[list[Any]]) -> list[float]:
@@ -89,7 +78,7 @@ class PipelineSteps:
         uplink, downlink = self._links()
         cancelled = threading.Event()
         arriving: dict[tuple[str, int], Future[bytes]] = {}
-        targets_sent = context.last and not context.first and self._open_data(timeout) == "in place"
+        targets_sent = context.last and not context.first
         for kind, m in order:
             if kind == "forward" and targets_sent:  # before its activations: the first stage sent it first
                 target_name = protocol.target_key(namespace, iteration, m)
@@ -125,39 +114,36 @@ class PipelineSteps:
             cancelled.set()  # on an error, stop the fetches still waiting
         return [float(losses[m]) for m in sorted(losses)]
 
-    def _open_data(self, timeout: float) -> str:
-        """Open the region's training data: "staged" or "in place" (what its `meta` says). Once per run: a
-        warm function serving the next run reads its `meta` again (the data may have changed in between),
-        and keeps the shards it holds when the index is the same."""
+    def _open_data(self, timeout: float) -> ShardBatches:
+        """Open the region's training data (the first stage). Once per run: a warm function serving the next
+        run reads its `meta` again (the data may have changed in between), and keeps the shards it holds
+        when the data is the same."""
         namespace = self.invocation.namespace
-        if self._opened_for != namespace:
+        if self._opened_for != namespace or self._data is None:
             channel, run = self.context.channel, self.run
             meta = read_split_meta(channel, self.data_name, "train", timeout)
-            self._reader = None
-            if meta.get("format") not in IN_PLACE_FORMATS:
-                self._in_place = None
-                self._reader = SplitReader(channel, self.data_name, timeout=timeout, meta=meta)
-            elif self.context.first and (self._in_place is None or self._in_place.fingerprint != meta["fingerprint"]):
-                module = user_module(self.context.package, self.context.workflow.data.model_file)
-                collate = getattr(module, "collate_fn", None) or default_collate
-                self._in_place = InPlaceBatches(
+            data = self._data
+            same = (data.fingerprint, data.seed, data.micro_batch, data.global_batch) if data is not None else None
+            if same != (meta["fingerprint"], run.seed, run.micro_batch, run.global_batch):
+                self._data = open_batches(
+                    channel,
                     meta,
-                    module.transform,
-                    collate,
+                    self.data_name,
+                    "train",
+                    lambda: user_module(self.context.package, self.context.workflow.data.model_file),
                     seed=run.seed,
                     micro_batch=run.micro_batch,
                     global_batch=run.global_batch,
-                    examples=example_leaves(module, run.micro_batch),
-                    members=stored_member_tables(channel, self.data_name, "train"),
+                    timeout=timeout,
                 )
             self._opened_for = namespace
-        return "staged" if self._reader is not None else "in place"
+        assert self._data is not None
+        return self._data
 
-    def _in_place_batch(self, iteration: int, replica: int, m: int) -> tuple[list[Any], list[Any]]:
-        """The first stage's micro-batch from data in place: its flat inputs and flat targets."""
-        assert self._in_place is not None
+    def _first_batch(self, iteration: int, replica: int, m: int) -> tuple[list[Any], list[Any]]:
+        """The first stage's micro-batch: its flat inputs and flat targets."""
         context = self.context
-        data, samples = self._in_place, []
+        data, samples = self._open_data(self.invocation.key_timeout), []
         for located in data.positions(iteration, m):
             try:  # storage, not the model's code: outside its compute share
                 raw = data.read(located)
@@ -166,6 +152,9 @@ class PipelineSteps:
                 message += f"{data.name(located)}: {exc}"
                 record = AbortRecord("failed", message, iteration, context.stage, context.function.name)
                 raise ModelFailed(record) from exc
+            if data.transform is None:  # a staged row: its tensors
+                samples.append(data.transformed(located, raw))
+                continue
             what = f"transform of {data.name(located)}"
             transform = functools.partial(data.transformed, located, raw)
             samples.append(context.model_code(iteration, replica, what, transform))
@@ -175,8 +164,11 @@ class PipelineSteps:
             data.prefetch(iteration, following)
         else:
             data.prefetch(iteration + 1, m % self.invocation.replicas)
-        collate = self._in_place.collate
-        batch = context.model_code(iteration, replica, f"collate_fn of micro-batch {m}", lambda: collate(samples))
+        collate = data.collate
+        if data.transform is None:
+            batch = collate(samples)
+        else:
+            batch = context.model_code(iteration, replica, f"collate_fn of micro-batch {m}", lambda: collate(samples))
         try:
             inputs, targets = flat_batch(batch)
         except TypeError as exc:
@@ -195,17 +187,6 @@ class PipelineSteps:
                 message = f"iteration {iteration}: micro-batch {m}'s collate_fn on stage {context.stage}: {difference}"
                 raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name))
         return inputs, targets
-
-    def _indices(self, iteration: int, m: int) -> list[int]:
-        self._open_data(self.invocation.key_timeout)
-        assert self._reader is not None
-        if self._batch[0] != iteration:  # the whole iteration's samples at once, then its slices
-            run = self.run
-            self._batch = (
-                iteration,
-                sample_indices(iteration, 0, run.global_batch, run.global_batch, self._reader.samples, run.seed),
-            )
-        return self._batch[1][m * self.run.micro_batch : (m + 1) * self.run.micro_batch]
 
     def _links(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """The function's uplink and downlink: one thread each, so each keeps its order."""
@@ -233,19 +214,15 @@ class PipelineSteps:
         sending: list[Future[None]],
         targets: list[Any] | None = None,
     ) -> tuple[dict[str, Any], tuple[Any, ...]]:
-        """`targets`: the last stage's, as the first stage sent them (data in place)."""
+        """`targets`: the last stage's, as the first stage sent them."""
         context = self.context
-        if context.first and self._open_data(self.invocation.key_timeout) == "in place":
-            inputs, targets = self._in_place_batch(iteration, replica, m)
+        if context.first:
+            inputs, targets = self._first_batch(iteration, replica, m)
             taken = dict(zip(self.inputs, inputs, strict=True))
             if not context.last:  # the loss's targets, for the last stage
                 key = protocol.target_key(self.invocation.namespace, iteration, m)
                 packed = pack({f"target_{j}": t for j, t in enumerate(targets)})
                 sending.append(uplink.submit(context.channel.put, key, packed))
-        elif context.first:
-            indices = self._indices(iteration, m)
-            assert self._reader is not None
-            taken = dict(zip(self.inputs, self._reader.gather(indices, "input"), strict=True))
         else:
             assert data is not None
             values = unpack(data)
@@ -264,11 +241,7 @@ class PipelineSteps:
         outputs = tuple(context.model_code(iteration, replica, "forward", forward))
         if context.last:
             loss = self.loss
-            assert loss is not None
-            if targets is None:
-                indices = self._indices(iteration, m)
-                assert self._reader is not None
-                targets = self._reader.gather(indices, "target")
+            assert loss is not None and targets is not None
 
             def compute_loss() -> Any:
                 with autocast(precision):

@@ -76,11 +76,11 @@ from ...ir.schedule import one_f_one_b_windows
 from ...ir.workflow import SYNC_STEP_KIND, OptimizerSpec, StepKind, Workflow
 from ..storage.channels import Channel, KeyTimeout, RidingOut, open_channel
 from ..storage.emulation import CpuShare, EmulatedChannel, Resources
+from .batches import user_module
 from .checkpoints import Checkpoints
 from .data import data_name
 from .failures import Abandoned, Aborted, Diverged, ModelFailed, RegionLeft, StorageWriteFailed
 from .function_channel import FunctionChannel
-from .in_place import user_module
 from .pipeline_steps import PipelineSteps
 from .region_sync import RegionSync
 from .replica_sync import ReplicaSync

@@ -22,7 +22,8 @@ footer (pyarrow reads the footer alone, by ranged reads). A sample is a row, `{c
 gives it in Python (a `datasets` Image column: `{"bytes": b"...", "path": ...}`).
 
 A function reads whole shards (`ShardReader`; a Parquet shard's row group is read alone, its column
-chunks by ranged reads), at most `capacity` of them held at once, each read at the version the index
+chunks by ranged reads; Cloudless's staged shards too, by the loader it is given), at most `capacity` of them
+held at once, each read at the version the index
 recorded: a shard written again since is an error, never a sample of other data.
 """
 
@@ -396,12 +397,21 @@ class ShardReader:
     held or being read at once (the least recently used let go first). `prefetch` starts the reads of
     shards the next micro-batch needs, so that they overlap the model's compute."""
 
-    def __init__(self, entries: list[ShardEntry], capacity: int, members: MemberTables | None = None) -> None:
+    def __init__(
+        self,
+        entries: list[ShardEntry],
+        capacity: int,
+        members: MemberTables | None = None,
+        load: Callable[[ShardEntry], list[Sample]] | None = None,
+    ) -> None:
+        """`load`: how a shard is read, when not from where it lies (Cloudless's staged shards, from the run's
+        storage: `function.data.staged_shards`)."""
         if not entries:
             raise ShardError("a split of no shards")
         self.entries, self.capacity = entries, max(1, capacity)
         self.members = members
-        self.store = store_for(entries[0].location)
+        self.load = load
+        self.store = store_for(entries[0].location) if load is None else None
         self._held: OrderedDict[int, Future[list[Sample]]] = OrderedDict()
         self._reading: ThreadPoolExecutor | None = None
         #: seconds the reading thread spent reading shards, and those a caller waited for one (the reads
@@ -422,6 +432,9 @@ class ShardReader:
         began = time.perf_counter()
         try:
             entry = self.entries[shard]
+            if self.load is not None:
+                return self.load(entry)
+            assert self.store is not None
             table = self.members(entry) if self.members is not None and entry.row_group is None else None
             return read_shard(self.store, entry, table)
         finally:

@@ -1,12 +1,14 @@
-"""A first stage's micro-batches from training data where it lies (shards.py), through the user's code.
+"""A first stage's micro-batches: training data where it lies (shards.py) through the user's code, or staged
+by Cloudless (data.py), read alike.
 
-The split's `meta` (written by the controller: `format` "webdataset" or "parquet", the shards with their sample
-counts and versions) says which shards there are. Micro-batch m of iteration i is global positions
-i*G + m*B .. i*G + m*B + B - 1 (G the global batch, B the micro-batch), each read where `ShardOrder` puts
-it, transformed by the model file's `transform(sample, *, epoch, index)` with the random generators seeded
-by `sample_seed(seed, epoch, index)`, and the B results collated by its `collate_fn(samples)` (default:
-torch's `default_collate`). The result is `(inputs, target)`, as a map-style dataset's item is: the
-inputs' leaves are the first stage's inputs, the target's the loss's targets.
+The split's `meta` (written by the controller: `format` "webdataset" or "parquet", the shards with their
+sample counts and versions; or "staged", Cloudless's own shards) says which shards there are. Micro-batch m
+of iteration i is global positions i*G + m*B .. i*G + m*B + B - 1 (G the global batch, B the micro-batch),
+each read where `ShardOrder` puts it. A sample where it lies is transformed by the model file's
+`transform(sample, *, epoch, index)` with the random generators seeded by `sample_seed(seed, epoch, index)`,
+and the B results collated by its `collate_fn(samples)` (default: torch's `default_collate`); a staged row
+is a sample's tensors already, its leaves stacked. The result is `(inputs, target)`, as a map-style
+dataset's item is: the inputs' leaves are the first stage's inputs, the target's the loss's targets.
 
 The model file is imported from the package (`user/`, where the build put it and the modules beside it
 that it imports), once per process; what it raises names the sample.
@@ -18,18 +20,20 @@ import importlib.util
 import json
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.data import default_collate
 
 from ...ir.protocol import USER_FOLDER, members_key, user_module_name
-from ...ir.sample_order import ShardLocation, ShardOrder, sample_seed
+from ...ir.sample_order import SHUFFLE_SHARDS, ShardLocation, ShardOrder, sample_seed
 from ..storage.channels import Channel
-from ..storage.shards import Members, MemberTables, Sample, ShardEntry, ShardError, ShardReader
+from ..storage.shards import IN_PLACE_FORMATS, Members, MemberTables, Sample, ShardEntry, ShardError, ShardReader
+from .data import stack_staged, staged_entries, staged_sample, staged_shards
 
 _modules: dict[str, ModuleType] = {}
 
@@ -90,13 +94,14 @@ def entries_of(meta: dict[str, Any]) -> list[ShardEntry]:
     return [ShardEntry.from_json(shard) for shard in meta["shards"]]
 
 
-class InPlaceBatches:
-    """Micro-batches of a split that lies in place, read by one function."""
+class ShardBatches:
+    """Micro-batches of a split, read by one function."""
 
     def __init__(
         self,
         meta: dict[str, Any],
-        transform: Callable[..., Any],
+        entries: list[ShardEntry],
+        transform: Callable[..., Any] | None,
         collate: Callable[[list[Any]], Any],
         *,
         seed: int,
@@ -104,12 +109,16 @@ class InPlaceBatches:
         global_batch: int,
         examples: tuple[list[Any] | None, list[Any] | None] = (None, None),
         members: MemberTables | None = None,
+        load: Callable[[ShardEntry], list[Sample]] | None = None,
     ) -> None:
-        entries = entries_of(meta)
+        """`transform`: the model file's (None: staged rows, taken as they are); `load`: how a shard is read,
+        when not where it lies (`ShardReader`)."""
         self.fingerprint = str(meta["fingerprint"])
-        self.order = ShardOrder(tuple(e.samples for e in entries), seed, int(meta["shuffle_shards"]))
+        self.order = ShardOrder(
+            tuple(e.samples for e in entries), seed, int(meta.get("shuffle_shards", SHUFFLE_SHARDS))
+        )
         # a group's shards, and the next group's first while a micro-batch straddles the two
-        self.reader = ShardReader(entries, self.order.shuffle_shards + 1, members)
+        self.reader = ShardReader(entries, self.order.shuffle_shards + 1, members, load)
         self.transform, self.collate = transform, collate
         self.seed, self.micro_batch, self.global_batch = seed, micro_batch, global_batch
         #: the leaves of example_inputs' and example_targets' batch of a micro-batch (None: not given)
@@ -142,9 +151,65 @@ class InPlaceBatches:
         return self.reader.sample(located.shard, located.row)
 
     def transformed(self, located: ShardLocation, sample: Sample) -> Any:
-        """The model file's transform of it, the generators seeded for this sample and epoch."""
+        """The model file's transform of it, the generators seeded for this sample and epoch (a staged row:
+        its tensors as they are)."""
+        if self.transform is None:
+            return staged_sample(sample)
         seed_generators(sample_seed(self.seed, located.epoch, located.index))
         return self.transform(sample, epoch=located.epoch, index=located.index)
+
+    def in_order(self, size: int) -> Iterator[tuple[list[Any], list[Any]]]:
+        """The split's whole micro-batches of `size` in its listed order, as flat (inputs, targets): a test
+        split as the controller evaluates it (epoch 0; the samples transformed as in training)."""
+        pending: list[Any] = []
+        index = 0
+        for shard, entry in enumerate(self.reader.entries):
+            for row in range(entry.samples):
+                located = ShardLocation(0, shard, row, index)
+                pending.append(self.transformed(located, self.read(located)))
+                index += 1
+                if len(pending) == size:
+                    yield flat_batch(self.collate(pending))
+                    pending = []
+
+
+def open_batches(
+    channel: Channel,
+    meta: dict[str, Any],
+    name: str,
+    split: str,
+    user: Callable[[], ModuleType],
+    *,
+    seed: int,
+    micro_batch: int,
+    global_batch: int,
+    timeout: float,
+) -> ShardBatches:
+    """A split's micro-batches, as its `meta` (under `name` in the run's storage) says it is stored: shards
+    where they lie through the model file (`user()`, imported only then), or staged shards as they are."""
+    if meta.get("format") not in IN_PLACE_FORMATS:
+        return ShardBatches(
+            meta,
+            staged_entries(meta, name, split),
+            None,
+            stack_staged,
+            seed=seed,
+            micro_batch=micro_batch,
+            global_batch=global_batch,
+            load=staged_shards(channel, meta, timeout),
+        )
+    module = user()
+    return ShardBatches(
+        meta,
+        entries_of(meta),
+        module.transform,
+        getattr(module, "collate_fn", None) or default_collate,
+        seed=seed,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        examples=example_leaves(module, micro_batch),
+        members=stored_member_tables(channel, name, split),
+    )
 
 
 def example_leaves(module: ModuleType, micro_batch: int) -> tuple[list[Any] | None, list[Any] | None]:
