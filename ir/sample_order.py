@@ -35,9 +35,9 @@ import torch
 
 #: shards whose samples each epoch shuffles together, by default (each function's shard cache holds as many)
 SHUFFLE_SHARDS = 4
-#: shards a first stage holds at most: its cache's (a shuffle group's and one more), and the one being read
-#: twice more while it is read (its bytes as read and as unsealed or decoded: bench/data_bench.py, 4.)
-HELD_SHARDS = SHUFFLE_SHARDS + 3
+#: shards' bytes a first stage holds at most: its cache's (a shuffle group's and one more), and the one being
+#: read three times more while it is read (its bytes as read, unsealed and decoded: bench/data_bench.py, 4.)
+HELD_SHARDS = SHUFFLE_SHARDS + 4
 #: a staged shard holds at most this many samples, and no more than about STAGED_SHARD_BYTES of them
 SHARD_SAMPLES = 4096
 STAGED_SHARD_BYTES = 16 * 2**20

@@ -251,7 +251,7 @@ def test_model_state_is_one_formula() -> None:
 
 def test_a_first_stage_holds_a_group_of_staged_shards_and_one_more_or_the_whole_split() -> None:
     """Staged data is read as data in place is: its cache holds SHUFFLE_SHARDS + 1 shards of the sample's
-    bytes and reads one (HELD_SHARDS in all), about 16 MB a shard at most, or the whole split when it is
+    bytes and reads one (HELD_SHARDS of them in all), about 16 MB a shard at most, or the whole split when it is
     smaller; each shard a request."""
     problem = random_problem(0)
     sample = problem.blocks[0].input_bytes / problem.profile_batch
