@@ -140,11 +140,13 @@ class ShardBatches:
         """Start reading the shards of that micro-batch that are not held (in the background), then the
         first shard of the group after its last sample's: the cache holds a group and one more shard, so
         the next group's first read overlaps this group's compute (the rest follow as it begins)."""
-        self.reader.prefetch(located.shard for located in self.positions(iteration, micro_batch))
+        wanted = [located.shard for located in self.positions(iteration, micro_batch)]
+        self.reader.prefetch(wanted)
         current, following = self.order.groups_at(
             iteration * self.global_batch + (micro_batch + 1) * self.micro_batch - 1
         )
-        self.reader.prefetch_spare(following[0], keep=set(current))
+        # never in place of a shard that micro-batch reads (one straddling two groups reads the first's too)
+        self.reader.prefetch_spare(following[0], keep=set(current) | set(wanted))
 
     def read(self, located: ShardLocation) -> Sample:
         """The sample as the shard holds it (its shard read whole, if it is not held)."""

@@ -302,8 +302,9 @@ def staged_shards(channel: Channel, meta: dict[str, Any], timeout: float) -> Cal
 
 
 def staged_sample(sample: ShardSample) -> Sample:
-    """A staged row as a dataset's item is: (inputs, target), as flat leaves."""
-    return sample["inputs"], sample["targets"]
+    """A staged row as a dataset's item is: (inputs, target), as flat leaves; copies, so that a micro-batch
+    being gathered keeps no shard it has let go of (a row is a view of its shard's tensors)."""
+    return [t.clone() for t in sample["inputs"]], [t.clone() for t in sample["targets"]]
 
 
 def stack_staged(

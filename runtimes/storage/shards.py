@@ -450,8 +450,19 @@ class ShardReader:
         return dict(held.result()[row])
 
     def prefetch(self, shards: Iterable[int]) -> None:
-        """Start reading these shards (in order; those held are kept), up to the capacity."""
-        for shard in list(dict.fromkeys(shards))[: self.capacity]:
+        """Start reading these shards, in order, while the cache has room for them without letting go of one of
+        them (a micro-batch that straddles two shuffle groups wants more shards than the cache holds: letting
+        a wanted one go would read it twice; the rest are read when they are needed, the others let go)."""
+        wanted = list(dict.fromkeys(shards))
+        for shard in wanted:
+            if shard in self._held:
+                self._held.move_to_end(shard)
+                continue
+            if len(self._held) >= self.capacity:
+                spare = next((held for held in self._held if held not in wanted), None)
+                if spare is None:
+                    return
+                del self._held[spare]  # the least recently used of those not wanted
             self._get(shard)
 
     def prefetch_spare(self, shard: int, keep: set[int]) -> None:
