@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from cloudless.ir.protocol import S3_ENDPOINT_ENV
-from cloudless.ir.sample_order import SHUFFLE_SHARDS
+from cloudless.ir.sample_order import HELD_SHARDS, SHUFFLE_SHARDS
 from cloudless.runtimes.function.batches import ShardBatches
 from cloudless.runtimes.storage.objects import S3Objects
 from cloudless.runtimes.storage.shards import Members, ShardReader, index_split
@@ -292,11 +292,11 @@ def main() -> int:
     read_rss = statistics.median(run["read"]["rss_mb"] - run["read"]["base_mb"] for run in staged)
     seconds = statistics.median(run["stage"]["seconds"] for run in staged)
     read = staged[0]["read"]
-    bound = read["held"] * read["shard_samples"] * SAMPLE_BYTES / 2**20
+    counted = HELD_SHARDS * read["shard_samples"] * SAMPLE_BYTES / 2**20
     print(f"staging: {seconds:.0f} s, peak RSS {stage_rss:.0f} MB over its imports (target < 1024 MB)")
-    print(f"a first stage's reads of 100 micro-batches: peak RSS {read_rss:.0f} MB over its imports; its cache "
-          f"holds {read['held']} shards of {read['shard_samples']:,} samples (<= {bound:.0f} MB), "
-          f"the split is {read['samples'] * SAMPLE_BYTES / 2**20:,.0f} MB")  # fmt: skip
+    print(f"a first stage's reads of 100 micro-batches: peak RSS {read_rss:.0f} MB over its imports; the planner "
+          f"counts {HELD_SHARDS} shards of {read['shard_samples']:,} samples ({counted:.0f} MB), the split is "
+          f"{read['samples'] * SAMPLE_BYTES / 2**20:,.0f} MB")  # fmt: skip
     return 0
 
 

@@ -14,6 +14,12 @@ which is all the op does when run eagerly. Control flow (`cond`, `map_impl`, `wh
 stays a call of the op itself on the sub-graphs' modules: torch runs those eagerly, autograd
 included. Any other higher-order op is refused (`unsupported_higher_order_ops` lets the compiler
 refuse it at trace time, naming the model's line).
+
+The model is traced in training mode, which fixes the mode of ops whose behaviour depends on it as a
+literal `True` (batch norm and instance norm with running statistics, the dropout family, rrelu) and
+records batch norm's `num_batches_tracked.add_(1)`. The stage code reads the module's mode there instead
+(`self.training`; a count of `int(self.training)`), so that `Stage().eval()` computes what `model.eval()`
+does (`follow_modes`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,70 @@ REGION_OPS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
 #: Control-flow ops, called as they are, on the sub-graphs' modules.
 CALL_OPS = frozenset({"cond", "map_impl", "while_loop", "scan"})
 SUPPORTED_HIGHER_ORDER_OPS = frozenset(REGION_OPS) | CALL_OPS
+
+
+class _ModeFlag:
+    """An argument rendered as code that reads the module's mode (fx renders an argument by its repr)."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __repr__(self) -> str:
+        return self.code
+
+
+_TRAINING = _ModeFlag("self.training")
+_COUNT_IF_TRAINING = _ModeFlag("int(self.training)")
+_F = torch.nn.functional
+_aten = torch.ops.aten
+#: ops whose training flag the trace fixed: target -> (the flag's position, its keyword, the position of an
+#: argument that must not be None for the flag to follow the mode: the running statistics, without which
+#: batch norm normalises by the batch's in eval mode too)
+_MODE_FLAGS: dict[Any, tuple[int, str, int | None]] = {
+    _aten.batch_norm.default: (5, "training", 3),
+    _F.batch_norm: (5, "training", 1),
+    _aten.instance_norm.default: (5, "use_input_stats", 3),
+    _F.instance_norm: (5, "use_input_stats", 1),
+    **{op: (2, "training", None) for op in (_F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d)},
+    **{op: (2, "training", None) for op in (_F.alpha_dropout, _F.feature_alpha_dropout)},
+    **{
+        op: (2, "train", None)
+        for op in (
+            _aten.dropout.default,
+            _aten.native_dropout.default,
+            _aten.feature_dropout.default,
+            _aten.alpha_dropout.default,
+            _aten.feature_alpha_dropout.default,
+        )
+    },
+    _F.rrelu: (3, "training", None),
+    _aten.rrelu.default: (3, "training", None),
+}
+
+
+def follow_modes(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` whose training-mode literals read the module's mode instead (the module docstring)."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    for node in copy.nodes:
+        flag = _MODE_FLAGS.get(node.target) if node.op == "call_function" else None
+        if flag is not None:
+            position, keyword, needed = flag
+            if needed is not None and (len(node.args) <= needed or node.args[needed] is None):
+                continue
+            if len(node.args) > position and node.args[position] is True:
+                node.args = (*node.args[:position], _TRAINING, *node.args[position + 1 :])
+            elif node.kwargs.get(keyword) is True:
+                node.kwargs = {**node.kwargs, keyword: _TRAINING}
+        counted = node.target is _aten.add_.Tensor or (node.op == "call_method" and node.target == "add_")
+        if counted and len(node.args) == 2 and node.args[1] == 1 and _counter(node.args[0]):
+            node.args = (node.args[0], _COUNT_IF_TRAINING)  # batch norm counts its batches in training only
+    return copy
+
+
+def _counter(value: Any) -> bool:
+    return isinstance(value, fx.Node) and value.op == "get_attr" and str(value.target).endswith("num_batches_tracked")
+
 
 #: Names of the generated file a sub-graph's class must not take.
 _RESERVED_CLASSES = {"Stage", "NoneType", "INPUTS", "OUTPUTS", "TENSORS"}
@@ -228,7 +298,7 @@ class _Renderer:
                 raise ValueError("internal: a graph with sub-graph modules must be owned by its module")
             graph, children = self._rewrite(graph, owner, (tensors or set()) | (modules or set()))
         _check_attributes(graph, tensors or set(), {attr for attr, _ in children} | (modules or set()))
-        code = graph.python_code(root_module="self")
+        code = follow_modes(graph).python_code(root_module="self")
         # fx marks the wrapped functions it calls for a re-trace (`torch.fx._symbolic_trace.wrap("name")`, legal
         # only at a module's top level); stage code is run, never traced again
         source = "\n".join(line for line in code.src.splitlines() if not _FX_WRAP.match(line))

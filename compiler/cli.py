@@ -26,7 +26,7 @@ from .errors import CompileError, display_path
 from .frontend.coarsen import DEFAULT_BLOCKS
 from .frontend.profile import profile_warnings
 from .frontend.stand_ins import STAGED_WEIGHTS_BYTES
-from .frontend.verify import TOLERANCE
+from .frontend.verify import TOLERANCE, eval_warning
 from .pipeline import Compiled, CompileOptions, FrontEndOptions, compile_model
 from .planner.baselines import ratio, ratio_text
 from .planner.explain import summary_line
@@ -384,6 +384,9 @@ def _main(argv: Sequence[str] | None) -> int:
     # An unstable or loaded profile (compiler/frontend/profile.py): on stderr, after the summary, and -q keeps them.
     for warning in profile_warnings(result.front.chain, reused_from=args.profile):
         console.print(f"cloudless-compile: warning: {warning}", markup=False)
+    eval_differs = eval_warning(result.verify) if result.verify else None
+    if eval_differs:
+        console.print(f"cloudless-compile: warning: {eval_differs}", markup=False)
     for warning in deployment_warnings(args.output):  # e.g. OpenFaaS images without a registry to push to
         console.print(f"cloudless-compile: warning: {warning}", markup=False)
     return 0
@@ -534,7 +537,7 @@ def print_summary(out: Console, result: Compiled, output: Path, requested_blocks
             f"  verified    {split_text(v.stages)} of {v.split_from} (blocks {split}) at micro-batch "
             f"{v.batch_size}: largest gradient error {v.gradient_error:.3g} "
             f"({v.compared_gradients} gradients), loss {v.loss_error:.3g}, outputs {v.output_error:.3g}, "
-            f"buffers {v.buffer_error:.3g} (tolerance {TOLERANCE:g})"
+            f"buffers {v.buffer_error:.3g}, eval-mode outputs {v.eval_error:.3g} (tolerance {TOLERANCE:g})"
         )
     if result.plan is not None:
         print_plan(out, result)

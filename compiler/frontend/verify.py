@@ -44,6 +44,9 @@ class VerifyReport:
     output_error: float = 0.0
     gradient_error: float = 0.0
     buffer_error: float = 0.0
+    #: the outputs' largest error in eval mode (the stages' and the model's `.eval()`: what a run's test
+    #: figures are computed in); not part of `max_error`: training is exact without it
+    eval_error: float = 0.0
     worst_gradient: str = ""
     compared_gradients: int = 0
     stages: int = 0
@@ -267,6 +270,7 @@ def _compare(
     for name, buffer in buffers.items():
         if name in reference_buffers:
             report.buffer_error = max(report.buffer_error, relative_error(buffer, reference_buffers[name]))
+    report.eval_error = _eval_error(reference, modules, stages, example_inputs)
     if report.max_error > tolerance:
         raise VerificationError(
             f"{_the_stages(len(stages))} {'does' if len(stages) == 1 else 'do'} not reproduce the model: "
@@ -278,6 +282,38 @@ def _compare(
             + f". {_cause_and_fix(report)}"
         )
     return report
+
+
+@torch.no_grad()
+def _eval_error(reference: nn.Module, modules: list[nn.Module], stages: Any, example_inputs: Any) -> float:
+    """The outputs' largest relative error in eval mode, the stages chained as in training (no buffer changes:
+    eval mode updates none; the reference is put back in training mode)."""
+    reference.eval()
+    try:
+        expected = [t for t in pytree.tree_leaves(reference(*example_inputs)) if isinstance(t, torch.Tensor)]
+        values = dict(zip(stages[0][2], pytree.tree_leaves(example_inputs), strict=True))
+        outputs: tuple[Any, ...] = ()
+        for module, (_, _, inputs, names) in zip(modules, stages, strict=True):
+            module.eval()
+            outputs = tuple(module(*[values[n] for n in inputs]))
+            values.update(zip(names, outputs, strict=True))
+        got = [t for t in outputs if isinstance(t, torch.Tensor)]
+    finally:
+        reference.train()
+    if len(got) != len(expected):
+        return float("inf")
+    return max((relative_error(g, e) for g, e in zip(got, expected, strict=True)), default=0.0)
+
+
+def eval_warning(report: VerifyReport, tolerance: float = TOLERANCE) -> str | None:
+    """What a user should know when the stages' eval mode is not the model's, or None."""
+    if report.eval_error <= tolerance:
+        return None
+    return (
+        f"in eval mode the stages' outputs differ from model.eval()'s (largest error {report.eval_error:.3g}): "
+        "the model's code branches on self.training where the trace took the training branch, so a run's "
+        "test figures are computed as in training mode there; training itself is exact"
+    )
 
 
 def _the_stages(count: int) -> str:

@@ -43,8 +43,8 @@ class Stage(torch.nn.Module):
         norm_running_mean = self.norm.running_mean
         norm_running_var = self.norm.running_var
         norm_num_batches_tracked = self.norm.num_batches_tracked
-        add_ = torch.ops.aten.add_.Tensor(norm_num_batches_tracked, 1);  norm_num_batches_tracked = add_ = None
-        batch_norm = torch.ops.aten.batch_norm.default(relu, norm_weight, norm_bias, norm_running_mean, norm_running_var, True, 0.1, 1e-05, False);  relu = norm_weight = norm_bias = norm_running_mean = norm_running_var = None
+        add_ = torch.ops.aten.add_.Tensor(norm_num_batches_tracked, int(self.training));  norm_num_batches_tracked = add_ = None
+        batch_norm = torch.ops.aten.batch_norm.default(relu, norm_weight, norm_bias, norm_running_mean, norm_running_var, self.training, 0.1, 1e-05, False);  relu = norm_weight = norm_bias = norm_running_mean = norm_running_var = None
         linear_1 = torch._C._nn.linear(batch_norm, proj_weight, proj_bias);  batch_norm = proj_weight = proj_bias = None
         mul = linear_1 * scale;  linear_1 = scale = None
         mix_0_weight = getattr(self.mix, "0").weight
@@ -54,7 +54,7 @@ class Stage(torch.nn.Module):
         mix_2_weight = getattr(self.mix, "2").weight
         mix_2_bias = getattr(self.mix, "2").bias
         linear_3 = torch._C._nn.linear(gelu, mix_2_weight, mix_2_bias);  gelu = mix_2_weight = mix_2_bias = None
-        dropout = torch.nn.functional.dropout(linear_3, p = 0.1, training = True, inplace = False);  linear_3 = None
+        dropout = torch.nn.functional.dropout(linear_3, p = 0.1, training = self.training, inplace = False);  linear_3 = None
         add = dropout + mean;  dropout = mean = None
         linear_4 = torch._C._nn.linear(add, embed_weight, None);  embed_weight = None
         return (linear_4, add)
