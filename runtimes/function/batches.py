@@ -117,7 +117,7 @@ class ShardBatches:
         self.order = ShardOrder(
             tuple(e.samples for e in entries), seed, int(meta.get("shuffle_shards", SHUFFLE_SHARDS))
         )
-        # a group's shards, and the next group's first while a micro-batch straddles the two
+        # a group's shards and the next group's first (a micro-batch straddling two groups reads the rest on demand)
         self.reader = ShardReader(entries, self.order.shuffle_shards + 1, members, load)
         self.transform, self.collate = transform, collate
         self.seed, self.micro_batch, self.global_batch = seed, micro_batch, global_batch
