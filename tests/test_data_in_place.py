@@ -191,6 +191,7 @@ def test_shards_in_s3_are_read_by_the_functions_and_the_controller_reads_their_h
     assert "reused: 5 shard(s), 5 request(s), 0 bytes read" in again, again
 
 
+@pytest.mark.slow  # compiles and runs
 def test_an_epoch_of_shards_in_place_is_counted_at_compile_time_from_their_headers(tmp_path: Path, capsys) -> None:
     write_digit_shards(tmp_path / "data")
     model = model_file(tmp_path, '"data/" + split + "-{000000..%06d}.tar" % (4 if split == "train" else 0)')

@@ -478,6 +478,7 @@ def gate(x):
 """
 
 
+@pytest.mark.slow  # two compiles and a run
 def test_stage_code_calls_the_model_files_wrapped_helpers_from_its_package_and_trains_as_plain_pytorch(
     compile_cli, tmp_path: Path
 ) -> None:
