@@ -151,6 +151,21 @@ class StageHeader:
     #: the model file (its path): a function of it, or of a module beside it, the code calls is found where
     #: the stage runs (protocol.user_attribute; the package ships them in its user/ folder)
     model_file: str | None = None
+    #: the stage's buffers its forward changes -> (rule, momentum): how its replicas combine them
+    #: (compiler/frontend/buffer_rules.py; the worker's BufferUpdates follows them)
+    buffer_rules: dict[str, tuple[str, float | None]] = field(default_factory=dict)
+
+
+def _buffer_rules_lines(rules: dict[str, tuple[str, float | None]]) -> list[str]:
+    if not rules:
+        return []
+    return [
+        "# buffers the forward changes: (rule, momentum): 'average' (running statistics), 'count' (a batch",
+        "# counter), 'sequence' (the stage runs one replica); how the stage's replicas combine them",
+        "BUFFER_RULES = {",
+        *(f"    {name!r}: {rule!r}," for name, rule in rules.items()),
+        "}",
+    ]
 
 
 _FX_WRAP = re.compile(r'^\s*torch\.fx\._symbolic_trace\.wrap\("[^"]*"\)\s*$')
@@ -233,6 +248,7 @@ def render_stage_source(graph: fx.Graph, header: StageHeader) -> str:
         "TENSORS = {",
         *([tensors] if tensors else []),
         "}",
+        *_buffer_rules_lines(header.buffer_rules),
         "",
         "",
         *[line for source in renderer.classes for line in (*source, "", "")],

@@ -21,6 +21,7 @@ from ..codegen.validate import check_build, deployment_warnings
 from ..ir.arguments import OneLineParser
 from ..ir.catalog import load_catalog, registry_problem
 from ..ir.folders import FolderError, check_output_folder
+from ..ir.graph import BufferRule
 from ..ir.schema import SchemaError
 from .errors import CompileError, display_path
 from .frontend.coarsen import DEFAULT_BLOCKS
@@ -408,6 +409,21 @@ def check_command(build: Path, out: Console) -> int:
     return 0
 
 
+def buffer_rules_text(rules: dict[str, BufferRule]) -> str:
+    """What the forward changes, and how replicas keep it as the plain loop's (buffer_rules.py)."""
+    kept = [name for name, rule in rules.items() if rule.rule == "sequence"]
+    averaged = sum(rule.rule == "average" for rule in rules.values())
+    counted = sum(rule.rule == "count" for rule in rules.values())
+    parts = [f"{averaged} running statistics", f"{counted} counters"] if averaged or counted else []
+    text = f"{len(rules)} changed by the forward"
+    if parts:
+        text += f": {', '.join(parts)} (replicas end each iteration with the plain loop's values)"
+    if kept:
+        shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+        text += f"{';' if parts else ':'} in sequence, so their stages run one replica: {shown}"
+    return text
+
+
 def print_plan(out: Console, result: Compiled) -> None:
     plan, timeline = result.plan, result.timeline
     assert plan is not None and timeline is not None and result.plan_options is not None
@@ -539,6 +555,8 @@ def print_summary(out: Console, result: Compiled, output: Path, requested_blocks
             f"({v.compared_gradients} gradients), loss {v.loss_error:.3g}, outputs {v.output_error:.3g}, "
             f"buffers {v.buffer_error:.3g}, eval-mode outputs {v.eval_error:.3g} (tolerance {TOLERANCE:g})"
         )
+    if graph.buffer_rules:
+        out.print(f"  buffers     {buffer_rules_text(graph.buffer_rules)}")
     if result.plan is not None:
         print_plan(out, result)
         print_regions(out, result)

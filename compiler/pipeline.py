@@ -1,4 +1,4 @@
-"""The compiler's passes, top to bottom, in one function (`compile_model`): load → trace → annotate →
+"""The compiler's passes, top to bottom, in one function (`compile_model`): load → trace → annotate → buffer rules →
 coarsen → profile → plan (and simulate the plan once) → split → verify → lower → render → write.
 
 Each pass is a function with typed input and output, each returning a new value; `compile_model`
@@ -31,6 +31,7 @@ from ..ir.workflow import Schedule, Workflow
 from .build import build_files, write_build
 from .errors import CompileError, ModelFileError, display_path
 from .frontend.annotate import annotate_run, fetch_attr
+from .frontend.buffer_rules import buffer_rules
 from .frontend.coarsen import (
     DEFAULT_BLOCKS,
     MAX_BLOCK_PARAM_BYTES,
@@ -217,7 +218,7 @@ def compile_model(options: CompileOptions, step: Announce | None = None) -> Comp
 
 
 def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> FrontEnd:
-    """load -> trace -> annotate -> coarsen -> (check the loss) -> profile."""
+    """load -> trace -> annotate -> buffer rules -> coarsen -> (check the loss) -> profile."""
     timed = timed or _timer({}, None)
     with timed("load"):
         model_file = load_model_file(options.model_path)
@@ -239,6 +240,7 @@ def run_front_end(options: FrontEndOptions, timed: Announce | None = None) -> Fr
             )
         with timed("annotate"):
             graph, flat_outputs = annotate_run(program, flat_inputs, model_file.name, batch_size)
+            graph = replace(graph, buffer_rules=buffer_rules(model, program, graph.mutated_buffers))
             release_free_memory()
         with timed("coarsen"):
             # under bf16-mixed, activations cross stages in bf16: the cuts' bytes as they are sent
@@ -274,6 +276,7 @@ def retrace(front: FrontEnd, batch_size: int, options: FrontEndOptions) -> Front
             tracer=front.program.tracer,
         )
         graph, flat_outputs = annotate_run(program, flat_inputs, model_file.name, batch_size)
+        graph = replace(graph, buffer_rules=buffer_rules(model, program, graph.mutated_buffers))
         release_free_memory()
     traced = [(n.name, n.target) for n in compute_positions(front.graph)]
     again = [(n.name, n.target) for n in compute_positions(graph)]
@@ -417,6 +420,9 @@ def generate_stages(
             outputs=tuple(part.outputs),
             tensors=tensors,
             model_file=None if model_file is None else str(model_file),
+            buffer_rules={
+                name: (rule.rule, rule.momentum) for name, rule in graph.buffer_rules.items() if name in tensors
+            },
         )
         try:
             source = render_stage_source(inlined.module.graph, header)

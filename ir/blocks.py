@@ -90,6 +90,9 @@ class BlockChain:
     profile_repeats: int = 0
     #: None: not measured here (no profile, or one from before these figures were recorded)
     stability: ProfileStability | None = None
+    #: buffers the forward changes in an order a stage's replicas cannot reproduce (buffer_rules.py: the
+    #: "sequence" rule): a stage whose blocks read one runs one replica
+    sequenced: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -105,6 +108,8 @@ class BlockChain:
         # Absent rather than null: an earlier blocks.json, loaded and saved again, stays byte-identical.
         if self.stability is not None:
             document["stability"] = asdict(self.stability)
+        if self.sequenced:
+            document["sequenced"] = list(self.sequenced)
         return document
 
     @staticmethod
@@ -119,6 +124,7 @@ class BlockChain:
             machine=MachineInfo(**machine) if machine else None,
             profile_repeats=data["profile_repeats"],
             stability=ProfileStability(**data["stability"]) if data.get("stability") else None,
+            sequenced=list(data.get("sequenced", [])),
         )
 
     def save(self, path: Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import networkx as nx
 
@@ -92,6 +92,22 @@ class ParamInfo:
         return ParamInfo(tuple(data["shape"]), data["dtype"], data["bytes"], data["trainable"])
 
 
+@dataclass(frozen=True)
+class BufferRule:
+    """How a stage's replicas combine a buffer the forward changes (compiler/frontend/buffer_rules.py):
+    "average" (running statistics under `momentum`), "count", or "sequence" (its stage runs one replica)."""
+
+    rule: Literal["average", "count", "sequence"]
+    momentum: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule} if self.momentum is None else {"rule": self.rule, "momentum": self.momentum}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> BufferRule:
+        return BufferRule(data["rule"], data.get("momentum"))
+
+
 @dataclass
 class OpGraph:
     """The annotated op graph of one model, as traced for one micro-batch size."""
@@ -106,6 +122,10 @@ class OpGraph:
     #: the user model's state_dict keys -> the names the stages hold their tensors under (a tied
     #: weight's every name; non-persistent buffers absent): what the trained model file is keyed by
     state_names: dict[str, str] = field(default_factory=dict)
+    #: the buffers annotation's run of the forward changed (the user model's names), and how replicas
+    #: combine each (set by the buffer_rules pass)
+    mutated_buffers: list[str] = field(default_factory=list)
+    buffer_rules: dict[str, BufferRule] = field(default_factory=dict)
 
     @property
     def digraph(self) -> nx.DiGraph:
@@ -155,6 +175,8 @@ class OpGraph:
             "parameters": {k: v.to_json() for k, v in self.parameters.items()},
             "state_names": dict(self.state_names),
             "nodes": [n.to_json() for n in self.nodes],
+            # absent when empty: the graphs of models without such buffers stay as they were
+            **({"buffer_rules": {k: r.to_json() for k, r in self.buffer_rules.items()}} if self.buffer_rules else {}),
         }
 
     @staticmethod
@@ -169,6 +191,8 @@ class OpGraph:
             outputs=list(data["outputs"]),
             parameters={k: ParamInfo.from_json(v) for k, v in data["parameters"].items()},
             state_names=dict(data.get("state_names", {})),
+            mutated_buffers=list(data.get("buffer_rules", {})),
+            buffer_rules={k: BufferRule.from_json(v) for k, v in data.get("buffer_rules", {}).items()},
         )
 
     def save(self, path: Path) -> None:

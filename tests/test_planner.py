@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from cloudless.compiler.errors import CompileError
 from cloudless.compiler.planner import pipeline_milp as planner
 from cloudless.compiler.planner import pipeline_program as program
 from cloudless.compiler.planner.baselines import baselines, ratio, ratio_text
@@ -16,6 +17,7 @@ from cloudless.compiler.planner.cost_model import (
     DataInPlace,
     OutOfRange,
     check_range,
+    check_replicas,
     problem_from_chain,
 )
 from cloudless.compiler.planner.exhaustive import exhaustive
@@ -479,3 +481,33 @@ def test_a_solver_out_of_time_without_a_plan_is_told_so_not_that_no_plan_fits() 
     told = diagnose(problem, PlanOptions(time_limit=2.0), out_of_time=True)
     assert "no plan in" in told and "time limit (2 s)" in told and "--solver-time-limit" in told
     assert "no plan fits within" in diagnose(problem, PlanOptions(time_limit=2.0))
+
+
+def test_a_block_whose_buffer_changes_in_sequence_gets_one_replica_and_the_optimum_of_the_rest() -> None:
+    """BlockCost.sequenced (a buffer the forward changes in an order replicas cannot reproduce): the stage
+    holding it runs one replica, in the solver's plan as in exhaustive search, baselines competing."""
+    checked = 0
+    for seed in range(40):
+        base = dataclasses.replace(random_problem(seed), replicas=(1, 2, 4), max_functions=None)
+        free = exhaustive(base, "time")
+        if free is None:
+            continue
+        crowded = [s for s in free[0].stages if s.replicas > 1]
+        if not crowded:
+            continue
+        held = crowded[0].first
+        blocks = list(base.blocks)
+        blocks[held] = dataclasses.replace(blocks[held], sequenced=("ema",))
+        problem = dataclasses.replace(base, blocks=tuple(blocks))
+        expected = exhaustive(problem, "time")
+        if expected is None:  # it fits only under replicas (each holding fewer micro-batches' activations)
+            continue
+        incumbents = tuple(b.plan for b in baselines(problem, "time") if b.plan is not None)
+        got = solve(problem, "time", incumbents=incumbents)
+        for plan in (expected[0], got.plan):
+            assert all(s.replicas == 1 for s in plan.stages if s.first <= held <= s.last), (seed, plan)
+        assert got.evaluation.iteration_s == pytest.approx(expected[1].iteration_s, rel=1e-6), seed
+        checked += 1
+    assert checked >= 3
+    with pytest.raises(CompileError, match="changes buffer ema in place.*include 1"):
+        check_replicas(dataclasses.replace(problem, replicas=(2, 4)))

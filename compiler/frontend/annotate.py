@@ -4,7 +4,7 @@ Per node: output shapes and dtypes, output bytes, the parameters it uses (a shar
 parameter is owned by its first user, so it is counted once, in its own dtype), the activation
 bytes autograd saves for backward (parameters excluded, each storage counted once), forward FLOPs
 (torch's FlopCounterMode: matmul, convolution and attention; elementwise ops count 0), and which
-inputs it mutates in place.
+inputs it mutates in place; and which of the program's buffers the run changed.
 """
 
 from __future__ import annotations
@@ -127,6 +127,13 @@ class _Annotator(fx.Interpreter):
         return result
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a buffer of NaNs the run left alone is unchanged)."""
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    return torch.equal(a, b)
+
+
 def _describe_value(value: Any) -> tuple[str, list[TensorMeta], int]:
     metas = [
         TensorMeta(tuple(int(d) for d in t.shape), dtype_name(t.dtype))
@@ -151,8 +158,19 @@ def annotate_run(
     param_storages = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
     annotator = _Annotator(module, param_storages)
     saved = annotator.saved_bytes
+    # what the run leaves changed among the buffers (by value, or in place: batch norm's kernel updates its
+    # running statistics without their version counting it)
+    before = {
+        program.tensor_name(b, name): (b, b.detach().clone(), b._version)
+        for name, b in module.named_buffers()
+        if not b.is_meta
+    }
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         outputs = annotator.run(*flat_inputs)
+    mutated = sorted(
+        name for name, (b, value, version) in before.items() if b._version != version or not _same(b, value)
+    )
+    del before
     flat_outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
     del outputs
 
@@ -205,6 +223,7 @@ def annotate_run(
         outputs=[a.name if isinstance(a, fx.Node) else repr(a) for a in output.args[0]],
         parameters=dict(sorted(parameters.items())),
         state_names=dict(program.state_names),
+        mutated_buffers=mutated,
     )
     return graph, flat_outputs
 

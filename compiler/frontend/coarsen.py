@@ -298,6 +298,7 @@ def coarsen(
         batch_size=graph.batch_size,
         blocks=blocks,
         shared_params=dict(sorted(shared.items())),
+        sequenced=[name for name, rule in graph.buffer_rules.items() if rule.rule == "sequence"],
     )
 
 

@@ -310,14 +310,19 @@ def _flatten_output(module: fx.GraphModule, tracer: TracerName) -> TracedProgram
 
 
 def _agrees_with_eager(program: TracedProgram, model: nn.Module, example_inputs: tuple[Any, ...]) -> bool:
-    """Guard against fx silently baking Python control flow in: compare one forward with eager."""
+    """Guard against fx silently baking Python control flow in: compare one forward with eager, its outputs
+    and the buffers it leaves (fx records no in-place change of a buffer made through Python, `self.n += 1`:
+    the trace made it on the real tensor once)."""
     from .state import preserved_state
 
     with torch.no_grad(), preserved_state(model):
         torch.manual_seed(0)
         expected = pytree.tree_leaves(model(*example_inputs))
+        expected += [b.detach().clone() for _, b in model.named_buffers()]
+    with torch.no_grad(), preserved_state(model):  # the program holds the model's own buffers
         torch.manual_seed(0)
         got = list(program.module(*example_inputs))
+        got += [b.detach().clone() for _, b in model.named_buffers()]
     if len(expected) != len(got):
         return False
     for e, g in zip(expected, got, strict=True):

@@ -47,6 +47,8 @@ class BlockCost:
     input_bytes: int
     output_bytes: int
     shared: tuple[str, ...] = ()
+    #: buffers the block's forward changes in an order replicas cannot reproduce: its stage runs one replica
+    sequenced: tuple[str, ...] = ()
 
 
 #: checkpoints per run when the model file does not say (at least every 1000 iterations)
@@ -98,6 +100,10 @@ class Problem:
     #: the limits of the deployment platforms built for the region (problem_from_chain applies their replica
     #: and stage limits to `replicas` and `max_stages`; `function_limit` includes their worker limit)
     platform: PlatformLimits = field(default_factory=PlatformLimits)
+
+    def sequenced(self, first: int, last: int) -> list[str]:
+        """The buffers blocks first..last change in an order replicas cannot reproduce (one replica for them)."""
+        return list(dict.fromkeys(n for b in self.blocks[first : last + 1] for n in b.sequenced))
 
     @property
     def invocation_iterations(self) -> int:
@@ -512,6 +518,12 @@ class CostModel:
                     f"stage {i} (blocks {choice.first}-{choice.last}) needs {t.memory_mb:.0f} MB, "
                     f"more than its {choice.tier_mb} MB tier"
                 )
+        for i, choice in enumerate(plan.stages):
+            held = self.problem.sequenced(choice.first, choice.last)
+            if choice.replicas > 1 and held:
+                found.append(
+                    f"stage {i} runs {choice.replicas} replicas, but its forward changes {held[0]} in sequence"
+                )
         functions = sum(c.replicas for c in plan.stages)
         if functions > self.problem.function_limit:
             found.append(f"{functions} functions exceed the limit of {self.problem.function_limit}")
@@ -596,7 +608,7 @@ def problem_from_chain(
         max_stages = min(max_stages, platform.stages.value)
     if chain.machine is None:
         raise ValueError("the block chain has no measured times; profile it first (--repeats >= 1)")
-    shared = set(chain.shared_params)
+    shared, sequenced = set(chain.shared_params), set(chain.sequenced)
     blocks = tuple(
         BlockCost(
             forward_s=b.forward_s,
@@ -607,6 +619,7 @@ def problem_from_chain(
             input_bytes=b.input_bytes,
             output_bytes=b.output_bytes,
             shared=tuple(n for n in b.params if n in shared),
+            sequenced=tuple(n for n in b.params if n in sequenced),
         )
         for b in chain.blocks
     )
@@ -635,7 +648,15 @@ def problem_from_chain(
 
 
 def check_replicas(problem: Problem) -> None:
-    """CompileError when no replica count fits the function limit: no stage could be planned at all."""
+    """CompileError when no replica count fits the function limit (no stage could be planned at all), or
+    when the counts exclude the one replica a stage holding a buffer changed in sequence runs."""
+    held = problem.sequenced(0, len(problem.blocks) - 1)
+    if held and 1 not in problem.replicas:
+        raise CompileError(
+            f"no plan fits: the model's forward changes buffer {held[0]} in place, in an order a stage's replicas "
+            "cannot reproduce (each would start from the iteration's value), so its stage runs one replica, which "
+            f"--replicas {','.join(map(str, problem.replicas))} excludes; include 1 (e.g. --replicas 1,2)"
+        )
     limit = problem.function_limit
     if not problem.replicas or min(problem.replicas) <= limit:
         return

@@ -81,8 +81,9 @@ def stage_configs(
         # Stages from here to the end, this one included: 1 for the last, else as many as the
         # blocks left and the stage limit allow.
         most = 1 if is_last else min(n_blocks - first, limit if is_first else limit - 1)
+        one_replica = bool(problem.sequenced(first, last))  # a buffer changed in sequence: one replica
         for r in problem.replicas:
-            if r > problem.function_limit:
+            if r > problem.function_limit or (r > 1 and one_replica):
                 continue
             found = []
             for m in tiers:

@@ -22,6 +22,7 @@ from ..storage.objects import ObjectError
 from ..storage.shards import ShardError
 from ..storage.tensors import autocast, pack, unpack, wire_dtype
 from .batches import ShardBatches, batch_difference, flat_batch, open_batches, user_module
+from .buffer_updates import BufferUpdates
 from .data import read_split_meta
 from .failures import AbortRecord, ModelFailed
 from .stage_context import InvocationState, Span, StageContext
@@ -52,8 +53,12 @@ class PipelineSteps:
         outputs: list[str],
         loss: torch.nn.Module | None,
         data_name: str,
+        buffers: BufferUpdates,
     ) -> None:
         self.context, self.invocation = context, invocation
+        # the buffers the forward changes: followed micro-batch by micro-batch when the stage has replicas
+        self.buffers = buffers
+        self._following_buffers = False
         self.run = context.workflow.run
         self.inputs, self.outputs = inputs, outputs  # the stage module's, in its call's order
         self.loss = loss  # the last stage's loss module
@@ -75,6 +80,9 @@ class PipelineSteps:
         namespace = self.invocation.namespace
         local = local_micro_batches(self.run.micro_batches, self.invocation.replicas, replica)
         order = compute_order(self.run.schedule, local, self.invocation.window)
+        self._following_buffers = self.invocation.replicas > 1 and bool(self.buffers.tracked)
+        if self._following_buffers:
+            self.buffers.begin(self.run.micro_batches)
         uplink, downlink = self._links()
         cancelled = threading.Event()
         arriving: dict[tuple[str, int], Future[bytes]] = {}
@@ -238,7 +246,11 @@ class PipelineSteps:
             with autocast(precision):
                 return context.module(*[taken[n] for n in self.inputs])
 
+        if self._following_buffers:
+            self.buffers.before_forward()
         outputs = tuple(context.model_code(iteration, replica, "forward", forward))
+        if self._following_buffers:
+            self.buffers.after_forward(m)
         if context.last:
             loss = self.loss
             assert loss is not None and targets is not None

@@ -1,4 +1,5 @@
-"""The sync among a stage's replicas (a scatter-reduce of their gradients, float buffers averaged)
+"""The sync among a stage's replicas (a scatter-reduce of their gradients and of the parts of the buffers
+their forwards changed)
 and among the stages holding a tied parameter (the sum of their gradients), and the clip of every
 stage's gradients to their global norm.
 
@@ -18,6 +19,7 @@ import torch
 from ...ir import protocol
 from ...ir.protocol import AbortRecord
 from ..storage.tensors import pack, unpack
+from .buffer_updates import BufferUpdates
 from .failures import Diverged
 from .scatter_reduce import scatter_reduce
 from .stage_context import InvocationState, StageContext
@@ -27,24 +29,31 @@ class ReplicaSync:
     """The stage's gradients summed over its replicas and its tied partners, and clipped."""
 
     def __init__(
-        self, context: StageContext, invocation: InvocationState, *, holders: dict[str, list[int]], pipelined: bool
+        self,
+        context: StageContext,
+        invocation: InvocationState,
+        *,
+        holders: dict[str, list[int]],
+        pipelined: bool,
+        buffers: BufferUpdates,
     ) -> None:
         self.context, self.invocation = context, invocation
+        self.buffers = buffers  # the buffers the forward changes, and this iteration's parts of them
         self.holders = holders  # tied parameters of this stage -> the stages holding them
         self.pipelined = pipelined  # the scatter-reduce's pieces in flight at once (else one at a time)
         self.sync = context.workflow.sync
 
     def synchronise(self, iteration: int, replica: int, timeout: float) -> None:
-        """Sum gradients over the stage's replicas (and average float buffers), then tied parameters'
-        gradients over the stages that hold them."""
+        """Sum gradients over the stage's replicas (and the parts of the buffers the forward changed, which
+        then hold the plain loop's values: buffer_updates.py), then tied parameters' gradients over the stages
+        that hold them."""
         context, channel, namespace = self.context, self.context.channel, self.invocation.namespace
         replicas = self.invocation.replicas
         params = context.trained_parameters()
-        buffers = [(n, b) for n, b in context.module.named_buffers() if b.is_floating_point()]
-        if replicas > 1 and (params or buffers):  # a stage of frozen parameters only syncs nothing
+        parts = self.buffers.parts() if replicas > 1 else []
+        if replicas > 1 and (params or parts):  # a stage of frozen parameters only syncs nothing
             flat = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in params]
-                + [b.reshape(-1) / replicas for _, b in buffers]
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in params] + parts
             )
             total = scatter_reduce(
                 channel,
@@ -62,10 +71,12 @@ class ReplicaSync:
             for _, p in params:
                 p.grad = total[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
-            with torch.no_grad():
-                for _, b in buffers:
-                    b.copy_(total[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+            sums = []
+            for part in parts:
+                sums.append(total[offset : offset + part.numel()])
+                offset += part.numel()
+            if sums:
+                self.buffers.adopt(sums)
         if self.holders:
             by_name = dict(params)
             mine: dict[str, torch.Tensor] = {

@@ -77,6 +77,7 @@ from ...ir.workflow import SYNC_STEP_KIND, OptimizerSpec, StepKind, Workflow
 from ..storage.channels import Channel, KeyTimeout, RidingOut, open_channel
 from ..storage.emulation import CpuShare, EmulatedChannel, Resources
 from .batches import user_module
+from .buffer_updates import BufferUpdates
 from .checkpoints import Checkpoints
 from .data import data_name
 from .failures import Abandoned, Aborted, Diverged, ModelFailed, RegionLeft, StorageWriteFailed
@@ -189,6 +190,7 @@ class StageWorker:
             key_timeout=DEFAULT_KEY_TIMEOUT_S,
         )
         self.background = Background()  # control requests off the critical path
+        buffers = BufferUpdates(module, getattr(stage_module, "BUFFER_RULES", {}))
         self.steps = PipelineSteps(
             self.context,
             self.invocation,
@@ -196,11 +198,14 @@ class StageWorker:
             outputs=list(stage_module.OUTPUTS),
             loss=loss,
             data_name=data_name(region),
+            buffers=buffers,
         )
         holders = {
             name: [f.stage for f in functions if name in f.shared_parameters] for name in function.shared_parameters
         }
-        self.replica_sync = ReplicaSync(self.context, self.invocation, holders=holders, pipelined=pipelined_sync)
+        self.replica_sync = ReplicaSync(
+            self.context, self.invocation, holders=holders, pipelined=pipelined_sync, buffers=buffers
+        )
         self.region_sync = RegionSync(
             self.context,
             self.invocation,
@@ -255,6 +260,11 @@ class StageWorker:
         channel.inner.ride_out_s = timeout  # a transient storage error is ridden out as long as any wait
         if not 0 <= replica < invocation.replicas:
             raise ValueError(f"replica {replica}: {context.function.name} has replicas 0..{invocation.replicas - 1}")
+        if self.steps.buffers.sequenced and invocation.replicas > 1:  # the plan never asks it (buffer_rules.py)
+            raise ValueError(
+                f"{context.function.name}: {invocation.replicas} replicas, but its forward changes buffer "
+                f"{self.steps.buffers.sequenced[0]} in an order replicas cannot reproduce; it runs one replica"
+            )
         if not 0 <= start < stop:
             raise ValueError(f"iterations {start}..{stop}: expected 0 <= start < stop")
         self.region_sync.begin(

@@ -22,6 +22,13 @@ TENSORS = {
     'mix.2.weight': ((16, 32), 'float32', 'parameter'),
     'mix.2.bias': ((16,), 'float32', 'parameter'),
 }
+# buffers the forward changes: (rule, momentum): 'average' (running statistics), 'count' (a batch
+# counter), 'sequence' (the stage runs one replica); how the stage's replicas combine them
+BUFFER_RULES = {
+    'norm.num_batches_tracked': ('count', None),
+    'norm.running_mean': ('average', 0.1),
+    'norm.running_var': ('average', 0.1),
+}
 
 
 class Stage(torch.nn.Module):
