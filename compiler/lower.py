@@ -122,8 +122,9 @@ def describe_optimizer(model_file: ModelFile, iterations: int, model: nn.Module)
     probe = probe_optimizer(model_file)
     groups = probe_parameter_groups(model_file, model, iterations)
     if groups:
-        return OptimizerSpec(probe.class_name, probe.options, None, groups)
-    return OptimizerSpec(probe.class_name, probe.options, probe_learning_rates(model_file, iterations))
+        return OptimizerSpec(probe.class_name, probe.options, None, groups, probe.module)
+    rates = probe_learning_rates(model_file, iterations)
+    return OptimizerSpec(probe.class_name, probe.options, rates, module=probe.module)
 
 
 def adapter_format(model: nn.Module) -> Literal["peft"] | None:

@@ -331,7 +331,10 @@ def lower(
         adapter=adapter_format(front.model),
     )
     in_place = data_in_place(model_file, [region.name for region in workflow.regions])
-    if not in_place and not any(calls_user_code(stage.source) for stage in stages):
+    # a function imports the model file (and the modules beside it) for its data's transform, for the user's
+    # functions its stage code calls, and for an optimizer outside torch.optim
+    ships_user_code = workflow.optimizer.module is not None or any(calls_user_code(s.source) for s in stages)
+    if not in_place and not ships_user_code:
         return Lowered(stages, loss, workflow)
     # recorded in the workflow: what a deployed first stage's role may read (codegen/platforms.py)
     regions = tuple(replace(region, data_in_place=tuple(in_place.get(region.name, ()))) for region in workflow.regions)

@@ -335,17 +335,22 @@ class ParameterGroup:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """A torch.optim class name and its constructor's keyword arguments; with a learning-rate
-    schedule, the rate of each of the run's iterations (`learning_rate`). With several parameter
-    groups, `groups` holds each one's parameters, options and rates (and `learning_rates` is None)."""
+    """An optimizer class and its constructor's keyword arguments; with a learning-rate schedule, the rate
+    of each of the run's iterations (`learning_rate`). With several parameter groups, `groups` holds each
+    one's parameters, options and rates (and `learning_rates` is None). The class is torch.optim's
+    (`module` None), or a torch.optim.Optimizer subclass by its qualified name in `module`: an installed
+    package's, a module's beside the model file, or the model file's own (`protocol.user_module_name`)."""
 
     class_name: str
     options: Mapping[str, Any] = field(default_factory=dict)
     learning_rates: tuple[float, ...] | None = None
     groups: tuple[ParameterGroup, ...] = ()
+    module: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {"class": self.class_name, "options": dict(self.options)}
+        if self.module is not None:
+            document["module"] = self.module
         if self.learning_rates is not None:
             document["learning_rates"] = list(self.learning_rates)
         if self.groups:
@@ -355,7 +360,8 @@ class OptimizerSpec:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> OptimizerSpec:
         groups = tuple(ParameterGroup.from_json(g) for g in data.get("groups", ()))
-        return cls(data["class"], dict(data["options"]), _rates(data.get("learning_rates")), groups)
+        rates = _rates(data.get("learning_rates"))
+        return cls(data["class"], dict(data["options"]), rates, groups, data.get("module"))
 
     def learning_rate(self, iteration: int, iterations: int, group: int = 0) -> float | None:
         """The rate of parameter group `group` at `iteration` of a region that trains `iterations` in this

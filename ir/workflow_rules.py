@@ -11,6 +11,7 @@ function packages.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -240,15 +241,35 @@ def optimizer_problem(workflow: Workflow) -> WorkflowProblem | None:
     import torch  # only here: the other rules need no torch
 
     spec = workflow.optimizer
-    optimizer = getattr(torch.optim, spec.class_name, None)
+    where = f"{spec.module or 'torch.optim'}.{spec.class_name}"
+    optimizer: Any = getattr(torch.optim, spec.class_name, None)
+    if spec.module is not None:
+        # the model file's own module, or one only the functions' packages hold, is not importable here:
+        # the functions import it (what a class outside torch.optim takes is the compiler's probe's)
+        try:
+            optimizer = importlib.import_module(spec.module)
+            for part in spec.class_name.split("."):
+                optimizer = getattr(optimizer, part, None)
+        except ImportError:
+            optimizer = None
+        if optimizer is None:
+            return _rates_and_groups_problem(workflow, None, where)
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        return WorkflowProblem(
-            "optimizer/class", f"{spec.class_name!r} is not a torch.optim optimizer", note_compiled=True
-        )
+        what = "a torch.optim optimizer" if spec.module is None else "a torch.optim.Optimizer subclass"
+        return WorkflowProblem("optimizer/class", f"{spec.class_name!r} is not {what}", note_compiled=True)
     try:
         optimizer([torch.nn.Parameter(torch.zeros(1))], **spec.options)
     except (TypeError, ValueError, RuntimeError) as exc:
-        return WorkflowProblem("optimizer/options", f"torch.optim.{spec.class_name} refuses them: {exc}")
+        return WorkflowProblem("optimizer/options", f"{where} refuses them: {exc}")
+    return _rates_and_groups_problem(workflow, optimizer, where)
+
+
+def _rates_and_groups_problem(workflow: Workflow, optimizer: Any, where: str) -> WorkflowProblem | None:
+    """The schedule's and the parameter groups' rules; each group's options tried on `optimizer` (None: the
+    class is not importable here)."""
+    import torch
+
+    spec = workflow.optimizer
     problem = _rates_problem(workflow, "optimizer/learning_rates", spec.learning_rates)
     if problem is not None:
         return problem
@@ -256,9 +277,10 @@ def optimizer_problem(workflow: Workflow) -> WorkflowProblem | None:
     for index, group in enumerate(spec.groups):
         key = f"optimizer/groups/{index}"
         try:
-            optimizer([{"params": [torch.nn.Parameter(torch.zeros(1))], **group.options}], **spec.options)
+            if optimizer is not None:
+                optimizer([{"params": [torch.nn.Parameter(torch.zeros(1))], **group.options}], **spec.options)
         except (TypeError, ValueError, RuntimeError) as exc:
-            return WorkflowProblem(f"{key}/options", f"torch.optim.{spec.class_name} refuses them: {exc}")
+            return WorkflowProblem(f"{key}/options", f"{where} refuses them: {exc}")
         for name in group.parameters:
             if name in seen:
                 return WorkflowProblem(f"{key}/parameters", f"{name!r} is also in group {seen[name]}")

@@ -435,18 +435,6 @@ def test_a_gradient_only_one_side_has_is_named_with_its_cause(detail: str, cause
     assert text.startswith(cause) and "Fix: " in text and "requires_grad_(False)" in text
 
 
-def test_an_optimizer_class_of_the_model_file_is_named_as_the_file_names_it(model_file, compile_cli, tmp_path) -> None:
-    path = model_file(
-        OUTSIDE_RANDOMNESS.replace("* random.random()", "")
-        + "\n\nclass MySGD(torch.optim.SGD):\n    pass\n"
-        + "\n\ndef make_optimizer(params):\n    return MySGD(params, lr=0.1)\n"
-    )
-    code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "b"), "--repeats", "1")
-    assert code == 2
-    assert f"{path}: make_optimizer returned MySGD (a class of the model file); the functions rebuild" in stderr
-    assert "cloudless_user_model" not in stderr
-
-
 def test_the_default_loss_is_named_as_such_with_what_it_needs(model_file, compile_cli, tmp_path) -> None:
     """No loss_fn: the default loss (cross-entropy) is no line of the user's; it needs targets."""
     no_targets = OUTSIDE_RANDOMNESS.replace("* random.random()", "")

@@ -56,6 +56,8 @@ class OptimizerProbe:
     class_name: str
     options: dict[str, Any]
     state_per_parameter: int
+    #: None: torch.optim's; else the module of the class (OptimizerSpec.module)
+    module: str | None = None
 
 
 def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -417,11 +419,7 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     probe = nn.Parameter(torch.zeros(4))
     optimizer = _optimizer_of(model_file, probe)
     cls = type(optimizer)
-    if getattr(torch.optim, cls.__name__, None) is not cls:
-        raise ModelFileError(
-            f"{model_file.shown}: make_optimizer returned {_class_name(cls)}; the functions "
-            "rebuild the optimizer from its torch.optim class and options, so return a torch.optim optimizer"
-        )
+    module = None if getattr(torch.optim, cls.__name__, None) is cls else optimizer_module(model_file, cls)
     options: dict[str, Any] = {}
     # One group: its options are the constructor's (a group dict may set them); several: each group's own
     # are its `ParameterGroup.options` (probe_parameter_groups), beside the constructor's defaults.
@@ -442,7 +440,21 @@ def probe_optimizer(model_file: ModelFile) -> OptimizerProbe:
     state = optimizer.state.get(probe, {})
     # Scalars (Adam's step count) are not per-parameter memory; tensors shaped like the parameter are.
     sized = sum(1 for value in state.values() if isinstance(value, torch.Tensor) and value.shape == probe.shape)
-    return OptimizerProbe(cls.__name__, options, sized)
+    return OptimizerProbe(cls.__name__ if module is None else cls.__qualname__, options, sized, module)
+
+
+def optimizer_module(model_file: ModelFile, cls: type) -> str:
+    """Where a function imports an optimizer class outside torch.optim from: its module (an installed
+    package's, or one beside the model file, which the package ships), or the model file's own name there
+    (`user_module_name`). ModelFileError for a class no module holds by name (one made inside a function)."""
+    if "<locals>" in cls.__qualname__:
+        raise ModelFileError(
+            f"{model_file.shown}: make_optimizer returned {cls.__qualname__}, a class made inside a function; the "
+            "functions import the optimizer's class by name, so define it at the top of the model file or a module"
+        )
+    if cls.__module__.startswith("cloudless_user_model_"):
+        return user_module_name(model_file.path.name)
+    return cls.__module__
 
 
 def probe_learning_rates(model_file: ModelFile, iterations: int) -> tuple[float, ...] | None:
@@ -560,11 +572,3 @@ def probe_parameter_groups(model_file: ModelFile, model: nn.Module, iterations: 
         )
         for index, group in enumerate(optimizer.param_groups)
     )
-
-
-def _class_name(cls: type) -> str:
-    """A class as the user knows it: a model file's own by its name there (the module the loader made
-    for the file has an internal name), any other with its module."""
-    if cls.__module__.startswith("cloudless_user_model_"):
-        return f"{cls.__qualname__} (a class of the model file)"
-    return f"{cls.__module__}.{cls.__qualname__}"
