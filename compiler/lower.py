@@ -141,14 +141,16 @@ def loss_source(model_file: ModelFile, out_spec: pytree.TreeSpec, flat_outputs: 
 
     Traced like the model (fx, else torch.export), so the last stage's function never imports the
     model file."""
-    flat_targets, target_spec = pytree.tree_flatten(targets)
+    # no targets (None, a leaf to pytree): the model computes its own loss, and the loss module takes none
+    flat_targets, target_spec = pytree.tree_flatten(targets) if targets is not None else ([], None)
     n_out = len(flat_outputs)
     names = [f"output_{i}" for i in range(n_out)] + [f"target_{i}" for i in range(len(flat_targets))]
     loss_fn = model_file.loss_fn
 
     def composed(*flat: Any) -> torch.Tensor:
         outputs = pytree.tree_unflatten(list(flat[:n_out]), out_spec)
-        return loss_fn(outputs, pytree.tree_unflatten(list(flat[n_out:]), target_spec))
+        given = None if target_spec is None else pytree.tree_unflatten(list(flat[n_out:]), target_spec)
+        return loss_fn(outputs, given)
 
     # A forward with one named argument per tensor, so the traced placeholders carry those names.
     namespace: dict[str, Any] = {"composed": composed}

@@ -325,7 +325,7 @@ def lower(
         global_batch=global_batch,
         schedule=schedule,
         input_names=program.input_names,
-        target_count=len(pytree.tree_leaves(front.example_targets)),
+        target_count=0 if front.example_targets is None else len(pytree.tree_leaves(front.example_targets)),
         optimizer=describe_optimizer(model_file, iterations, front.model),
         inter_region=inter_region,
         adapter=adapter_format(front.model),
@@ -488,10 +488,16 @@ def _check_loss(model_file: ModelFile, outputs: tuple[Any, ...], loss_of: Any) -
         "the default loss (cross-entropy: the model file defines no loss_fn)" if default else "loss_fn(output, target)"
     )
     if default and model_file.example_targets is None:
-        raise ModelFileError(
-            f"{model_file.shown}: defines neither loss_fn(output, target) nor example_targets(batch_size); the "
-            "default loss (cross-entropy) needs targets. Fix: define example_targets, or a loss_fn of your own"
-        )
+        # no targets: the default loss is the model's own (`output.loss`, from its labels input)
+        try:
+            loss_of(outputs)
+        except TypeError:
+            raise ModelFileError(
+                f"{model_file.shown}: defines neither loss_fn(output, target) nor example_targets(batch_size), and "
+                "the model's output has no loss; the default loss (cross-entropy) needs targets. Fix: define "
+                "example_targets, or a loss_fn of your own, or give the model its labels so it returns output.loss"
+            ) from None
+        name = "the model's own loss (output.loss: the model file defines no loss_fn and no example_targets)"
     try:
         loss = loss_of(outputs)
     except Exception as exc:

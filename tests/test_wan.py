@@ -98,6 +98,22 @@ def test_each_region_has_its_own_storage(tmp_path: Path) -> None:
     assert sorted(storage_locations(two_regions(server="s"), None, tmp_path)) == ["a", "b", "s"]
 
 
+def test_a_relative_storage_folder_is_the_same_folder_for_functions_running_in_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--storage store` names a folder of the current one: the functions, which run in their packages'
+    folders, are given it whole (else they would wait for keys in a folder of their own)."""
+    monkeypatch.chdir(tmp_path)
+    assert storage_locations(two_regions(), ["store"], tmp_path / "out") == {
+        "a": str(tmp_path.resolve() / "store" / "a"),
+        "b": str(tmp_path.resolve() / "store" / "b"),
+    }
+    assert storage_locations(two_regions(), ["a=rel/a", "b=s3://two/p"], tmp_path) == {
+        "a": str(tmp_path.resolve() / "rel" / "a"),
+        "b": "s3://two/p",
+    }
+
+
 def test_emulate_gives_each_region_its_own_latency_and_the_wan() -> None:
     workflow = two_regions()
     args = argparse.Namespace(emulate=True, bandwidth=None, latency_ms=None)

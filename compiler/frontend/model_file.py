@@ -1,6 +1,7 @@
 """Load a user's model file by path and check it follows the contract (docs/model-file.md).
 
-Required: build_model() -> nn.Module; example_inputs(batch_size) -> tuple of tensors.
+Required: build_model() -> nn.Module; example_inputs(batch_size) -> tuple of tensors (or a dict of them by
+the forward's parameter names: `model(**inputs)`).
 Optional: example_targets, loss_fn, make_optimizer, make_scheduler, load_shard, transform, collate_fn,
 TRAINING.
 
@@ -16,9 +17,10 @@ import inspect
 import math
 import sys
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from keyword import iskeyword
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +62,33 @@ class OptimizerProbe:
     module: str | None = None
 
 
-def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy, the contract's default loss."""
+def default_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
+    """The contract's default loss: without targets, the loss the model returns (`output.loss`, as a Hugging
+    Face model computes it from its `labels` input); else cross-entropy."""
+    if target is None:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"the model returned {type(output).__name__} without a loss, and the model file defines no "
+                "example_targets: define example_targets and loss_fn, or return the loss (output.loss)"
+            )
+        return loss
     return nn.functional.cross_entropy(output, target)
+
+
+def call_by_keywords(model: nn.Module, keys: tuple[str, ...]) -> None:
+    """Make `model(*values)` call its forward with keywords, `forward(**dict(zip(keys, values)))`, in place: its
+    class becomes a subclass (same name) whose forward takes the keys as positional parameters, so that every
+    pass calls and traces it positionally and its parameters keep their names."""
+    cls = type(model)
+    original = cls.forward
+    namespace: dict[str, Any] = {"_forward": original}
+    exec(  # a forward whose parameters are the keys: fx and torch.export name the program's inputs after them
+        f"def forward(self, {', '.join(keys)}):\n    return _forward(self, {', '.join(f'{k}={k}' for k in keys)})\n",
+        namespace,
+    )
+    attributes = {"forward": namespace["forward"], "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    model.__class__ = type(cls.__name__, (cls,), attributes)
 
 
 @dataclass
@@ -80,6 +106,8 @@ class ModelFile:
     transform: Callable[..., Any] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
+    #: example_inputs' keys when it returns a dict: the model is called `model(**inputs)` (call_by_keywords)
+    keyword_inputs: tuple[str, ...] = field(default=(), init=False)
 
     @property
     def name(self) -> str:
@@ -144,21 +172,35 @@ class ModelFile:
                 # not to, and returns them as a cache object, no tensor; training never reads it.
                 config.use_cache = False
         inputs, targets = self.examples(batch_size)
+        if self.keyword_inputs:
+            call_by_keywords(model, self.keyword_inputs)
         return model, inputs, targets
 
     def examples(self, batch_size: int) -> tuple[tuple[Any, ...], Any]:
         """One micro-batch of example inputs and targets (None without example_targets), type-checked."""
         inputs = self.call("example_inputs", batch_size)
+        if isinstance(inputs, Mapping) and inputs:
+            # keyword inputs, `model(**inputs)`: the Hugging Face convention
+            wrong = next((k for k in inputs if not (isinstance(k, str) and k.isidentifier()) or iskeyword(k)), None)
+            if wrong is not None:
+                raise ModelFileError(
+                    f"{display_path(self.path)}: example_inputs({batch_size}) returned a dict with the key {wrong!r}; "
+                    "expected the names of the forward's parameters"
+                )
+            self.keyword_inputs = tuple(inputs)
+            inputs = tuple(inputs.values())
         if not isinstance(inputs, tuple) or not inputs:
             raise ModelFileError(
                 f"{display_path(self.path)}: example_inputs({batch_size}) returned "
-                f"{type(inputs).__name__}; expected a non-empty tuple of tensors (wrap one tensor as (x,))"
+                f"{type(inputs).__name__}; expected a non-empty tuple of tensors (wrap one tensor as (x,)), or a "
+                "dict of them by the forward's parameter names"
             )
         bad = [type(leaf).__name__ for leaf in pytree.tree_leaves(inputs) if not isinstance(leaf, torch.Tensor)]
         if bad:
             raise ModelFileError(
                 f"{display_path(self.path)}: example_inputs({batch_size}) holds {bad[0]}; expected only tensors"
             )
+        inputs = _distinct(inputs)
         targets = None
         if self.example_targets is not None:
             targets = self.call("example_targets", batch_size)
@@ -185,6 +227,21 @@ class ModelFile:
                 f"the example inputs do not fit the model: calling the model of build_model() on "
                 f"example_inputs({batch_size}) ({shapes}) raised {describe(exc)}",
             ) from exc
+
+
+def _distinct(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The inputs, each its own tensor: one tensor given twice (`labels=input_ids`) is two inputs to the
+    program, which a trace would otherwise read as one (its data then fed where the other goes)."""
+    seen: set[int] = set()
+
+    def own(leaf: torch.Tensor) -> torch.Tensor:
+        storage = leaf.untyped_storage().data_ptr() if leaf.device.type != "meta" else id(leaf)
+        if storage in seen and leaf.numel():
+            return leaf.clone()
+        seen.add(storage)
+        return leaf
+
+    return tuple(pytree.tree_map_only(torch.Tensor, own, inputs))
 
 
 def _tensor_shape(tensor: torch.Tensor) -> str:

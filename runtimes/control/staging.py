@@ -136,7 +136,10 @@ def _samples(
             opened.append((region, given, first, stop))
             any_streamed = any_streamed or streamed
         make_inputs, make_targets = getattr(module, "example_inputs", None), getattr(module, "example_targets", None)
-        expected_inputs = _leaf_specs(make_inputs(1)) if make_inputs is not None else None
+        example = make_inputs(1) if make_inputs is not None else None
+        # keyword inputs (example_inputs returns a dict): a dict row gives them by name
+        keywords = tuple(example) if isinstance(example, Mapping) else ()
+        expected_inputs = _leaf_specs(example) if example is not None else None
         expected_targets = _leaf_specs(make_targets(1)) if make_targets is not None else None
     except Exception as exc:
         region = parts[len(opened)][0] if len(opened) < len(parts) else parts[0][0]
@@ -154,7 +157,7 @@ def _samples(
             what = f"load_shard({failed.region!r}, {split!r})[{failed.index}] failed: {failed.error}"
             raise DataError(f"{path}: {what}") from failed.__cause__
         where = f"load_shard({region!r}, {split!r})[{i}]"
-        inputs, target = _inputs_and_target(module, path, where, item)
+        inputs, target = _inputs_and_target(module, path, where, item, keywords)
         sample = pytree.tree_leaves(inputs), pytree.tree_leaves(target)
         wrong = _mismatch("input", sample[0], expected_inputs) if expected_inputs is not None else None
         if wrong is None and expected_targets is not None:
@@ -217,23 +220,30 @@ def _indexed(opened: list[tuple[str, Any, int, int | None]], shuffled: bool) -> 
 DATA_COLUMNS = "DATA_COLUMNS"
 
 
-def _inputs_and_target(module: ModuleType, path: Path, where: str, item: Any) -> tuple[Any, Any]:
+def _inputs_and_target(
+    module: ModuleType, path: Path, where: str, item: Any, keywords: tuple[str, ...] = ()
+) -> tuple[Any, Any]:
     """A dataset's item as (inputs, target): a pair as it is; a dict row by the model file's DATA_COLUMNS,
-    `{"inputs": [column, ...], "target": column}` (columns of lists become tensors)."""
+    `{"inputs": [column, ...], "target": column}` (columns of lists become tensors; a target None: no target,
+    the model computes its loss), else, for a model of keyword inputs, by their names, without a target."""
     if isinstance(item, Mapping):
         columns = getattr(module, DATA_COLUMNS, None)
+        if columns is None and keywords:
+            columns = {"inputs": list(keywords), "target": None}
         if not (
             isinstance(columns, Mapping) and isinstance(columns.get("inputs"), (list, tuple)) and "target" in columns
         ):
             raise DataError(
                 f"{path}: {where} is a row of columns {', '.join(map(repr, list(item)[:6]))}; say which are the "
                 f'model\'s inputs and which its target: {DATA_COLUMNS} = {{"inputs": ["input_ids", ...], '
-                f'"target": "labels"}}'
+                f'"target": "labels"}} (or return example_inputs as a dict by the forward\'s parameter names)'
             )
-        missing = [c for c in [*columns["inputs"], columns["target"]] if c not in item]
+        target_column = columns["target"]
+        missing = [c for c in [*columns["inputs"], target_column] if c is not None and c not in item]
         if missing:
             raise DataError(f"{path}: {where} has no column {missing[0]!r} ({DATA_COLUMNS}); it has {', '.join(item)}")
-        return tuple(torch.as_tensor(item[c]) for c in columns["inputs"]), torch.as_tensor(item[columns["target"]])
+        inputs = tuple(torch.as_tensor(item[c]) for c in columns["inputs"])
+        return inputs, (() if target_column is None else torch.as_tensor(item[target_column]))
     try:
         inputs, target = item
     except (TypeError, ValueError):

@@ -46,10 +46,19 @@ def storage_locations(workflow: Workflow, given: list[str] | None, out: Path) ->
     """Per region (and ASGD-GA's server) its storage location, from --storage (see its help);
     ValueError for a REGION=URL of no region of the workflow, or an empty location."""
     names, plain, named = _given_storage(workflow, given)
-    base = plain[0] if plain else str((out / "storage").resolve())
+    named = {name: _absolute(location) for name, location in named.items()}
+    base = _absolute(plain[0]) if plain else str((out / "storage").resolve())
     if len(names) == 1:
         return {names[0]: named.get(names[0], base)}
     return {name: named.get(name) or region_location(base, name) for name in names}
+
+
+def _absolute(location: str) -> str:
+    """A folder as an absolute path: the functions run in their own folders, where a relative one is another."""
+    folder = local_folder(location)
+    if folder is None:
+        return location
+    return f"file://{folder.resolve()}" if location.startswith("file:") else str(folder.resolve())
 
 
 def local_folder(location: str) -> Path | None:

@@ -20,7 +20,7 @@ import importlib.util
 import json
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -110,9 +110,11 @@ class ShardBatches:
         examples: tuple[list[Any] | None, list[Any] | None] = (None, None),
         members: MemberTables | None = None,
         load: Callable[[ShardEntry], list[Sample]] | None = None,
+        keywords: tuple[str, ...] = (),
     ) -> None:
         """`transform`: the model file's (None: staged rows, taken as they are); `load`: how a shard is read,
-        when not where it lies (`ShardReader`)."""
+        when not where it lies (`ShardReader`); `keywords`: the model's keyword inputs, which a collated dict
+        gives by name (`flat_batch`)."""
         self.fingerprint = str(meta["fingerprint"])
         self.order = ShardOrder(
             tuple(e.samples for e in entries), seed, int(meta.get("shuffle_shards", SHUFFLE_SHARDS))
@@ -123,6 +125,7 @@ class ShardBatches:
         self.seed, self.micro_batch, self.global_batch = seed, micro_batch, global_batch
         #: the leaves of example_inputs' and example_targets' batch of a micro-batch (None: not given)
         self.examples = examples
+        self.keywords = keywords
 
     @property
     def samples(self) -> int:
@@ -171,7 +174,7 @@ class ShardBatches:
                 pending.append(self.transformed(located, self.read(located)))
                 index += 1
                 if len(pending) == size:
-                    yield flat_batch(self.collate(pending))
+                    yield flat_batch(self.collate(pending), self.keywords)
                     pending = []
 
 
@@ -201,6 +204,7 @@ def open_batches(
             load=staged_shards(channel, meta, timeout),
         )
     module = user()
+    example = module.example_inputs(micro_batch)
     return ShardBatches(
         meta,
         entries_of(meta),
@@ -211,6 +215,7 @@ def open_batches(
         global_batch=global_batch,
         examples=example_leaves(module, micro_batch),
         members=stored_member_tables(channel, name, split),
+        keywords=tuple(example) if isinstance(example, Mapping) else (),
     )
 
 
@@ -224,8 +229,14 @@ def example_leaves(module: ModuleType, micro_batch: int) -> tuple[list[Any] | No
     return leaves[0], leaves[1]
 
 
-def flat_batch(batch: Any) -> tuple[list[Any], list[Any]]:
-    """A collated `(inputs, target)`'s leaves: the first stage's inputs, and the loss's targets."""
+def flat_batch(batch: Any, keywords: tuple[str, ...] = ()) -> tuple[list[Any], list[Any]]:
+    """A collated `(inputs, target)`'s leaves: the first stage's inputs, and the loss's targets. For a model of
+    keyword inputs, a collated dict (a Hugging Face data collator's) gives them by name, and no target."""
+    if keywords and isinstance(batch, Mapping):
+        missing = [key for key in keywords if key not in batch]
+        if missing:
+            raise TypeError(f"the collated batch has no {missing[0]!r}; it has {', '.join(map(str, batch))}")
+        return [batch[key] for key in keywords], []
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(f"expected the collated batch to be (inputs, target), got a {type(batch).__name__}")
     inputs, target = batch

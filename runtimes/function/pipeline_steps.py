@@ -178,7 +178,7 @@ class PipelineSteps:
         else:
             batch = context.model_code(iteration, replica, f"collate_fn of micro-batch {m}", lambda: collate(samples))
         try:
-            inputs, targets = flat_batch(batch)
+            inputs, targets = flat_batch(batch, data.keywords)
         except TypeError as exc:
             message = f"iteration {iteration}: collate_fn of micro-batch {m} on stage {context.stage}: {exc}"
             raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name)) from None
