@@ -594,3 +594,45 @@ def test_compile_refuses_to_write_a_stage_that_cannot_run(
         stderr,
     ), stderr
     assert not out.exists()
+
+
+LOOP_OVER_A_SIZE = """
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        for i in range(y.shape[1]):  # a loop over a size: torch.export specialises it, torch.fx cannot trace it
+            y = y + x[:, i : i + 1]
+        return y
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Gate(), nn.ReLU(), nn.Linear(4, 2))
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 4),)
+
+
+def example_targets(batch_size):
+    return torch.zeros(batch_size, dtype=torch.int64)
+"""
+
+
+def test_a_tracer_forced_by_flag_that_fails_names_the_flag_that_works(model_file, compile_cli, tmp_path) -> None:
+    path = model_file(LOOP_OVER_A_SIZE)
+    code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "b"), "--tracer", "fx", "--repeats", "0")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert (
+        "cannot trace the model" in stderr and "--tracer auto (the default), which falls back to torch.export" in stderr
+    )
+    code, _, stderr = compile_cli(str(path), "-o", str(tmp_path / "auto"), "--repeats", "1", "--plan-only")
+    assert code == 0, stderr

@@ -406,6 +406,10 @@ def _trace_failure(model_path: Path, fx_exc: BaseException | None, export_exc: B
         )
     if isinstance(fx_exc, RegionNotTraceable) and export_exc is None:
         fixes = "trace with --tracer auto or --tracer export, which keep the region"
+    elif export_exc is None:  # --tracer fx: torch.export was not tried
+        fixes += "; or trace with --tracer auto (the default), which falls back to torch.export"
+    elif fx_exc is None:  # --tracer export: torch.fx was not tried
+        fixes += "; or trace with --tracer auto (the default), which tries torch.fx first"
     return TraceFailure(f"{where}: cannot trace the model{line} ({'; '.join(reasons)}). Fix: {fixes}")
 
 
