@@ -180,3 +180,21 @@ def check_step_order(
                 if step.kind in position and before is not None and before.kind in position:
                     assert position[before.kind] < position[step.kind], f"{where}: {step.id} ran before {dependency}"
     return iterations
+
+
+def compile_pipeline(source: str, model: Path, *options: str) -> tuple[Path, Workflow]:
+    """Write the model file's `source` (dedented) to `model` and compile it as 2 stages x 2 replicas beside it
+    (build/): the build and its workflow."""
+    import textwrap
+
+    import yaml
+
+    from cloudless.compiler.cli import main as compile_main
+
+    model.write_text(textwrap.dedent(source))
+    build = model.parent / "build"
+    flags = ["--stages", "2", "--replicas", "2", "--repeats", "1", "-q", *options]
+    assert compile_main([str(model), "-o", str(build), *flags]) == 0
+    workflow = Workflow.from_json(yaml.safe_load((build / "workflow.yaml").read_text()))
+    assert [f.replicas for f in workflow.regions[0].functions] == [2, 2]
+    return build, workflow

@@ -15,13 +15,15 @@ from safetensors.torch import load_file
 
 from cloudless.compiler.cli import main as compile_main
 from cloudless.compiler.frontend.model_file import load_model_file
-from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.cli import main as run_main
 from cloudless.runtimes.function.buffer_updates import BufferUpdates
 
+from .data_cases import EIGHT_FEATURES
 from .reference import plain_training
+from .runtime_cases import compile_pipeline
 
-BATCH_NORM = """
+BATCH_NORM = (
+    """
 import torch
 from torch import nn
 
@@ -36,34 +38,9 @@ def build_model():
     )
 
 
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 8),)
-
-
-def example_targets(batch_size):
-    return torch.zeros(batch_size, dtype=torch.int64)
-
-
-def loss_fn(output, target):
-    return nn.functional.cross_entropy(output, target)
-
-
-class _Data(torch.utils.data.Dataset):
-    def __init__(self, n, seed):
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 8, generator=generator) * 2 + 1
-        self.y = (self.x[:, 0] > 1).long() + (self.x[:, 1] > 1).long()
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return (self.x[i],), self.y[i]
-
-
-def load_shard(region, split):
-    return _Data(160 if split == "train" else 32, 0 if split == "train" else 1)
 """
+    + EIGHT_FEATURES
+)
 
 #: a centring average the forward reads (and a step counter): its result depends on the micro-batches' order
 MOVING_CENTRE = """
@@ -121,12 +98,7 @@ def test_the_parts_of_replicas_sum_to_the_sequence_of_updates() -> None:
 @pytest.mark.slow  # a compile and a run
 def test_batch_norm_statistics_and_counts_under_replicas_equal_the_plain_loops(tmp_path: Path) -> None:
     model = tmp_path / "bn_replicas.py"
-    model.write_text(textwrap.dedent(BATCH_NORM))
-    build = tmp_path / "build"
-    options = ["--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]
-    assert compile_main([str(model), "-o", str(build), *options]) == 0
-    workflow = Workflow.from_json(yaml.safe_load((build / "workflow.yaml").read_text()))
-    assert [f.replicas for f in workflow.regions[0].functions] == [2, 2]
+    build, workflow = compile_pipeline(BATCH_NORM, model)
     out = tmp_path / "out"
     assert run_main([str(build), "--out", str(out), "--model", str(model), "-q"]) == 0
     trained = load_file(out / "model.safetensors")

@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from cloudless.compiler.cli import main as compile_main
 from cloudless.compiler.frontend.model_file import load_model_file, make_model_optimizer
 from cloudless.ir.sample_order import SHUFFLE_SHARDS, ShardOrder, sample_seed
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.cli import main as run_main
 
 from .reference import PlainTrainer
+from .runtime_cases import compile_pipeline
 
 MODEL = """
 import torch
@@ -94,12 +93,8 @@ def _plain_loop(model_path: Path, workflow: Workflow) -> tuple[dict[str, torch.T
 @pytest.mark.slow  # a compile and a run
 def test_a_keyword_input_model_returning_its_loss_trains_as_the_plain_loop_without_a_wrapper(tmp_path: Path) -> None:
     model = tmp_path / "gpt2_keywords.py"
-    model.write_text(textwrap.dedent(MODEL))
-    build = tmp_path / "build"
-    assert compile_main([str(model), "-o", str(build), "--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]) == 0
-    workflow = Workflow.from_json(yaml.safe_load((build / "workflow.yaml").read_text()))
+    build, workflow = compile_pipeline(MODEL, model)
     assert workflow.data.inputs == ("input_ids", "attention_mask", "labels") and workflow.data.targets == 0
-    assert [f.replicas for f in workflow.regions[0].functions] == [2, 2]
     out = tmp_path / "out"
     assert run_main([str(build), "--out", str(out), "--model", str(model), "-q"]) == 0
     trained = load_file(out / "model.safetensors")
@@ -168,12 +163,9 @@ def test_parquet_rows_collated_into_a_dict_by_a_data_collator_train_as_the_plain
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / f"{split}-0.parquet", row_group_size=16)
     source = textwrap.dedent(MODEL)
     model = tmp_path / "gpt2_parquet.py"
-    model.write_text(source[: source.index("class Rows")] + textwrap.dedent(IN_PLACE).lstrip())
-    build = tmp_path / "build"
-    assert compile_main([str(model), "-o", str(build), "--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]) == 0
+    build, workflow = compile_pipeline(source[: source.index("class Rows")] + textwrap.dedent(IN_PLACE).lstrip(), model)
     storage = ["--storage", str(tmp_path / "storage")]
     assert run_main([str(build), "--out", str(tmp_path / "out"), "--model", str(model), "-q", *storage]) == 0
-    workflow = Workflow.from_json(yaml.safe_load((build / "workflow.yaml").read_text()))
     run = workflow.run
 
     spec = importlib.util.spec_from_file_location("gpt2_parquet_plain", model)

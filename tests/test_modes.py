@@ -18,7 +18,11 @@ from cloudless.codegen.stage_source import follow_modes
 from cloudless.compiler.cli import main as compile_main
 from cloudless.runtimes.cli import main as run_main
 
-MODEL = """
+from .data_cases import EIGHT_FEATURES
+from .runtime_cases import compile_pipeline
+
+MODEL = (
+    """
 import torch
 from torch import nn
 
@@ -33,34 +37,9 @@ def build_model():
     )
 
 
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 8),)
-
-
-def example_targets(batch_size):
-    return torch.zeros(batch_size, dtype=torch.int64)
-
-
-def loss_fn(output, target):
-    return nn.functional.cross_entropy(output, target)
-
-
-class _Data(torch.utils.data.Dataset):
-    def __init__(self, n, seed):
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 8, generator=generator)
-        self.y = (self.x[:, 0] > 0).long() + (self.x[:, 1] > 0).long()
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return (self.x[i],), self.y[i]
-
-
-def load_shard(region, split):
-    return _Data(160 if split == "train" else 64, 0 if split == "train" else 1)
 """
+    + EIGHT_FEATURES
+)
 
 
 def test_training_literals_read_the_modules_mode_and_explicit_ones_stay() -> None:
@@ -82,10 +61,7 @@ def test_training_literals_read_the_modules_mode_and_explicit_ones_stay() -> Non
 @pytest.mark.slow  # a compile and a run
 def test_a_runs_test_figures_are_model_evals_in_a_pipeline_with_replicas(tmp_path: Path) -> None:
     model = tmp_path / "bn_dropout.py"
-    model.write_text(textwrap.dedent(MODEL))
-    build = tmp_path / "build"
-    options = ["--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]
-    assert compile_main([str(model), "-o", str(build), *options]) == 0
+    build, _ = compile_pipeline(MODEL, model)
     stages = "\n".join(p.read_text() for p in build.glob("regions/*/functions/*/stage.py"))
     assert "training = True" not in stages and ", True, 0.1" not in stages
     out = tmp_path / "out"

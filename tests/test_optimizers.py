@@ -9,18 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from cloudless.compiler.cli import main as compile_main
 from cloudless.compiler.frontend.model_file import load_model_file
 from cloudless.ir.protocol import namespace, state_key
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.cli import main as run_main
 
+from .data_cases import EIGHT_FEATURES
 from .reference import plain_training
+from .runtime_cases import compile_pipeline
 
-MODEL = """
+MODEL = (
+    """
 import torch
 from torch import nn
 
@@ -32,38 +33,11 @@ def build_model():
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
 
 
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 8),)
-
-
-def example_targets(batch_size):
-    return torch.zeros(batch_size, dtype=torch.int64)
-
-
-def loss_fn(output, target):
-    return nn.functional.cross_entropy(output, target)
-
-
 def make_scheduler(optimizer, iterations):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-
-
-class _Data(torch.utils.data.Dataset):
-    def __init__(self, n, seed):
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 8, generator=generator)
-        self.y = (self.x[:, 0] > 0).long() + (self.x[:, 1] > 0).long()
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return (self.x[i],), self.y[i]
-
-
-def load_shard(region, split):
-    return _Data(160 if split == "train" else 32, 0 if split == "train" else 1)
 """
+    + EIGHT_FEATURES
+)
 
 ADAFACTOR = """
 from transformers.optimization import Adafactor
@@ -105,12 +79,7 @@ RUN = "whole"
 
 def _build(tmp_path: Path, name: str, optimizer: str) -> tuple[Path, Path, Workflow]:
     model = tmp_path / f"{name}.py"
-    model.write_text(textwrap.dedent(MODEL) + textwrap.dedent(optimizer))
-    build = tmp_path / "build"
-    options = ["--stages", "2", "--replicas", "2", "--repeats", "1", "-q"]
-    assert compile_main([str(model), "-o", str(build), *options]) == 0
-    workflow = Workflow.from_json(yaml.safe_load((build / "workflow.yaml").read_text()))
-    assert [f.replicas for f in workflow.regions[0].functions] == [2, 2]
+    build, workflow = compile_pipeline(textwrap.dedent(MODEL) + textwrap.dedent(optimizer), model)
     return model, build, workflow
 
 
