@@ -254,6 +254,7 @@ def lower_plan(
     inter_region: InterRegion | None = None,
     seed: int = 0,
     adapter: Literal["peft"] | None = None,
+    fixed_shapes: bool = False,
 ) -> Workflow:
     """The workflow: each region trains its plan (the regions share the partition and micro-batch
     size) for its iterations of `global_batch`; `iterations` is the whole training's."""
@@ -358,6 +359,7 @@ def lower_plan(
             loss=LOSS_MODULE,
             adapter=adapter,
             model_sha256=hashlib.sha256(model_file.path.read_bytes()).hexdigest(),
+            fixed_shapes=fixed_shapes,
         ),
         regions=tuple(regions),
         steps=tuple(steps),

@@ -329,6 +329,7 @@ def lower(
         optimizer=describe_optimizer(model_file, iterations, front.model),
         inter_region=inter_region,
         adapter=adapter_format(front.model),
+        fixed_shapes=program.tracer == "export",
     )
     in_place = data_in_place(model_file, [region.name for region in workflow.regions])
     # a function imports the model file (and the modules beside it) for its data's transform, for the user's

@@ -438,6 +438,9 @@ class DataSpec:
     adapter: Literal["peft"] | None = None
     #: the model file's sha256 when it was compiled: a run finds that file, or says it found another
     model_sha256: str | None = None
+    #: the stages run at the example inputs' shapes only (torch.export traced them: it keeps every size it saw);
+    #: else only their micro-batch is fixed, and a collate_fn may pad each batch to its own longest
+    fixed_shapes: bool = False
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -450,6 +453,8 @@ class DataSpec:
             data["adapter"] = self.adapter
         if self.model_sha256 is not None:
             data["model_sha256"] = self.model_sha256
+        if self.fixed_shapes:
+            data["fixed_shapes"] = True
         return data
 
     @classmethod
@@ -461,6 +466,7 @@ class DataSpec:
             data["loss"],
             data.get("adapter"),
             data.get("model_sha256"),
+            bool(data.get("fixed_shapes", False)),
         )
 
 

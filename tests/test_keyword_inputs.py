@@ -18,6 +18,7 @@ from cloudless.compiler.frontend.model_file import load_model_file, make_model_o
 from cloudless.ir.sample_order import SHUFFLE_SHARDS, ShardOrder, sample_seed
 from cloudless.ir.workflow import Workflow
 from cloudless.runtimes.cli import main as run_main
+from cloudless.runtimes.function.batches import batch_difference
 
 from .reference import PlainTrainer
 from .runtime_cases import compile_pipeline
@@ -146,7 +147,9 @@ def collate_fn(samples):
 
 
 @pytest.mark.slow  # a compile and a run
-def test_parquet_rows_collated_into_a_dict_by_a_data_collator_train_as_the_plain_loop(tmp_path: Path) -> None:
+def test_parquet_rows_collated_into_a_dict_by_a_data_collator_train_as_the_plain_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Data where it lies, as a Hugging Face user brings it: Parquet rows of token ids of several lengths, a
     transform giving a dict per sample, a collate_fn giving the dict a data collator does (padded to the
     sequence length the model was traced at, masked, -100 where no label)."""
@@ -193,3 +196,26 @@ def test_parquet_rows_collated_into_a_dict_by_a_data_collator_train_as_the_plain
     for name, value in net.state_dict().items():
         if name in trained:
             torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+    # padded to each batch's longest instead: the first stage says what the traced model takes, in one line
+    assert workflow.data.fixed_shapes  # torch.export traced it
+    padded = tmp_path / "padded"
+    padded.mkdir()
+    (padded / "data").symlink_to(tmp_path / "data")
+    source = model.read_text().replace("longest = LENGTH", 'longest = max(len(s["input_ids"]) for s in samples)')
+    build, _ = compile_pipeline(source, padded / "gpt2_parquet.py")
+    capsys.readouterr()
+    argv = [str(build), "--out", str(padded / "out"), "-q", "--storage", str(padded / "storage")]
+    assert run_main([*argv, "--model", str(padded / "gpt2_parquet.py")]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "collate_fn on stage 0: inputs 0 is int64 [2, " in line, line
+    assert "but torch.export traced the model at example_inputs's [2, 12]" in line, line
+
+
+def test_a_collated_batch_of_other_sizes_than_a_fixed_shape_trace_is_named() -> None:
+    example = [torch.zeros(2, 12, dtype=torch.int64)]
+    padded = [torch.zeros(2, 9, dtype=torch.int64)]
+    assert batch_difference("inputs", padded, example, 2) is None  # fx: any width
+    found = batch_difference("inputs", padded, example, 2, fixed_shapes=True)
+    assert found is not None and found.startswith("inputs 0 is int64 [2, 9], but torch.export traced the model at")
+    assert batch_difference("inputs", example, example, 2, fixed_shapes=True) is None

@@ -243,10 +243,13 @@ def flat_batch(batch: Any, keywords: tuple[str, ...] = ()) -> tuple[list[Any], l
     return pytree.tree_leaves(tuple(inputs) if isinstance(inputs, list) else inputs), pytree.tree_leaves(target)
 
 
-def batch_difference(what: str, leaves: list[Any], example: list[Any], micro_batch: int) -> str | None:
+def batch_difference(
+    what: str, leaves: list[Any], example: list[Any], micro_batch: int, fixed_shapes: bool = False
+) -> str | None:
     """How a collated micro-batch's `what` (inputs, targets) differ from the example batch's leaves, or None:
     as many tensors, each of the example's dtype and number of dimensions, `micro_batch` long in the first;
-    the other sizes may differ (a collate_fn pads each batch to its longest sample)."""
+    the other sizes may differ (a collate_fn pads each batch to its longest sample) unless the stages run at
+    the example's shapes only (`fixed_shapes`: torch.export traced them)."""
     if len(leaves) != len(example):
         return f"{len(leaves)} {what} tensors, but example_{what}(batch_size) gives {len(example)}"
     for index, (leaf, expected) in enumerate(zip(leaves, example, strict=True)):
@@ -260,4 +263,10 @@ def batch_difference(what: str, leaves: list[Any], example: list[Any], micro_bat
             return f"{what} {index} is {found}, but example_{what}'s is {wanted} ({list(expected.shape)})"
         if leaf.dim() and leaf.shape[0] != micro_batch:
             return f"{what} {index} is {found}: {leaf.shape[0]} samples, where the micro-batch is {micro_batch}"
+        if fixed_shapes and what == "inputs" and leaf.shape != expected.shape:
+            return (
+                f"{what} {index} is {found}, but torch.export traced the model at example_{what}'s "
+                f"{list(expected.shape)} and its stages run at those sizes only: pad every batch to them in "
+                "collate_fn, or compile with --tracer fx if the model traces so"
+            )
     return None

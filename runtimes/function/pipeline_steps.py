@@ -190,7 +190,11 @@ class PipelineSteps:
             raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name))
         examples = data.examples
         for what, leaves, example in (("inputs", inputs, examples[0]), ("targets", targets, examples[1])):
-            difference = None if example is None else batch_difference(what, leaves, example, self.run.micro_batch)
+            difference = (
+                None
+                if example is None
+                else batch_difference(what, leaves, example, self.run.micro_batch, context.workflow.data.fixed_shapes)
+            )
             if difference is not None:
                 message = f"iteration {iteration}: micro-batch {m}'s collate_fn on stage {context.stage}: {difference}"
                 raise ModelFailed(AbortRecord("failed", message, iteration, context.stage, context.function.name))
