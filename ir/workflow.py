@@ -9,6 +9,7 @@ its workflow through it. The file forms (YAML, the JSON Schema and the DAG check
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -362,6 +363,14 @@ class OptimizerSpec:
         groups = tuple(ParameterGroup.from_json(g) for g in data.get("groups", ()))
         rates = _rates(data.get("learning_rates"))
         return cls(data["class"], dict(data["options"]), rates, groups, data.get("module"))
+
+    def optimizer_class(self) -> Any:
+        """The class, imported: torch.optim's, or `module`'s (the model file, when it is the module, must be
+        imported before: its name is registered then). ImportError or AttributeError when it is not there."""
+        value: Any = importlib.import_module(self.module or "torch.optim")
+        for part in self.class_name.split("."):
+            value = getattr(value, part)
+        return value
 
     def learning_rate(self, iteration: int, iterations: int, group: int = 0) -> float | None:
         """The rate of parameter group `group` at `iteration` of a region that trains `iterations` in this

@@ -11,7 +11,6 @@ function packages.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -242,18 +241,14 @@ def optimizer_problem(workflow: Workflow) -> WorkflowProblem | None:
 
     spec = workflow.optimizer
     where = f"{spec.module or 'torch.optim'}.{spec.class_name}"
-    optimizer: Any = getattr(torch.optim, spec.class_name, None)
-    if spec.module is not None:
-        # the model file's own module, or one only the functions' packages hold, is not importable here:
-        # the functions import it (what a class outside torch.optim takes is the compiler's probe's)
-        try:
-            optimizer = importlib.import_module(spec.module)
-            for part in spec.class_name.split("."):
-                optimizer = getattr(optimizer, part, None)
-        except ImportError:
-            optimizer = None
-        if optimizer is None:
+    try:
+        optimizer: Any = spec.optimizer_class()
+    except (ImportError, AttributeError):
+        if spec.module is not None:
+            # the model file's own module, or one only the functions' packages hold, is not importable here:
+            # the functions import it (what a class outside torch.optim takes is the compiler's probe's)
             return _rates_and_groups_problem(workflow, None, where)
+        optimizer = None
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         what = "a torch.optim optimizer" if spec.module is None else "a torch.optim.Optimizer subclass"
         return WorkflowProblem("optimizer/class", f"{spec.class_name!r} is not {what}", note_compiled=True)

@@ -113,24 +113,13 @@ def load_module(path: Path, name: str) -> ModuleType:
 DUPLICATE_GRACE_S = 60.0
 
 
-def optimizer_class(spec: OptimizerSpec) -> type[torch.optim.Optimizer]:
-    """torch.optim's class, or the one `spec.module` holds (the model file, when it is the module, is imported
-    before: `user_module`)."""
-    if spec.module is None:
-        return getattr(torch.optim, spec.class_name)
-    value: Any = importlib.import_module(spec.module)
-    for part in spec.class_name.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def make_optimizer(
     spec: OptimizerSpec, trained: dict[str, torch.nn.Parameter]
 ) -> tuple[torch.optim.Optimizer | None, tuple[int, ...]]:
     """The workflow's optimizer over the parameters this stage trains, in make_optimizer's parameter
     groups (those holding any of them), and each torch group's index among the workflow's groups.
     None for a stage of frozen parameters only (a frozen backbone's): it has nothing to step."""
-    cls = optimizer_class(spec)
+    cls = spec.optimizer_class()  # a module outside torch.optim: the model file imported first (StageWorker)
     if not spec.groups:
         return (cls(list(trained.values()), **spec.options), (0,)) if trained else (None, ())
     groups, indices = [], []
